@@ -39,7 +39,34 @@ def _compiler() -> str:
     return shutil.which("cc") or shutil.which("gcc") or shutil.which("clang") or "cc"
 
 
-def cdef_source(include_dir: Path, cuda: bool) -> str:
+def exported_symbols(lib_dir: Path) -> set[str]:
+    """Dynamic symbols defined by the built libraries."""
+    names: set[str] = set()
+    for so in lib_dir.glob("libggml*.so"):
+        out = subprocess.run(["nm", "-D", "--defined-only", str(so)], check=True,
+                             capture_output=True, text=True).stdout
+        names.update(line.split()[-1] for line in out.splitlines() if line.strip())
+    return names
+
+
+def _drop_unexported(text: str, exported: set[str]) -> str:
+    """Headers declare a few functions no built library defines (other backends, unbuilt
+    features); API mode would fail at import on them, so they are left out."""
+    from pycparser import c_ast, c_generator, c_parser
+
+    # pycparser needs the builtin typedefs cffi knows; they are parsed, then left out again.
+    builtin = ["int8_t", "int16_t", "int32_t", "int64_t", "uint8_t", "uint16_t", "uint32_t",
+               "uint64_t", "size_t", "bool", "FILE", "intptr_t", "uintptr_t"]
+    prelude = "".join(f"typedef int {t};\n" for t in builtin)
+    ast = c_parser.CParser().parse(prelude + text)
+    keep = [n for n in ast.ext[len(builtin):]
+            if not (isinstance(n, c_ast.Decl) and isinstance(n.type, c_ast.FuncDecl)
+                    and n.name not in exported)]
+    ast.ext = keep
+    return c_generator.CGenerator().visit(ast)
+
+
+def cdef_source(include_dir: Path, cuda: bool, exported: set[str] | None = None) -> str:
     headers = HEADERS + (["ggml-cuda.h"] if cuda else [])
     with tempfile.TemporaryDirectory() as tmp:
         stub = Path(tmp) / "stub"
@@ -54,9 +81,12 @@ def cdef_source(include_dir: Path, cuda: bool) -> str:
         out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     out = out.replace("va_list", "void *")  # only in log-callback typedefs we never call
     out = re.sub(r"\bextern\s+", "", out)
-    # Array lengths computed with sizeof: let the C compiler fill them in (API mode).
+    # Array lengths computed with sizeof: the C compiler fills them in (API mode), below.
+    out = _drop_repeated_typedefs(out)
+    if exported is not None:
+        out = _drop_unexported(out, exported)
     out = re.sub(r"\[[^\]]*sizeof[^\]]*\]", "[...]", out)
-    return _EXTRA_CDEF + _drop_repeated_typedefs(out)
+    return _EXTRA_CDEF + out
 
 
 def _drop_repeated_typedefs(text: str) -> str:
@@ -76,7 +106,7 @@ def make_builder(include_dir: Path, lib_dir: Path, cuda: bool):
     import cffi
 
     ffibuilder = cffi.FFI()
-    ffibuilder.cdef(cdef_source(include_dir, cuda))
+    ffibuilder.cdef(cdef_source(include_dir, cuda, exported_symbols(lib_dir)))
     libs = ["ggml", "ggml-base", "ggml-cpu"] + (["ggml-cuda"] if cuda else [])
     includes = "".join(f'#include "{h}"\n' for h in HEADERS + (["ggml-cuda.h"] if cuda else []))
     ffibuilder.set_source(
