@@ -1,0 +1,344 @@
+"""A thin layer over the cffi bindings of the pinned ggml.
+
+Model code calls ggml functions by their ggml names on ``lib`` (``lib.ggml_mul_mat(...)``);
+this module only adds what Python needs around them: contexts that free themselves, numpy
+round trips (ggml's ``ne`` order is the reverse of numpy's shape), backend choice, and graph
+compute through ``ggml_backend_sched`` with a check for ops a GPU backend hands to the CPU.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import numpy as np
+
+try:
+    from pytrain._native._ggml import ffi, lib  # type: ignore[import-not-found]
+except ImportError as e:  # pragma: no cover - depends on the build
+    raise ImportError(
+        f"pytrain's native ggml library is missing or stale ({e}); build it with "
+        f"`make build` or `python native/build.py` from the source tree") from e
+
+NATIVE_DIR = Path(__file__).resolve().parent / "_native"
+
+# numpy dtypes of the types we move as raw memory.  BF16 has no numpy dtype: it travels as
+# float32 and is converted by ggml's own row converters.
+_RAW_DTYPES = {
+    lib.GGML_TYPE_F32: np.float32,
+    lib.GGML_TYPE_F16: np.float16,
+    lib.GGML_TYPE_I32: np.int32,
+    lib.GGML_TYPE_I8: np.int8,
+    lib.GGML_TYPE_I16: np.int16,
+    lib.GGML_TYPE_I64: np.int64,
+    lib.GGML_TYPE_F64: np.float64,
+}
+
+TYPES = {ffi.string(lib.ggml_type_name(t)).decode(): t
+         for t in range(lib.GGML_TYPE_COUNT) if lib.ggml_blck_size(t) > 0
+         and ffi.string(lib.ggml_type_name(t)).decode() != "NONE"}
+
+
+def type_name(t: int) -> str:
+    return ffi.string(lib.ggml_type_name(t)).decode()
+
+
+def op_name(t) -> str:
+    return ffi.string(lib.ggml_op_desc(t)).decode()
+
+
+def build_info() -> dict:
+    """What native/build.py recorded: ggml version, pinned archive, backends."""
+    return json.loads((NATIVE_DIR / "build_info.json").read_text())
+
+
+class Context:
+    """A ggml context for tensor metadata; with ``no_alloc`` the data lives in backend buffers."""
+
+    def __init__(self, n_tensors: int = 0, graph_size: int = 0, grads: bool = False,
+                 mem_size: int | None = None, no_alloc: bool = True):
+        if mem_size is None:
+            mem_size = n_tensors * lib.ggml_tensor_overhead()
+            if graph_size:
+                mem_size += lib.ggml_graph_overhead_custom(graph_size, grads)
+            mem_size += 1024
+        params = ffi.new("struct ggml_init_params *")
+        params.mem_size = mem_size
+        params.mem_buffer = ffi.NULL
+        params.no_alloc = no_alloc
+        self.ptr = lib.ggml_init(params[0])
+        if self.ptr == ffi.NULL:
+            raise MemoryError(f"ggml_init failed for a {mem_size}-byte context")
+
+    def close(self) -> None:
+        if self.ptr is not None and self.ptr != ffi.NULL:
+            lib.ggml_free(self.ptr)
+        self.ptr = None
+
+    def __enter__(self) -> "Context":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+# --------------------------------------------------------------------------- tensors
+
+def shape(t) -> tuple[int, ...]:
+    """The numpy shape of a tensor: ggml's ne reversed, trailing unit dims dropped."""
+    n = lib.ggml_n_dims(t)
+    return tuple(int(t.ne[i]) for i in reversed(range(n)))
+
+
+def set_name(t, name: str):
+    lib.ggml_set_name(t, name.encode()[:63])
+    return t
+
+
+def name(t) -> str:
+    return ffi.string(t.name).decode()
+
+
+def to_numpy(t) -> np.ndarray:
+    """Copy a contiguous tensor from its backend buffer; quantized, F16 and BF16 types are
+    returned as float32 through ggml's own dequantization (F16 stays float16)."""
+    if not lib.ggml_is_contiguous(t):
+        raise ValueError(f"tensor {name(t)!r} is not contiguous")
+    nbytes = lib.ggml_nbytes(t)
+    raw = np.empty(nbytes, dtype=np.uint8)
+    lib.ggml_backend_tensor_get(t, ffi.from_buffer(raw), 0, nbytes)
+    dt = _RAW_DTYPES.get(t.type)
+    if dt is not None:
+        return raw.view(dt).reshape(shape(t))
+    n = lib.ggml_nelements(t)
+    out = np.empty(n, dtype=np.float32)
+    traits = lib.ggml_get_type_traits(t.type)
+    if traits.to_float == ffi.NULL:
+        raise TypeError(f"ggml has no dequantization for type {type_name(t.type)}")
+    traits.to_float(ffi.cast("void *", ffi.from_buffer(raw)),
+                    ffi.cast("float *", ffi.from_buffer(out)), n)
+    return out.reshape(shape(t))
+
+
+def from_numpy(t, arr: np.ndarray) -> None:
+    """Copy ``arr`` into a tensor's backend buffer, converting or quantizing to its type."""
+    arr = np.asarray(arr)
+    want = shape(t)
+    if arr.size != lib.ggml_nelements(t):
+        raise ValueError(f"tensor {name(t)!r} has shape {want}, got array of shape {arr.shape}")
+    raw = to_bytes(arr, t.type, row_len=int(t.ne[0]))
+    if raw.nbytes != lib.ggml_nbytes(t):
+        raise ValueError(f"tensor {name(t)!r}: {raw.nbytes} bytes for {lib.ggml_nbytes(t)}")
+    lib.ggml_backend_tensor_set(t, ffi.from_buffer(raw), 0, raw.nbytes)
+
+
+def to_bytes(arr: np.ndarray, ggml_type: int, row_len: int) -> np.ndarray:
+    """Encode an array as the bytes of ``ggml_type`` (rows of ``row_len`` for block types)."""
+    dt = _RAW_DTYPES.get(ggml_type)
+    if dt is not None:
+        return np.ascontiguousarray(arr, dtype=dt).reshape(-1).view(np.uint8)
+    src = np.ascontiguousarray(arr, dtype=np.float32).reshape(-1)
+    n = src.size
+    if ggml_type == lib.GGML_TYPE_BF16:
+        out = np.empty(n, dtype=np.uint16)
+        lib.ggml_fp32_to_bf16_row(ffi.cast("float *", ffi.from_buffer(src)),
+                                  ffi.cast("ggml_bf16_t *", ffi.from_buffer(out)), n)
+        return out.view(np.uint8)
+    if n % row_len:
+        raise ValueError(f"{n} values do not make whole rows of {row_len}")
+    nrows = n // row_len
+    out = np.empty(lib.ggml_row_size(ggml_type, row_len) * nrows, dtype=np.uint8)
+    lib.ggml_quantize_chunk(ggml_type, ffi.cast("float *", ffi.from_buffer(src)),
+                            ffi.cast("void *", ffi.from_buffer(out)), 0, nrows, row_len,
+                            ffi.NULL)
+    return out
+
+
+# --------------------------------------------------------------------------- backends
+
+@dataclass
+class Device:
+    name: str
+    description: str
+    kind: str  # "cpu", "gpu", "igpu", "accel"
+    memory_free: int
+    memory_total: int
+
+
+_DEV_KIND = {lib.GGML_BACKEND_DEVICE_TYPE_CPU: "cpu", lib.GGML_BACKEND_DEVICE_TYPE_GPU: "gpu",
+             lib.GGML_BACKEND_DEVICE_TYPE_IGPU: "igpu", lib.GGML_BACKEND_DEVICE_TYPE_ACCEL: "accel"}
+
+
+def devices() -> list[Device]:
+    out = []
+    for i in range(lib.ggml_backend_dev_count()):
+        d = lib.ggml_backend_dev_get(i)
+        free = ffi.new("size_t *")
+        total = ffi.new("size_t *")
+        lib.ggml_backend_dev_memory(d, free, total)
+        out.append(Device(ffi.string(lib.ggml_backend_dev_name(d)).decode(),
+                          ffi.string(lib.ggml_backend_dev_description(d)).decode(),
+                          _DEV_KIND.get(lib.ggml_backend_dev_type(d), "other"),
+                          int(free[0]), int(total[0])))
+    return out
+
+
+def cpu_features() -> list[str]:
+    names = ["sse3", "ssse3", "avx", "avx_vnni", "avx2", "bmi2", "f16c", "fma", "avx512",
+             "avx512_vbmi", "avx512_vnni", "avx512_bf16", "amx_int8", "neon", "arm_fma",
+             "fp16_va", "dotprod", "matmul_int8", "sve", "sme", "riscv_v", "vsx", "llamafile"]
+    return [n for n in names if getattr(lib, f"ggml_cpu_has_{n}", lambda: 0)()]
+
+
+def default_threads() -> int:
+    return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+               else (os.cpu_count() or 1))
+
+
+class CPUFallbackError(RuntimeError):
+    """A GPU run would execute some ops on the CPU, copying their inputs every step."""
+
+
+class Runtime:
+    """Backends plus a scheduler: the primary backend (GPU when chosen) first, CPU last.
+
+    ``device``: ``cpu``, ``cuda`` (fails if there is none) or ``auto`` (GPU when present).
+    """
+
+    def __init__(self, device: str = "auto", threads: int | None = None,
+                 graph_size: int = 8192, allow_cpu_fallback: bool = False):
+        if device not in ("cpu", "cuda", "auto"):
+            raise ValueError(f"device must be 'cpu', 'cuda' or 'auto', got {device!r}")
+        self.threads = threads or default_threads()
+        self.allow_cpu_fallback = allow_cpu_fallback
+        gpu = None
+        if device in ("cuda", "auto"):
+            dev = lib.ggml_backend_dev_by_type(lib.GGML_BACKEND_DEVICE_TYPE_GPU)
+            if dev != ffi.NULL:
+                gpu = lib.ggml_backend_dev_init(dev, ffi.NULL)
+            elif device == "cuda":
+                raise RuntimeError("device 'cuda' requested but ggml reports no GPU device "
+                                   "(build with PYTRAIN_CUDA=1 on a machine with CUDA)")
+        self.cpu = lib.ggml_backend_init_by_type(lib.GGML_BACKEND_DEVICE_TYPE_CPU, ffi.NULL)
+        lib.ggml_backend_cpu_set_n_threads(self.cpu, self.threads)
+        self.gpu = gpu
+        self.backends = [b for b in (gpu, self.cpu) if b is not None]
+        self.primary = self.backends[0]
+        self.device = "cuda" if gpu is not None else "cpu"
+        self._backend_arr = ffi.new("ggml_backend_t[]", self.backends)
+        self.graph_size = graph_size
+        self.sched = lib.ggml_backend_sched_new(self._backend_arr, ffi.NULL, len(self.backends),
+                                                graph_size, False, True)
+        self._buffers: list = []
+
+    def close(self) -> None:
+        if getattr(self, "sched", None) is not None:
+            lib.ggml_backend_sched_free(self.sched)
+            self.sched = None
+        for b in self._buffers:
+            lib.ggml_backend_buffer_free(b)
+        self._buffers = []
+        for b in getattr(self, "backends", []):
+            lib.ggml_backend_free(b)
+        self.backends = []
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    # -- persistent tensors (weights, adapters, optimizer state)
+    def alloc(self, ctx: Context, on_cpu: bool = False):
+        """Allocate every tensor of ``ctx`` in one buffer of the primary (or CPU) backend."""
+        backend = self.cpu if on_cpu else self.primary
+        buf = lib.ggml_backend_alloc_ctx_tensors(ctx.ptr, backend)
+        if buf == ffi.NULL:
+            raise MemoryError("could not allocate the backend buffer for a context")
+        self._buffers.append(buf)
+        return buf
+
+    def free(self, buf) -> None:
+        self._buffers.remove(buf)
+        lib.ggml_backend_buffer_free(buf)
+
+    # -- graphs
+    def alloc_graph(self, graph) -> None:
+        """Assign backends and allocate the graph's intermediate tensors; inputs can be set
+        afterwards.  Refuses CPU fallbacks on a GPU backend unless allowed."""
+        lib.ggml_backend_sched_reset(self.sched)
+        if not lib.ggml_backend_sched_alloc_graph(self.sched, graph):
+            raise MemoryError("ggml_backend_sched_alloc_graph failed")
+        if self.gpu is not None and not self.allow_cpu_fallback:
+            fb = self.cpu_fallbacks(graph)
+            if fb:
+                raise CPUFallbackError(
+                    f"{len(fb)} ops would run on the CPU instead of {self.device}: "
+                    + ", ".join(sorted(set(fb))[:12]))
+
+    def cpu_fallbacks(self, graph) -> list[str]:
+        """Ops of an allocated graph that the scheduler placed on the CPU backend."""
+        if self.gpu is None:
+            return []
+        out = []
+        for i in range(lib.ggml_graph_n_nodes(graph)):
+            node = lib.ggml_graph_node(graph, i)
+            if node.op in (lib.GGML_OP_NONE, lib.GGML_OP_VIEW, lib.GGML_OP_RESHAPE,
+                           lib.GGML_OP_PERMUTE, lib.GGML_OP_TRANSPOSE):
+                continue
+            if lib.ggml_backend_sched_get_tensor_backend(self.sched, node) == self.cpu:
+                out.append(op_name(node))
+        return out
+
+    def compute(self, graph) -> None:
+        status = lib.ggml_backend_sched_graph_compute(self.sched, graph)
+        if status != lib.GGML_STATUS_SUCCESS:
+            raise RuntimeError(f"graph compute failed with ggml status {status}")
+
+
+def new_graph(ctx: Context, size: int = 8192, grads: bool = False):
+    return lib.ggml_new_graph_custom(ctx.ptr, size, grads)
+
+
+def build_forward(graph, tensors: Iterable) -> None:
+    for t in tensors:
+        lib.ggml_build_forward_expand(graph, t)
+
+
+def graph_ops(graph) -> list[str]:
+    return [op_name(lib.ggml_graph_node(graph, i)) for i in range(lib.ggml_graph_n_nodes(graph))]
+
+
+def grad_of(graph, t):
+    """The gradient tensor of ``t`` in a backward graph, or None."""
+    g = lib.ggml_graph_get_grad(graph, t)
+    return None if g == ffi.NULL else g
+
+
+def tensor_array(tensors: Sequence):
+    return ffi.new("struct ggml_tensor *[]", list(tensors))
+
+
+def build_backward(ctx: Context, forward, loss):
+    """A graph computing ``forward`` then the gradients of the scalar ``loss`` with respect to
+    every tensor marked with ``ggml_set_param``.  Call ``seed_backward`` after allocating it."""
+    lib.ggml_set_loss(loss)
+    lib.ggml_set_output(loss)
+    backward = lib.ggml_graph_dup(ctx.ptr, forward, True)
+    lib.ggml_build_backward_expand(ctx.ptr, backward, ffi.NULL)
+    acc = lib.ggml_graph_get_grad_acc(backward, loss)
+    lib.ggml_set_input(acc)  # the seed d(loss)/d(loss) = 1 is written before each compute
+    return backward
+
+
+def seed_backward(backward) -> None:
+    """Set d(loss)/d(loss) = 1 and zero gradient accumulators (ggml_graph_reset)."""
+    lib.ggml_graph_reset(backward)
