@@ -15,7 +15,7 @@ import pytest
 from pytrain import ggml
 from pytrain.ggml import ffi, lib
 
-V, D, T, H, HD, NROT = 11, 8, 5, 2, 4, 2
+V, D, T, H, HD, NROT = 11, 16, 5, 2, 8, 4
 EPS, BASE = 1e-6, 10000.0
 
 
