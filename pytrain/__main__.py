@@ -1,0 +1,3 @@
+from pytrain.cli import main
+
+raise SystemExit(main())

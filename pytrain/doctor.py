@@ -1,0 +1,38 @@
+"""`pytrain doctor`: what this install runs on, for bug reports and for checking a GPU build."""
+from __future__ import annotations
+
+import platform
+import sys
+
+import numpy as np
+
+
+def report() -> str:
+    from pytrain import __version__, ggml
+
+    info = ggml.build_info()
+    lines = [
+        f"pytrain {__version__}  (Python {platform.python_version()}, numpy {np.__version__}, "
+        f"{platform.machine()})",
+        f"ggml {info['ggml_version']} from {info['archive_project']} ({info['archive']})",
+        f"  sha256 {info['archive_sha256']}",
+        f"  source {info['source']}",
+        f"  backends built: cpu{' + cuda' if info['cuda'] else ''}",
+        "devices:",
+    ]
+    for d in ggml.devices():
+        mem = (f"{d.memory_free / 2**30:.1f} GiB free of {d.memory_total / 2**30:.1f} GiB"
+               if d.memory_total else "memory unknown")
+        lines.append(f"  {d.name:<8} {d.kind:<5} {d.description}  ({mem})")
+    lines.append(f"cpu features: {' '.join(ggml.cpu_features()) or 'none detected'}")
+    lines.append(f"threads (default): {ggml.default_threads()}")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    try:
+        print(report())
+    except ImportError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
