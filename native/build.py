@@ -27,8 +27,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PKG_NATIVE = ROOT / "pytrain" / "_native"
-LIB_DIR = PKG_NATIVE / "lib"
-STAMP = PKG_NATIVE / "build_info.json"
 
 ARCHIVE_PROJECT = "llama-cpp-python"
 ARCHIVE_VERSION = "0.3.36"
@@ -199,36 +197,40 @@ def _run(cmd: list[str], what: str) -> None:
                          f"Remove {cache_dir() / 'build'} and retry if the tree is stale")
 
 
-def install_libs(prefix: Path) -> list[str]:
+def install_libs(prefix: Path, out_dir: Path) -> list[str]:
     """Copy the shared libraries into the package (swapped in as a whole directory)."""
-    tmp = Path(tempfile.mkdtemp(dir=PKG_NATIVE, prefix=".lib-"))
+    lib_dir = out_dir / "lib"
+    tmp = Path(tempfile.mkdtemp(dir=out_dir, prefix=".lib-"))
     names = []
     tmp.chmod(0o755)
     for so in sorted((prefix / "lib").glob("libggml*.so*")):
         shutil.copy2(so, tmp / so.name, follow_symlinks=False)  # keep soname links as links
         names.append(so.name)
-    if LIB_DIR.exists():
-        shutil.rmtree(LIB_DIR)
-    os.replace(tmp, LIB_DIR)
+    if lib_dir.exists():
+        shutil.rmtree(lib_dir)
+    os.replace(tmp, lib_dir)
     return names
 
 
-def build(cuda: bool = False, jobs: int | None = None, force: bool = False) -> dict:
+def build(cuda: bool = False, jobs: int | None = None, force: bool = False,
+          out_dir: Path = PKG_NATIVE) -> dict:
     jobs = jobs or max(1, os.cpu_count() or 1)
-    if STAMP.exists() and not force:
-        info = json.loads(STAMP.read_text())
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stamp = out_dir / "build_info.json"
+    if stamp.exists() and not force:
+        info = json.loads(stamp.read_text())
         if info.get("cuda") == cuda and info.get("archive_sha256") == ARCHIVE_SHA256:
             log(f"ggml already built ({'cuda' if cuda else 'cpu'}); --force rebuilds")
             return info
-    STAMP.unlink(missing_ok=True)
+    stamp.unlink(missing_ok=True)  # from here on, an interrupted build is visibly incomplete
     check_tools(cuda)
     extract_source()
     prefix = cmake_build(cuda, jobs)
-    libs = install_libs(prefix)
+    libs = install_libs(prefix, out_dir)
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import ffi  # noqa: E402  (native/ffi.py, next to this file)
-    module = ffi.compile_module(include_dir=prefix / "include", lib_dir=LIB_DIR,
-                                out_dir=PKG_NATIVE, cuda=cuda)
+    module = ffi.compile_module(include_dir=prefix / "include", lib_dir=out_dir / "lib",
+                                out_dir=out_dir, cuda=cuda)
     version = _ggml_version()
     info = {
         "ggml_version": version,
@@ -240,10 +242,10 @@ def build(cuda: bool = False, jobs: int | None = None, force: bool = False) -> d
         "libs": libs,
         "module": module,
     }
-    tmp = STAMP.with_suffix(".tmp")
+    tmp = stamp.with_suffix(".tmp")
     tmp.write_text(json.dumps(info, indent=2) + "\n")
-    os.replace(tmp, STAMP)
-    log(f"done: ggml {version} ({'cpu+cuda' if cuda else 'cpu'}) in {PKG_NATIVE}")
+    os.replace(tmp, stamp)
+    log(f"done: ggml {version} ({'cpu+cuda' if cuda else 'cpu'}) in {out_dir}")
     return info
 
 
@@ -264,6 +266,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="also build the CUDA backend (or set PYTRAIN_CUDA=1)")
     ap.add_argument("--jobs", type=int, default=None, help="parallel build jobs")
     ap.add_argument("--force", action="store_true", help="rebuild even if already built")
+    ap.add_argument("--out", type=Path, default=PKG_NATIVE,
+                    help="where the libraries and the cffi module go (default: the package)")
     ap.add_argument("--source-only", action="store_true",
                     help="only fetch, verify and extract the pinned source; print its path")
     a = ap.parse_args(argv)
@@ -271,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
         if a.source_only:
             print(extract_source())
             return 0
-        build(cuda=a.cuda, jobs=a.jobs, force=a.force)
+        build(cuda=a.cuda, jobs=a.jobs, force=a.force, out_dir=a.out)
     except BuildError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

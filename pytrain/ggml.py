@@ -15,14 +15,17 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
+NATIVE_DIR = Path(__file__).resolve().parent / "_native"
+
+if not (NATIVE_DIR / "build_info.json").exists():
+    raise ImportError(f"pytrain's native ggml build in {NATIVE_DIR} is missing or incomplete; "
+                      f"build it with `make build` or `python native/build.py`")
 try:
     from pytrain._native._ggml import ffi, lib  # type: ignore[import-not-found]
 except ImportError as e:  # pragma: no cover - depends on the build
     raise ImportError(
         f"pytrain's native ggml library is missing or stale ({e}); build it with "
         f"`make build` or `python native/build.py` from the source tree") from e
-
-NATIVE_DIR = Path(__file__).resolve().parent / "_native"
 
 # numpy dtypes of the types we move as raw memory.  BF16 has no numpy dtype: it travels as
 # float32 and is converted by ggml's own row converters.

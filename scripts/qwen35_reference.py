@@ -1,0 +1,503 @@
+"""Shared pieces for the Qwen3.5 reference-fixture scripts (not part of the pytrain package).
+
+Why: pytrain's Qwen3.5 graph must match HF transformers and llama.cpp's GGUF format.  The fixture
+scripts (`scripts/make_qwen35_fixtures.py`, `scripts/make_default_model.py`) build small random or
+briefly trained HF `Qwen3_5ForCausalLM` models, convert them with the pinned llama.cpp converter and
+record golden outputs.  This module holds what they share: a trained byte-level BPE tokenizer in
+Qwen's format, a deterministic synthetic English corpus, the chat template, model construction and
+weight randomisation, the converter call (with `tokenizer.ggml.pre` forced to `qwen35`), a GGUF
+dump, and an independent check that every GGUF tensor is the HF tensor under the documented
+converter transforms.
+
+How: it needs the reference stack of `scripts/requirements-reference.txt`, kept outside the repo:
+
+    python3 -m venv /opt/refenv
+    /opt/refenv/bin/pip install -r scripts/requirements-reference.txt
+
+and is imported by the scripts above, run from the repo root with that interpreter, e.g.
+`/opt/refenv/bin/python scripts/make_qwen35_fixtures.py`.  The pinned llama.cpp source is found (and
+fetched once, verified by sha256) through `native/build.py`; its own `gguf-py` is put first on
+sys.path so the converter and the checks use the pinned gguf package.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("RAYON_NUM_THREADS", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+# --------------------------------------------------------------------------------------------
+# pinned llama.cpp source
+# --------------------------------------------------------------------------------------------
+
+def _native_build():
+    spec = importlib.util.spec_from_file_location("_pytrain_native_build", REPO / "native" / "build.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def llama_cpp_dir() -> Path:
+    """vendor/llama.cpp of the pinned llama-cpp-python archive (fetched and verified once)."""
+    nb = _native_build()
+    nb.extract_source()
+    return nb.llama_cpp_dir()
+
+
+def use_pinned_gguf() -> Path:
+    """Put the archive's gguf-py first on sys.path (before any installed gguf) and return its dir."""
+    p = llama_cpp_dir() / "gguf-py"
+    if str(p) not in sys.path:
+        sys.path.insert(0, str(p))
+    if "gguf" in sys.modules and not str(Path(sys.modules["gguf"].__file__)).startswith(str(p)):
+        raise RuntimeError("a different gguf package is already imported")
+    return p
+
+
+def chat_template_text() -> str:
+    return (llama_cpp_dir() / "models" / "templates" / "Qwen3.5-4B.jinja").read_text(encoding="utf-8")
+
+
+# --------------------------------------------------------------------------------------------
+# tokenizer
+# --------------------------------------------------------------------------------------------
+
+# llama.cpp src/llama-vocab.cpp, LLAMA_VOCAB_PRE_TYPE_QWEN35 (the tokenizer.json regex with the
+# case-insensitive group spelled out).
+QWEN35_PRE_REGEX = (
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+"
+    r"|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+# Qwen3.5's added tokens, in Qwen's order (ids follow the regular BPE vocabulary, as in the real
+# model where <|endoftext|> is 248044 and <|vision_start|>/<|image_pad|> are +9/+12).  The flag is
+# `special` as in Qwen's tokenizer.json: the <tag> ones are plain added tokens there.
+QWEN35_ADDED_TOKENS: list[tuple[str, bool]] = [
+    ("<|endoftext|>", True), ("<|im_start|>", True), ("<|im_end|>", True),
+    ("<|object_ref_start|>", True), ("<|object_ref_end|>", True),
+    ("<|box_start|>", True), ("<|box_end|>", True),
+    ("<|quad_start|>", True), ("<|quad_end|>", True),
+    ("<|vision_start|>", True), ("<|vision_end|>", True), ("<|vision_pad|>", True),
+    ("<|image_pad|>", True), ("<|video_pad|>", True),
+    ("<tool_call>", False), ("</tool_call>", False),
+    ("<|fim_prefix|>", False), ("<|fim_middle|>", False), ("<|fim_suffix|>", False),
+    ("<|fim_pad|>", False), ("<|repo_name|>", False), ("<|file_sep|>", False),
+    ("<tool_response>", False), ("</tool_response>", False),
+    ("<think>", False), ("</think>", False),
+]
+EOS_TOKEN = "<|im_end|>"
+PAD_TOKEN = "<|endoftext|>"
+
+
+def train_tokenizer(corpus: list[str], vocab_size: int, n_pad: int = 6):
+    """Byte-level BPE in Qwen2/3.5 style: Split(qwen35 regex) + ByteLevel, no normalizer.
+
+    The model's vocab_size is `vocab_size`; the BPE part gets vocab_size - n_pad - len(added)
+    entries (256 bytes + merges), then Qwen's added tokens, and the last `n_pad` ids stay unused
+    (the converter writes them as [PAD<i>] UNUSED, as for the real padded Qwen vocabularies).
+    """
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    n_regular = vocab_size - n_pad - len(QWEN35_ADDED_TOKENS)
+    tok = Tokenizer(models.BPE(unk_token=None, continuing_subword_prefix="", end_of_word_suffix="",
+                               fuse_unk=False, byte_fallback=False))
+    tok.normalizer = None
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN35_PRE_REGEX), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(vocab_size=n_regular, min_frequency=2, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=[])
+    tok.train_from_iterator(corpus, trainer=trainer)
+    got = tok.get_vocab_size()
+    if got != n_regular:
+        raise RuntimeError(f"BPE training gave {got} tokens, wanted {n_regular}: enlarge the corpus")
+    for text, special in QWEN35_ADDED_TOKENS:
+        t = AddedToken(text, special=special, normalized=False, single_word=False, lstrip=False, rstrip=False)
+        if special:
+            tok.add_special_tokens([t])
+        else:
+            tok.add_tokens([t])
+    assert tok.token_to_id(QWEN35_ADDED_TOKENS[0][0]) == n_regular
+    assert tok.get_vocab_size() == vocab_size - n_pad
+    return tok
+
+
+def save_tokenizer_dir(tok, out_dir: Path, model_max_length: int = 4096) -> None:
+    """tokenizer.json + tokenizer_config.json (chat_template = pinned Qwen3.5-4B.jinja)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out_dir / "tokenizer.json"))
+    added = {}
+    for text, special in QWEN35_ADDED_TOKENS:
+        added[str(tok.token_to_id(text))] = {
+            "content": text, "lstrip": False, "normalized": False, "rstrip": False,
+            "single_word": False, "special": special,
+        }
+    cfg = {
+        # the generic fast tokenizer: loads tokenizer.json as it is (Qwen3_5Tokenizer would add NFC)
+        "tokenizer_class": "TokenizersBackend",
+        "add_bos_token": False,
+        "add_prefix_space": False,
+        "added_tokens_decoder": added,
+        "bos_token": None,
+        "eos_token": EOS_TOKEN,
+        "pad_token": PAD_TOKEN,
+        "unk_token": None,
+        "errors": "replace",
+        "clean_up_tokenization_spaces": False,
+        "split_special_tokens": False,
+        "model_max_length": model_max_length,
+        "chat_template": chat_template_text(),
+    }
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n",
+                                                   encoding="utf-8")
+
+
+def load_hf_tokenizer(tok_dir: Path):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(str(tok_dir))
+
+
+def render_chat(hf_tok, messages: list[dict], add_generation_prompt: bool = False, **kw) -> str:
+    return hf_tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kw)
+
+
+# --------------------------------------------------------------------------------------------
+# synthetic corpus
+# --------------------------------------------------------------------------------------------
+
+NAMES = ["Tom", "Anna", "Ben", "Lily", "Sam", "Mia", "Max", "Emma", "Leo", "Zoe", "Jack", "Ella",
+         "Noah", "Ruby", "Finn", "Grace", "Oscar", "Isla", "Hugo", "Nora"]
+OBJECTS = ["ball", "book", "cup", "hat", "box", "kite", "pen", "bag", "lamp", "chair", "table",
+           "apple", "cake", "boat", "car", "key", "coat", "shoe", "clock", "map", "bell", "spoon"]
+COLOURS = ["red", "blue", "green", "yellow", "black", "white", "brown", "pink", "orange", "grey"]
+PLACES = ["park", "school", "garden", "kitchen", "shop", "library", "beach", "forest", "farm",
+          "station", "market", "river", "hill", "house", "town", "field"]
+ANIMALS = ["cow", "dog", "cat", "duck", "sheep", "pig", "horse", "snake", "lion", "owl", "frog",
+           "bee", "hen", "goat", "mouse", "fox"]
+VERBS_PAST = ["saw", "found", "took", "made", "liked", "painted", "lost", "bought", "carried", "washed"]
+ADJ = ["big", "small", "old", "new", "happy", "quiet", "tall", "warm", "cold", "soft", "bright", "little"]
+DAYS = ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday"]
+WEATHER = ["sunny", "rainy", "windy", "cloudy", "cold", "warm", "snowy"]
+NUMBER_WORDS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten",
+                "eleven", "twelve"]
+
+
+def english_sentence(rng: random.Random) -> str:
+    n, m = rng.sample(NAMES, 2)
+    o, c, p, a, v, j = (rng.choice(OBJECTS), rng.choice(COLOURS), rng.choice(PLACES), rng.choice(ANIMALS),
+                        rng.choice(VERBS_PAST), rng.choice(ADJ))
+    k = rng.randint(2, 12)
+    forms = [
+        f"{n} has a {c} {o}.",
+        f"The {o} is {c}.",
+        f"{n} went to the {p} with {m}.",
+        f"{n} {v} a {j} {o} at the {p}.",
+        f"There is a {a} in the {p}.",
+        f"The {j} {a} is near the {o}.",
+        f"{n} saw {NUMBER_WORDS[k]} {a}s at the {p}.",
+        f"{m} says that the {o} is {j}.",
+        f"{n} says hello to {m}.",
+        f"On {rng.choice(DAYS)} it was {rng.choice(WEATHER)}, so {n} stayed at the {p}.",
+        f"Where is the {o}? It is in the {p}.",
+        f"{n} and {m} like to play in the {p}.",
+        f"The {a} sleeps in the {p} at night.",
+        f"{n} gave {m} {k} {o}s.",
+        f"I think the {c} {o} belongs to {n}.",
+        f"We can see a {a} from the {p}.",
+        f"{n} counts: " + ", ".join(str(i) for i in range(1, k + 1)) + ".",
+        f"{k} plus {k + 1} is {2 * k + 1}.",
+        f"Today is {rng.choice(DAYS)}. The weather is {rng.choice(WEATHER)}.",
+        f"\"Can I have the {o}?\" asked {n}. \"Yes, you can,\" said {m}.",
+        f"The {a} and the {rng.choice(ANIMALS)} are friends.",
+        f"{n}'s {o} isn't {c}, it's {rng.choice(COLOURS)}.",
+    ]
+    return rng.choice(forms)
+
+
+def english_paragraph(rng: random.Random, n_min: int = 2, n_max: int = 6) -> str:
+    return " ".join(english_sentence(rng) for _ in range(rng.randint(n_min, n_max)))
+
+
+def english_corpus(seed: int, n_paragraphs: int) -> list[str]:
+    rng = random.Random(seed)
+    out = [english_paragraph(rng) for _ in range(n_paragraphs)]
+    # words of the chat markup, so the tokenizer has merges for them
+    out += ["system\nuser\nassistant\nthink\n"] * 20
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# models
+# --------------------------------------------------------------------------------------------
+
+def qwen35_text_config(**kw):
+    """A Qwen3_5TextConfig with real Qwen3.5 conventions (rope 1e7, partial 0.25, mrope sections)."""
+    from transformers.models.qwen3_5 import Qwen3_5TextConfig
+    base = dict(
+        rms_norm_eps=1e-6,
+        max_position_embeddings=4096,
+        hidden_act="silu",
+        attention_bias=False,
+        linear_conv_kernel_dim=4,
+        rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25,
+                         "mrope_section": [11, 11, 10], "mrope_interleaved": True},
+        bos_token_id=None,
+        pad_token_id=None,
+        use_cache=True,
+    )
+    base.update(kw)
+    cfg = Qwen3_5TextConfig(**base)
+    cfg._attn_implementation = "eager"
+    return cfg
+
+
+def build_model(cfg, seed: int):
+    import torch
+    from transformers.models.qwen3_5 import Qwen3_5ForCausalLM
+    torch.manual_seed(seed)
+    model = Qwen3_5ForCausalLM(cfg)
+    model.config._attn_implementation = "eager"
+    return model.float().eval()
+
+
+def randomize_weights(model, seed: int, embed_std: float = 0.3, norm_std: float = 0.2) -> None:
+    """Visible-scale random weights; nothing left at zero or identity.
+
+    Linear layers N(0, 1/fan_in) (out projections half that scale), embeddings N(0, embed_std),
+    zero-centred RMSNorm weights N(0, norm_std) (HF computes x * (1 + w)), the DeltaNet gated norm
+    1 + N(0, norm_std), conv N(0, 0.3), A_log = log U(0.1, 2), dt_bias U(-1, 1).
+    """
+    import torch
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters(), key=lambda t: t[0]):
+            shape = p.shape
+            if name.endswith("embed_tokens.weight") or name == "lm_head.weight":
+                v = torch.randn(shape, generator=g) * embed_std
+            elif name.endswith("linear_attn.norm.weight"):
+                v = 1.0 + torch.randn(shape, generator=g) * norm_std
+            elif name.endswith("norm.weight"):
+                v = torch.randn(shape, generator=g) * norm_std
+            elif name.endswith("A_log"):
+                v = torch.log(torch.rand(shape, generator=g) * 1.9 + 0.1)
+            elif name.endswith("dt_bias"):
+                v = torch.rand(shape, generator=g) * 2.0 - 1.0
+            elif name.endswith("conv1d.weight"):
+                v = torch.randn(shape, generator=g) * 0.3
+            elif p.ndim == 2:
+                fan_in = shape[1]
+                scale = 0.5 if (name.endswith("o_proj.weight") or name.endswith("out_proj.weight")
+                                or name.endswith("down_proj.weight")) else 1.0
+                v = torch.randn(shape, generator=g) * (scale / fan_in ** 0.5)
+            else:
+                raise RuntimeError(f"no init rule for {name} {tuple(shape)}")
+            p.copy_(v)
+
+
+def hf_logprobs(model, tokens: list[int]):
+    """log_softmax of HF float32 logits for one sequence run alone (no padding, no mask)."""
+    import torch
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor([tokens], dtype=torch.long), use_cache=False)
+        lp = torch.log_softmax(out.logits[0].double(), dim=-1).float()
+    return lp.numpy()
+
+
+def save_hf_checkpoint(model, tok_dir: Path, out_dir: Path) -> None:
+    """model (safetensors, config.json) + the tokenizer files, ready for the converter."""
+    import shutil
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(out_dir), safe_serialization=True)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tok_dir / f, out_dir / f)
+
+
+# --------------------------------------------------------------------------------------------
+# conversion
+# --------------------------------------------------------------------------------------------
+
+_CONVERT_BOOTSTRAP = r"""
+import sys, runpy
+llama = sys.argv[1]
+sys.path.insert(0, llama + "/gguf-py")
+sys.path.insert(0, llama)
+import conversion.base as _b
+# The converter recognises pre-tokenizers by hashing the token ids of a probe string; a custom
+# vocabulary matches nothing (NotImplementedError).  Our tokenizer is built with the qwen35 regex.
+_b.TextModel.get_vocab_base_pre = lambda self, tokenizer: "qwen35"
+sys.argv = [llama + "/convert_hf_to_gguf.py"] + sys.argv[2:]
+runpy.run_path(llama + "/convert_hf_to_gguf.py", run_name="__main__")
+"""
+
+
+def convert_to_gguf(hf_dir: Path, out_path: Path, outtype: str, quiet: bool = True) -> Path:
+    """Run the pinned convert_hf_to_gguf.py (--no-mtp, pre forced to qwen35) in a subprocess."""
+    llama = llama_cpp_dir()
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-c", _CONVERT_BOOTSTRAP, str(llama), str(hf_dir), "--outfile", str(out_path),
+           "--outtype", outtype, "--no-mtp"]
+    env = dict(os.environ)
+    env.pop("NO_LOCAL_GGUF", None)
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if r.returncode != 0:
+        sys.stderr.write(r.stdout[-4000:] + r.stderr[-8000:])
+        raise RuntimeError(f"convert_hf_to_gguf failed for {hf_dir} ({outtype})")
+    if not quiet:
+        sys.stderr.write(r.stderr[-3000:])
+    return out_path
+
+
+# --------------------------------------------------------------------------------------------
+# GGUF inspection and an independent layout check
+# --------------------------------------------------------------------------------------------
+
+def gguf_summary(path: Path) -> str:
+    use_pinned_gguf()
+    import gguf
+    r = gguf.GGUFReader(str(path))
+    lines = [f"# {path.name}: {path.stat().st_size} bytes, {len(r.tensors)} tensors"]
+    for k, f in r.fields.items():
+        if k.startswith("GGUF."):
+            continue
+        if k in ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.merges"):
+            lines.append(f"{k} = [{len(f.data)} entries]")
+            continue
+        if k == "tokenizer.chat_template":
+            lines.append(f"{k} = <{len(f.contents())} chars>")
+            continue
+        lines.append(f"{k} = {f.contents()!r}")
+    for t in r.tensors:
+        lines.append(f"  {t.name:32s} {t.tensor_type.name:5s} ne={list(int(x) for x in t.shape)}")
+    return "\n".join(lines)
+
+
+def gguf_tensors_f32(path: Path) -> dict:
+    """name -> float32 numpy array in ggml order reversed (numpy shape = ne reversed)."""
+    use_pinned_gguf()
+    import gguf
+    import numpy as np
+    from gguf.quants import dequantize
+    r = gguf.GGUFReader(str(path))
+    out = {}
+    for t in r.tensors:
+        shape = tuple(int(x) for x in reversed(t.shape))
+        a = dequantize(t.data, t.tensor_type)
+        out[t.name] = np.asarray(a, dtype=np.float32).reshape(shape)
+    return out
+
+
+def gguf_fields(path: Path) -> dict:
+    use_pinned_gguf()
+    import gguf
+    r = gguf.GGUFReader(str(path))
+    return {k: f.contents() for k, f in r.fields.items() if not k.startswith("GGUF.")}
+
+
+def expected_gguf_tensors(model) -> dict:
+    """Our own statement of the converter's transforms: HF state dict -> GGUF name -> array.
+
+    Independent of the converter code; comparing it with a converted F32 file proves the layout
+    notes in DESIGN.md (norm +1 except the DeltaNet gated norm, ssm_a = -exp(A_log), conv squeezed,
+    value heads grouped -> tiled, attn_q rows per head [query | gate], tied embeddings).
+    """
+    import numpy as np
+    cfg = model.config
+    nk, nv, dk = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim
+    dv = cfg.linear_value_head_dim
+    r = nv // nk
+
+    def tile_v(a, axis, hd):
+        # grouped (k head major) -> tiled (repeat index major) along `axis` of size nv*hd
+        a = np.moveaxis(a, axis, 0)
+        rest = a.shape[1:]
+        a = a.reshape(nk, r, hd, *rest).transpose(1, 0, 2, *range(3, 3 + len(rest))).reshape(nv * hd, *rest)
+        return np.moveaxis(a, 0, axis)
+
+    sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+    out = {}
+    simple = {
+        "input_layernorm.weight": ("attn_norm.weight", True),
+        "post_attention_layernorm.weight": ("post_attention_norm.weight", True),
+        "mlp.gate_proj.weight": ("ffn_gate.weight", False),
+        "mlp.up_proj.weight": ("ffn_up.weight", False),
+        "mlp.down_proj.weight": ("ffn_down.weight", False),
+        "self_attn.q_proj.weight": ("attn_q.weight", False),
+        "self_attn.k_proj.weight": ("attn_k.weight", False),
+        "self_attn.v_proj.weight": ("attn_v.weight", False),
+        "self_attn.o_proj.weight": ("attn_output.weight", False),
+        "self_attn.q_norm.weight": ("attn_q_norm.weight", True),
+        "self_attn.k_norm.weight": ("attn_k_norm.weight", True),
+        "linear_attn.norm.weight": ("ssm_norm.weight", False),
+    }
+    for name, a in sd.items():
+        if name == "model.embed_tokens.weight":
+            out["token_embd.weight"] = a
+        elif name == "model.norm.weight":
+            out["output_norm.weight"] = a + 1
+        elif name == "lm_head.weight":
+            if not cfg.tie_word_embeddings:
+                out["output.weight"] = a
+        elif name.startswith("model.layers."):
+            parts = name.split(".")
+            bid, rest = int(parts[2]), ".".join(parts[3:])
+            pre = f"blk.{bid}."
+            if rest in simple:
+                g, plus1 = simple[rest]
+                out[pre + g] = a + 1 if plus1 else a
+            elif rest == "linear_attn.in_proj_qkv.weight":
+                q, k, v = a[:nk * dk], a[nk * dk:2 * nk * dk], a[2 * nk * dk:]
+                out[pre + "attn_qkv.weight"] = np.concatenate([q, k, tile_v(v, 0, dv)], 0)
+            elif rest == "linear_attn.in_proj_z.weight":
+                out[pre + "attn_gate.weight"] = tile_v(a, 0, dv)
+            elif rest == "linear_attn.in_proj_b.weight":
+                out[pre + "ssm_beta.weight"] = tile_v(a, 0, 1)
+            elif rest == "linear_attn.in_proj_a.weight":
+                out[pre + "ssm_alpha.weight"] = tile_v(a, 0, 1)
+            elif rest == "linear_attn.A_log":
+                out[pre + "ssm_a"] = -np.exp(tile_v(a, 0, 1))
+            elif rest == "linear_attn.dt_bias":
+                out[pre + "ssm_dt.bias"] = tile_v(a, 0, 1)
+            elif rest == "linear_attn.conv1d.weight":
+                w = a[:, 0, :]                        # [C, K]
+                qk = w[:2 * nk * dk]
+                out[pre + "ssm_conv1d.weight"] = np.concatenate([qk, tile_v(w[2 * nk * dk:], 0, dv)], 0)
+            elif rest == "linear_attn.out_proj.weight":
+                out[pre + "ssm_out.weight"] = tile_v(a, 1, dv)
+            else:
+                raise RuntimeError(f"unmapped HF tensor {name}")
+        else:
+            raise RuntimeError(f"unmapped HF tensor {name}")
+    return out
+
+
+def check_gguf_layout(model, gguf_path: Path, atol: float = 0.0) -> None:
+    """Assert the GGUF holds exactly the expected tensors (names, shapes, values)."""
+    import numpy as np
+    got = gguf_tensors_f32(gguf_path)
+    exp = expected_gguf_tensors(model)
+    if set(got) != set(exp):
+        raise AssertionError(f"tensor names differ: only GGUF {sorted(set(got) - set(exp))}, "
+                             f"only expected {sorted(set(exp) - set(got))}")
+    for k in sorted(exp):
+        e = exp[k]
+        g = got[k].reshape(e.shape) if got[k].size == e.size else got[k]
+        if g.shape != e.shape:
+            raise AssertionError(f"{k}: shape {got[k].shape} vs expected {e.shape}")
+        err = float(np.max(np.abs(g - e))) if e.size else 0.0
+        tol = atol + (1e-6 * float(np.max(np.abs(e))) if atol == 0.0 else 0.0)
+        if err > tol:
+            raise AssertionError(f"{k}: max abs diff {err:.3g} > {tol:.3g}")

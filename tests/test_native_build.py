@@ -1,0 +1,113 @@
+"""Bad input to the native build: each failure is one actionable line, a non-zero exit, and
+nothing left behind that later looks like a valid build.  The download is replaced by a fake
+pip (the real one is exercised by every fresh `make`), so these run in seconds."""
+import shutil
+import sys
+
+import pytest
+
+import build as native_build  # native/build.py (conftest puts native/ on sys.path)
+
+REAL_CACHE = native_build.cache_dir()  # before any test points PYTRAIN_CACHE elsewhere
+
+
+def run_main(args, capsys):
+    rc = native_build.main(args)
+    err = capsys.readouterr().err.strip().splitlines()
+    return rc, [line for line in err if not line.startswith("[native]")]
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("PYTRAIN_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def fake_pip(monkeypatch, script: str):
+    monkeypatch.setattr(native_build, "_pip_command", lambda: [sys.executable, "-c", script])
+
+
+def test_failed_download(cache, monkeypatch, capsys):
+    fake_pip(monkeypatch, "import sys; print('ERROR: no network', file=sys.stderr); sys.exit(1)")
+    rc, err = run_main(["--source-only"], capsys)
+    assert rc == 1 and len(err) == 1
+    assert err[0].startswith("error: could not download") and "no network" in err[0]
+    assert not (cache / "src").exists()
+
+
+def test_hash_mismatch_refuses_the_file(cache, monkeypatch, capsys):
+    name = native_build.ARCHIVE_NAME
+    fake_pip(monkeypatch, "import sys, pathlib; d = sys.argv[sys.argv.index('-d') + 1]; "
+                          f"pathlib.Path(d, '{name}').write_bytes(b'not the archive')")
+    rc, err = run_main(["--source-only"], capsys)
+    assert rc == 1 and len(err) == 1 and "sha256 mismatch" in err[0]
+    assert not (cache / "dl" / name).exists(), "a file with the wrong hash must not be cached"
+    assert not (cache / "src").exists()
+
+
+def test_cached_archive_with_wrong_hash_is_replaced(cache, monkeypatch, capsys):
+    (cache / "dl").mkdir(parents=True)
+    (cache / "dl" / native_build.ARCHIVE_NAME).write_bytes(b"corrupt")
+    fake_pip(monkeypatch, "import sys; sys.exit(1)")
+    rc, err = run_main(["--source-only"], capsys)
+    assert rc == 1 and "could not download" in err[0]
+    assert not (cache / "dl" / native_build.ARCHIVE_NAME).exists()
+
+
+def _hide(monkeypatch, *tools):
+    real = shutil.which
+    monkeypatch.setattr(native_build.shutil, "which",
+                        lambda name, *a, **k: None if name in tools else real(name, *a, **k))
+
+
+def test_missing_cmake(tmp_path, cache, monkeypatch, capsys):
+    _hide(monkeypatch, "cmake")
+    out = tmp_path / "native_out"
+    rc, err = run_main(["--out", str(out)], capsys)
+    assert rc == 1 and len(err) == 1 and "missing cmake" in err[0] and "apt-get" in err[0]
+    assert not (out / "build_info.json").exists()
+
+
+def test_missing_compiler(tmp_path, cache, monkeypatch, capsys):
+    _hide(monkeypatch, "cc", "gcc", "clang", "c++", "g++", "clang++")
+    rc, err = run_main(["--out", str(tmp_path / "o")], capsys)
+    assert rc == 1 and "a C compiler" in err[0] and "a C++ compiler" in err[0]
+
+
+def test_cuda_requested_without_toolkit(tmp_path, cache, monkeypatch, capsys):
+    _hide(monkeypatch, "nvcc")
+    rc, err = run_main(["--cuda", "--out", str(tmp_path / "o")], capsys)
+    assert rc == 1 and len(err) == 1 and "nvcc" in err[0] and "PYTRAIN_CUDA" in err[0]
+
+
+def test_interrupted_build_is_not_valid(tmp_path, cache, monkeypatch, capsys):
+    """A previous complete build, then a rebuild that fails midway: the stamp is gone, so
+    nothing later mistakes the half-replaced files for a working build."""
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "build_info.json").write_text('{"cuda": false, "archive_sha256": "old"}')
+
+    def boom(*a, **k):
+        raise native_build.BuildError("cmake build failed (exit 2)")
+    monkeypatch.setattr(native_build, "extract_source", lambda: None)
+    monkeypatch.setattr(native_build, "cmake_build", boom)
+    rc, err = run_main(["--out", str(out)], capsys)
+    assert rc == 1 and err == ["error: cmake build failed (exit 2)"]
+    assert not (out / "build_info.json").exists()
+
+
+def test_half_extracted_source_is_redone(cache, monkeypatch):
+    """A source tree without the extraction marker (killed mid-extract) is removed and
+    extracted again from the verified archive."""
+    real_archive = REAL_CACHE / "dl" / native_build.ARCHIVE_NAME
+    if not real_archive.exists():
+        pytest.fail(f"{real_archive} missing: run `python native/build.py` first")
+    (cache / "dl").mkdir(parents=True)
+    (cache / "dl" / native_build.ARCHIVE_NAME).symlink_to(real_archive)
+    root = native_build.source_root()
+    root.mkdir(parents=True)
+    (root / "partial-file").write_text("x")
+    got = native_build.extract_source()
+    assert got == root and not (root / "partial-file").exists()
+    assert (root / ".pytrain-extracted").exists()
+    assert (native_build.ggml_dir() / "ggml.pc.in").exists()
