@@ -21,7 +21,9 @@ Outputs (per model NAME):
 
 Checks made here: HF runs are bit-identical when repeated; every tensor of each F32 GGUF equals the
 HF tensor under our own statement of the converter transforms (`expected_gguf_tensors`); BF16 and
-Q8_0 tensors are within their rounding of it.
+Q8_0 tensors are within their rounding of it; an independent numpy forward pass over each GGUF
+(`numpy_forward_gguf`: GGUF order, plain DeltaNet recurrence) matches the HF golden (F32: < 1e-4 in
+log-probability; the BF16/Q8_0 errors are printed).
 
 How (from the repo root, with the reference stack of scripts/requirements-reference.txt):
 
@@ -72,11 +74,11 @@ def make_sequences(hf_tok, vocab_size: int) -> list[list[int]]:
     text = ref.english_corpus(seed=99, n_paragraphs=40)
     long_ids = hf_tok.encode(" ".join(text[:40]), add_special_tokens=False)
     chat = ref.render_chat(hf_tok, [
-        {"role": "system", "content": "You are a helpful assistant."},
+        {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "What is 12+7?"},
         {"role": "assistant", "content": "19"},
-        {"role": "user", "content": "Where is the red ball? Tell me in one short sentence, please."},
-        {"role": "assistant", "content": "The red ball is in the garden, next to the old blue chair."},
+        {"role": "user", "content": "Where is the red ball?"},
+        {"role": "assistant", "content": "The red ball is in the garden."},
     ])
     chat_ids = hf_tok.encode(chat, add_special_tokens=False)
     seqs = []
@@ -84,8 +86,8 @@ def make_sequences(hf_tok, vocab_size: int) -> list[list[int]]:
         if n == 33:
             seqs.append([rng.randrange(vocab_size) for _ in range(n)])
         elif n == 100:
-            if len(chat_ids) < n:
-                chat_ids = chat_ids + long_ids
+            assert len(chat_ids) < n, len(chat_ids)   # the whole chat, think block included
+            chat_ids = chat_ids + long_ids
             seqs.append(chat_ids[:n])
         else:
             start = rng.randrange(0, len(long_ids) - n)
@@ -156,6 +158,15 @@ def main() -> int:
                     ref.check_gguf_layout(model, path, atol=0.05)
                 size = path.stat().st_size
                 assert size < 1_000_000, f"{path} is {size} bytes"
+                # independent numpy forward over the GGUF vs the HF golden (real positions)
+                diffs = [np.abs(ref.numpy_forward_gguf(path, s) - logprobs[i, :len(s)])
+                         for i, s in enumerate(seqs)]
+                errs = [float(d.max()) for d in diffs]
+                mean = float(np.concatenate([d.ravel() for d in diffs]).mean())
+                print(f"[{name}-{ot}] numpy-from-GGUF vs HF golden: max |dlogprob| = {max(errs):.3g}, "
+                      f"mean {mean:.2g} (max per sequence {', '.join(f'{e:.2g}' for e in errs)})")
+                if ot == "f32":
+                    assert max(errs) < 1e-4, errs
                 print(ref.gguf_summary(path) if ot == "f32" else f"# {path.name}: {size} bytes")
 
             ent = -(np.exp(logprobs) * logprobs).sum(-1)

@@ -501,3 +501,108 @@ def check_gguf_layout(model, gguf_path: Path, atol: float = 0.0) -> None:
         tol = atol + (1e-6 * float(np.max(np.abs(e))) if atol == 0.0 else 0.0)
         if err > tol:
             raise AssertionError(f"{k}: max abs diff {err:.3g} > {tol:.3g}")
+
+
+# --------------------------------------------------------------------------------------------
+# an independent forward pass over the GGUF tensors (numpy, float64, token-by-token DeltaNet)
+# --------------------------------------------------------------------------------------------
+
+def numpy_forward_gguf(path: Path, tokens: list[int]):
+    """log-probabilities [T, V] computed from the GGUF alone, in GGUF order and conventions.
+
+    A second, independent reading of the format (value head j uses key head j % n_k; conv tap 3
+    is the current token; attn_q rows per head [query | gate]; NEOX rope on the first
+    rope.dimension_count dims; GQA head h uses kv head h // (n_head / n_head_kv)), with the
+    gated delta rule run as the plain recurrence rather than HF's chunked form.
+    """
+    import numpy as np
+    W = {k: v.astype(np.float64) for k, v in gguf_tensors_f32(path).items()}
+    F = gguf_fields(path)
+    a = "qwen35."
+    n_layer = int(F[a + "block_count"])
+    eps = float(F[a + "attention.layer_norm_rms_epsilon"])
+    n_head, n_kv = int(F[a + "attention.head_count"]), int(F[a + "attention.head_count_kv"])
+    hd = int(F[a + "attention.key_length"])
+    n_rot = int(F[a + "rope.dimension_count"])
+    theta = float(F[a + "rope.freq_base"])
+    recurrent = list(F[a + "attention.recurrent_layers"])
+    dk = int(F[a + "ssm.state_size"])
+    nk = int(F[a + "ssm.group_count"])
+    nv = int(F[a + "ssm.time_step_rank"])
+    dv = int(F[a + "ssm.inner_size"]) // nv
+    K = int(F[a + "ssm.conv_kernel"])
+    T = len(tokens)
+
+    def rms(x, w):
+        return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w
+
+    def silu(x):
+        return x / (1 + np.exp(-x))
+
+    def l2n(x):
+        return x / np.sqrt((x * x).sum(-1, keepdims=True) + 1e-6)
+
+    x = W["token_embd.weight"][np.asarray(tokens)]
+    pos = np.arange(T, dtype=np.float64)
+    inv = theta ** (-np.arange(0, n_rot, 2, dtype=np.float64) / n_rot)
+    ang = pos[:, None] * inv[None, :]                       # [T, n_rot/2]
+    cos, sin = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
+
+    def rope(q):                                            # q [T, H, hd], NEOX pairs (i, i + n_rot/2)
+        q = q.copy()
+        h = n_rot // 2
+        a0, a1 = q[..., :h].copy(), q[..., h:n_rot].copy()
+        q[..., :h] = a0 * cos - a1 * sin
+        q[..., h:n_rot] = a1 * cos + a0 * sin
+        return q
+
+    for il in range(n_layer):
+        p = f"blk.{il}."
+        h = rms(x, W[p + "attn_norm.weight"])
+        if recurrent[il]:
+            qkv = h @ W[p + "attn_qkv.weight"].T
+            z = (h @ W[p + "attn_gate.weight"].T).reshape(T, nv, dv)
+            beta = 1 / (1 + np.exp(-(h @ W[p + "ssm_beta.weight"].T)))
+            alpha = h @ W[p + "ssm_alpha.weight"].T
+            g = W[p + "ssm_a"] * np.logaddexp(0, alpha + W[p + "ssm_dt.bias"])     # [T, nv], <= 0
+            cw = W[p + "ssm_conv1d.weight"]                                          # [C, K]
+            xp = np.concatenate([np.zeros((K - 1, qkv.shape[1])), qkv], 0)
+            conv = sum(cw[:, k][None, :] * xp[k:k + T] for k in range(K))
+            conv = silu(conv)
+            q = l2n(conv[:, :nk * dk].reshape(T, nk, dk)) / np.sqrt(dk)
+            kk = l2n(conv[:, nk * dk:2 * nk * dk].reshape(T, nk, dk))
+            v = conv[:, 2 * nk * dk:].reshape(T, nv, dv)
+            o = np.zeros((T, nv, dv))
+            for j in range(nv):
+                kh = j % nk
+                S = np.zeros((dk, dv))
+                for t in range(T):
+                    S = S * np.exp(g[t, j])
+                    delta = (v[t, j] - kk[t, kh] @ S) * beta[t, j]
+                    S = S + np.outer(kk[t, kh], delta)
+                    o[t, j] = q[t, kh] @ S
+            o = rms(o, W[p + "ssm_norm.weight"]) * silu(z)
+            out = o.reshape(T, nv * dv) @ W[p + "ssm_out.weight"].T
+        else:
+            qg = (h @ W[p + "attn_q.weight"].T).reshape(T, n_head, 2 * hd)
+            q, gate = qg[..., :hd], qg[..., hd:]
+            k = (h @ W[p + "attn_k.weight"].T).reshape(T, n_kv, hd)
+            v = (h @ W[p + "attn_v.weight"].T).reshape(T, n_kv, hd)
+            q = rope(rms(q, W[p + "attn_q_norm.weight"]))
+            k = rope(rms(k, W[p + "attn_k_norm.weight"]))
+            o = np.zeros((T, n_head, hd))
+            mask = np.triu(np.full((T, T), -np.inf), 1)
+            for hh in range(n_head):
+                kv = hh // (n_head // n_kv)
+                s = q[:, hh] @ k[:, kv].T / np.sqrt(hd) + mask
+                s = np.exp(s - s.max(-1, keepdims=True))
+                o[:, hh] = (s / s.sum(-1, keepdims=True)) @ v[:, kv]
+            o = o * (1 / (1 + np.exp(-gate)))
+            out = o.reshape(T, n_head * hd) @ W[p + "attn_output.weight"].T
+        x = x + out
+        h = rms(x, W[p + "post_attention_norm.weight"])
+        x = x + (silu(h @ W[p + "ffn_gate.weight"].T) * (h @ W[p + "ffn_up.weight"].T)) @ W[p + "ffn_down.weight"].T
+    x = rms(x, W["output_norm.weight"])
+    logits = x @ W.get("output.weight", W["token_embd.weight"]).T
+    m = logits.max(-1, keepdims=True)
+    return logits - m - np.log(np.exp(logits - m).sum(-1, keepdims=True))
