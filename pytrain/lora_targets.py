@@ -1,0 +1,83 @@
+"""Which base tensors get a LoRA adapter.
+
+Targets are short tensor names (``attn_q``) matched against ``blk.N.<name>.weight``; the
+result is full GGUF tensor names, the names llama.cpp's adapter loader pairs with
+``.lora_a``/``.lora_b``.  The default adapts q/k/v/o of the softmax-attention layers only,
+like the seed runs and PEFT's usual Qwen setting.  ``skip_ssm`` keeps every tensor of the
+DeltaNet (linear-attention) layers frozen even when a pattern such as ``ffn_up`` would match
+there: adapters inside the recurrent layers are a separate, opt-in experiment.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+from pytrain.models.qwen35_config import Qwen35Config
+
+DEFAULT_TARGETS = ("attn_q", "attn_k", "attn_v", "attn_output")
+ATTENTION_TARGETS = ("attn_q", "attn_k", "attn_v", "attn_output")
+FFN_TARGETS = ("ffn_gate", "ffn_up", "ffn_down")
+LINEAR_TARGETS = ("attn_qkv", "attn_gate", "ssm_out", "ssm_beta", "ssm_alpha")
+VALID_TARGETS = ATTENTION_TARGETS + FFN_TARGETS + LINEAR_TARGETS
+
+
+class LoraTargetError(ValueError):
+    """Target names that are unknown or select nothing."""
+
+
+def _normalise(targets: Iterable[str] | str) -> list[str]:
+    if isinstance(targets, str):
+        targets = [t for t in targets.replace(",", " ").split()]
+    out: list[str] = []
+    for t in targets:
+        short = t.strip().removesuffix(".weight")
+        if short not in out:
+            out.append(short)
+    unknown = [t for t in out if t not in VALID_TARGETS]
+    if unknown:
+        raise LoraTargetError(f"unknown LoRA target{'s' if len(unknown) > 1 else ''} "
+                              f"{', '.join(map(repr, unknown))}; valid: {', '.join(VALID_TARGETS)}")
+    if not out:
+        raise LoraTargetError(f"no LoRA targets given; valid: {', '.join(VALID_TARGETS)}")
+    return out
+
+
+def select_targets(config: Qwen35Config, targets: Iterable[str] | str = DEFAULT_TARGETS,
+                   skip_ssm: bool = True) -> list[str]:
+    """Full names of the adapted tensors, by layer then in target order.
+
+    ``targets`` may also be one comma/space separated string (as in a TOML or CLI value).
+    Raises :class:`LoraTargetError` for unknown names or when nothing matches (for example
+    ``attn_qkv`` with ``skip_ssm=True``), since a run that trains nothing is a mistake.
+    """
+    wanted = _normalise(targets)
+    shapes = config.tensor_shapes()
+    names = []
+    for i, recurrent in enumerate(config.recurrent):
+        if recurrent and skip_ssm:
+            continue
+        for t in wanted:
+            name = f"blk.{i}.{t}.weight"
+            if name in shapes:
+                names.append(name)
+    if not names:
+        hint = " (the DeltaNet layers are skipped: skip_ssm=True)" if skip_ssm else ""
+        raise LoraTargetError(f"LoRA targets {', '.join(wanted)} match no tensor of this "
+                              f"model{hint}")
+    return names
+
+
+def lora_shapes(config: Qwen35Config, names: Iterable[str], rank: int
+                ) -> dict[str, tuple[tuple[int, int], tuple[int, int]]]:
+    """Per target: numpy shapes of (A, B) with A = [rank, n_in], B = [n_out, rank]
+    (GGUF ``lora_a`` ne = [n_in, r], ``lora_b`` ne = [r, n_out])."""
+    shapes = config.tensor_shapes()
+    out = {}
+    for n in names:
+        n_out, n_in = shapes[n]
+        out[n] = ((rank, n_in), (n_out, rank))
+    return out
+
+
+def lora_param_count(config: Qwen35Config, names: Iterable[str], rank: int) -> int:
+    """Trainable parameters: rank × (n_in + n_out) per adapted matrix."""
+    return sum(a[0] * a[1] + b[0] * b[1] for a, b in lora_shapes(config, names, rank).values())

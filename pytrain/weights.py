@@ -1,0 +1,376 @@
+"""Frozen base weights: GGUF tensors streamed into one ggml backend buffer.
+
+Bytes go from the file's memory map straight into the backend tensor
+(``ggml_backend_tensor_set``), so a model is never held twice in Python memory; only a tensor
+whose type must change passes through a temporary, and then in row chunks of a few MiB.
+
+Type policy.  Every frozen weight ends up as ``src0`` of some op in the training graph, and
+the backward of ``MUL_MAT`` runs ``OUT_PROD`` with the weight as ``src0``.  ggml's CPU
+``OUT_PROD`` takes F32, F16 and the quantized types but not BF16; CUDA's takes F32 only.  The
+tensors used element-wise (norms, biases, ``ssm_a``, the depthwise conv kernel) feed
+``MUL``/``ADD``, which want F32 everywhere.  Hence ``type_policy``:
+
+``auto``   CPU: matrices keep F32/F16/quantized; BF16 becomes F16 (same size).  BF16 has 8
+           mantissa bits and F16 11, so every BF16 value in F16's normal range (6.1e-5 to
+           65504 in magnitude) converts exactly; smaller ones become F16 subnormals and lose
+           bits, below ~6e-8 they become 0 (each tensor's report counts such values).  A
+           tensor holding values beyond 65504 is loaded as F32 instead (twice the size).
+           CUDA: every matrix becomes F32 (BF16/F16: 2x the file's bytes; Q8_0: ~3.8x;
+           Q4_K: ~7x).  Element-wise tensors: F32 on both.
+``f32``    everything F32 (reference runs; 4 bytes per weight).
+``keep``   the file's types untouched: inference only, training graphs may not run.
+
+Extra tensors in the file (MTP/nextn blocks, blocks past the trunk) are not loaded.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Mapping
+
+import numpy as np
+from gguf import GGUFReader
+
+from pytrain import ggml
+from pytrain.ggml import ffi, lib
+from pytrain.gguf_meta import GGUFError, open_gguf
+
+POLICIES = ("auto", "f32", "keep")
+F32, F16, BF16 = lib.GGML_TYPE_F32, lib.GGML_TYPE_F16, lib.GGML_TYPE_BF16
+# Element-wise consumers need F32 whatever their rank; matched as name suffixes.
+_ELEMENTWISE_SUFFIXES = ("ssm_conv1d.weight",)
+_CHUNK_ELEMENTS = 1 << 22      # conversion temporaries: at most ~16 MiB of float32 at a time
+_F16_MAX = 65504.0
+
+
+class WeightsError(GGUFError):
+    """A model file whose tensors cannot be loaded; names the file and the tensor."""
+
+
+def type_name(t: int) -> str:
+    """ggml's type name in the upper-case spelling GGUF tools print (``Q4_K``, ``BF16``)."""
+    return ggml.type_name(t).upper()
+
+
+def type_supported(t: int) -> bool:
+    """Types ggml can turn into floats: F32 itself, or any type with a ``to_float``."""
+    if t < 0 or t >= lib.GGML_TYPE_COUNT or lib.ggml_blck_size(t) <= 0:
+        return False
+    return t == F32 or lib.ggml_get_type_traits(t).to_float != ffi.NULL
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One entry of a GGUF tensor index, with the shape in numpy order ([out, in])."""
+    name: str
+    type: int
+    shape: tuple[int, ...]
+    n_bytes: int
+    offset: int
+
+    @property
+    def ne(self) -> tuple[int, ...]:
+        return tuple(reversed(self.shape))
+
+    @property
+    def type_name(self) -> str:
+        return type_name(self.type)
+
+    @property
+    def n_elements(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+
+@dataclass(frozen=True)
+class TensorLoad:
+    """How one tensor was loaded: the file's type, the type in memory, and the byte cost."""
+    name: str
+    shape: tuple[int, ...]
+    file_type: str
+    loaded_type: str
+    file_bytes: int
+    loaded_bytes: int
+    note: str = ""
+    n_inexact: int = 0      # values a conversion could not represent exactly
+
+
+@dataclass
+class Weights:
+    """The loaded tensors; ``close()`` frees their buffer (``Runtime.close`` also does)."""
+    path: str
+    runtime: object
+    ctx: ggml.Context
+    buffer: object
+    tensors: dict[str, object]
+    report: dict[str, TensorLoad]
+    ignored: list[str] = field(default_factory=list)
+
+    @property
+    def file_bytes(self) -> int:
+        return sum(r.file_bytes for r in self.report.values())
+
+    @property
+    def loaded_bytes(self) -> int:
+        return sum(r.loaded_bytes for r in self.report.values())
+
+    @property
+    def total_bytes(self) -> int:
+        """The backend buffer's size: loaded bytes plus alignment padding."""
+        return int(lib.ggml_backend_buffer_get_size(self.buffer)) if self.buffer else 0
+
+    def __getitem__(self, name: str):
+        return self.tensors[name]
+
+    def summary(self) -> str:
+        """Counts and bytes per (file type -> loaded type), for logs."""
+        groups: dict[tuple[str, str], list[TensorLoad]] = {}
+        for r in self.report.values():
+            groups.setdefault((r.file_type, r.loaded_type), []).append(r)
+        lines = [f"{len(self.report)} tensors from {self.path}: {_mib(self.file_bytes)} as stored, "
+                 f"{_mib(self.loaded_bytes)} loaded"]
+        for (ft, lt), rs in sorted(groups.items()):
+            arrow = ft if ft == lt else f"{ft} -> {lt}"
+            lines.append(f"  {arrow:<14} {len(rs):5d} tensors  {_mib(sum(r.file_bytes for r in rs))}"
+                         f" -> {_mib(sum(r.loaded_bytes for r in rs))}")
+        conv = [r for r in self.report.values() if r.file_type != r.loaded_type]
+        n_inexact = sum(r.n_inexact for r in conv)
+        if n_inexact:
+            n_conv = sum(int(np.prod(r.shape, dtype=np.int64)) for r in conv)
+            lines.append(f"  {n_inexact} of {n_conv} converted values not exact (F16 keeps "
+                         f"full precision only for magnitudes >= 6.1e-5)")
+        notes = [r for r in self.report.values() if r.note]
+        for r in notes[:8]:
+            lines.append(f"  note: {r.name}: {r.note}")
+        if len(notes) > 8:
+            lines.append(f"  note: ... {len(notes) - 8} more")
+        if self.ignored:
+            lines.append(f"  {len(self.ignored)} tensors in the file not loaded (MTP/extra)")
+        return "\n".join(lines)
+
+    def close(self) -> None:
+        if self.buffer is not None:
+            try:
+                self.runtime.free(self.buffer)
+            except ValueError:   # the runtime was closed first and freed it already
+                pass
+            self.buffer = None
+        self.ctx.close()
+        self.tensors = {}
+
+    def __enter__(self) -> "Weights":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+# --------------------------------------------------------------------------- reading
+
+class _IndexOnlyReader(GGUFReader):
+    """Parses the header and tensor index but builds no data views, so it survives the files
+    ``GGUFReader`` refuses with anonymous numpy errors: a data section cut short or a type id
+    gguf-py does not know.  Used only to explain such failures by tensor name."""
+
+    def _build_tensors(self, start_offs: int, fields: list) -> None:  # noqa: D401
+        self.index = []
+        for f in fields:
+            _nlen, name_data, _ndims, dims, raw_dtype, offset_tensor = f.parts
+            self.index.append((bytes(name_data).decode("utf-8", "replace"), int(raw_dtype[0]),
+                               [int(d) for d in dims], int(start_offs + offset_tensor[0])))
+        self.tensors = []
+
+
+def _explain_failure(path: Path) -> str | None:
+    """Why ``GGUFReader`` failed on a file with a readable index, naming the tensor."""
+    try:
+        idx = _IndexOnlyReader(path).index
+    except Exception:
+        return None
+    size = path.stat().st_size
+    for name, t, ne, off in idx:
+        if not type_supported(t):
+            known = t < lib.GGML_TYPE_COUNT and lib.ggml_blck_size(t) > 0
+            what = f"type {type_name(t)} (id {t})" if known else f"unknown type id {t}"
+            return f"tensor {name!r} has {what}, which pytrain cannot load"
+        nbytes = int(lib.ggml_row_size(t, ne[0])) * int(np.prod(ne[1:], dtype=np.int64))
+        if off + nbytes > size:
+            return (f"truncated GGUF file: tensor {name!r} needs bytes {off}..{off + nbytes} "
+                    f"but the file has {size} bytes")
+    return None
+
+
+def open_reader(path: str | os.PathLike[str]) -> GGUFReader:
+    """``open_gguf`` with its generic "truncated or corrupt" failures traced to a tensor."""
+    p = Path(path)
+    try:
+        return open_gguf(p)
+    except GGUFError as e:
+        why = _explain_failure(p) if p.is_file() else None
+        if why:
+            raise WeightsError(f"{p}: {why}") from e
+        raise WeightsError(str(e)) from e
+
+
+def tensor_infos(reader: GGUFReader) -> dict[str, TensorInfo]:
+    """The tensor index in file order; shapes converted from ggml ``ne`` to numpy order."""
+    out: dict[str, TensorInfo] = {}
+    for t in reader.tensors:
+        ne = [int(d) for d in t.shape]
+        while len(ne) > 1 and ne[-1] == 1:   # as ggml.shape(): trailing unit ne dims dropped
+            ne.pop()
+        out[t.name] = TensorInfo(t.name, int(t.tensor_type), tuple(reversed(ne)),
+                                 int(t.n_bytes), int(t.data_offset))
+    return out
+
+
+# --------------------------------------------------------------------------- type policy
+
+def is_elementwise(name: str, shape: tuple[int, ...]) -> bool:
+    """Tensors consumed by element-wise ops (never MUL_MAT's src0): kept in F32."""
+    return len(shape) <= 1 or name.endswith(_ELEMENTWISE_SUFFIXES)
+
+
+def load_type(name: str, shape: tuple[int, ...], file_type: int, device: str,
+              policy: str = "auto") -> int:
+    """The ggml type a tensor is loaded as (see the module docstring)."""
+    if policy not in POLICIES:
+        raise ValueError(f"type_policy must be one of {', '.join(POLICIES)}; got {policy!r}")
+    if policy == "keep":
+        return file_type
+    if policy == "f32" or is_elementwise(name, shape) or device != "cpu":
+        return F32
+    return F16 if file_type == BF16 else file_type
+
+
+def _squeeze_leading(shape: tuple[int, ...]) -> tuple[int, ...]:
+    s = list(shape)
+    while len(s) > 1 and s[0] == 1:
+        s.pop(0)
+    return tuple(s)
+
+
+# --------------------------------------------------------------------------- loading
+
+def load_weights(path: str | os.PathLike[str], runtime, shapes: Mapping[str, tuple[int, ...]],
+                 type_policy: str = "auto") -> Weights:
+    """Load the tensors named in ``shapes`` (numpy-order shapes, e.g. from
+    ``Qwen35Config.tensor_shapes()``) into one buffer of ``runtime``'s primary backend.
+
+    ``runtime`` needs ``device`` ("cpu"/"cuda", chooses the policy) and ``alloc(ctx)``.
+    Every error names the file and the tensor: missing tensors, shape mismatches, types ggml
+    cannot dequantize, data cut short.
+    """
+    if type_policy not in POLICIES:
+        raise ValueError(f"type_policy must be one of {', '.join(POLICIES)}; got {type_policy!r}")
+    p = Path(path)
+    reader = open_reader(p)
+    infos = tensor_infos(reader)
+    device = getattr(runtime, "device", "cpu")
+
+    missing = [n for n in shapes if n not in infos]
+    if missing:
+        shown = ", ".join(missing[:10]) + (f", ... ({len(missing)} in all)" if len(missing) > 10
+                                           else "")
+        raise WeightsError(f"{p}: missing tensor{'s' if len(missing) > 1 else ''}: {shown}")
+    plan: list[tuple[TensorInfo, int, np.ndarray, str]] = []
+    for n, want in shapes.items():
+        info = infos[n]
+        if _squeeze_leading(tuple(want)) != _squeeze_leading(info.shape):
+            raise WeightsError(
+                f"{p}: tensor {n!r} has shape {info.shape} in the file (numpy order; GGUF ne "
+                f"{list(info.ne)}), expected {tuple(want)}")
+        if not type_supported(info.type):
+            raise WeightsError(f"{p}: tensor {n!r} has type {info.type_name}, which ggml cannot "
+                               f"dequantize; pytrain cannot load it")
+        raw = reader.data[info.offset: info.offset + info.n_bytes]
+        if raw.nbytes != info.n_bytes:
+            raise WeightsError(f"{p}: truncated GGUF file: tensor {n!r} has {raw.nbytes} of its "
+                               f"{info.n_bytes} bytes")
+        lt = load_type(n, info.shape, info.type, device, type_policy)
+        note = ""
+        if info.type == BF16 and lt == F16 and _bf16_overflows_f16(raw):
+            lt, note = F32, "BF16 values beyond F16's range (65504): loaded as F32"
+        plan.append((info, lt, raw, note))
+
+    ctx = ggml.Context(n_tensors=len(plan))
+    tensors: dict[str, object] = {}
+    for info, lt, _raw, _note in plan:
+        ne = ffi.new("int64_t[]", list(info.ne))
+        t = lib.ggml_new_tensor(ctx.ptr, lt, len(info.ne), ne)
+        ggml.set_name(t, info.name)
+        tensors[info.name] = t
+    buf = runtime.alloc(ctx)
+    lib.ggml_backend_buffer_set_usage(buf, lib.GGML_BACKEND_BUFFER_USAGE_WEIGHTS)
+    weights = Weights(str(p), runtime, ctx, buf, tensors, {},
+                      ignored=[n for n in infos if n not in shapes])
+    try:
+        for info, lt, raw, note in plan:
+            t = tensors[info.name]
+            n_inexact = _fill(t, info, lt, raw)
+            weights.report[info.name] = TensorLoad(
+                info.name, info.shape, info.type_name, type_name(lt), info.n_bytes,
+                int(lib.ggml_nbytes(t)), note, n_inexact)
+    except BaseException:
+        weights.close()
+        raise
+    return weights
+
+
+def _bf16_overflows_f16(raw: np.ndarray) -> bool:
+    """Any finite BF16 value of magnitude >= 65536 (F16 would make it inf)?  Every smaller
+    BF16 value rounds to at most 65504."""
+    bits = raw.view(np.uint16)
+    for i in range(0, bits.size, _CHUNK_ELEMENTS):
+        mag = bits[i: i + _CHUNK_ELEMENTS] & 0x7FFF
+        if np.any((mag >= 0x4780) & (mag < 0x7F80)):
+            return True
+    return False
+
+
+def _fill(t, info: TensorInfo, lt: int, raw: np.ndarray) -> int:
+    """Write the file bytes ``raw`` into ``t``, converting in row chunks when the type
+    changes; returns how many values the conversion could not keep exactly."""
+    if lt == info.type:
+        if lib.ggml_nbytes(t) != raw.nbytes:
+            raise WeightsError(f"tensor {info.name!r}: {raw.nbytes} bytes in the file, "
+                               f"{lib.ggml_nbytes(t)} in ggml")
+        lib.ggml_backend_tensor_set(t, ffi.from_buffer(raw), 0, raw.nbytes)
+        return 0
+    if lt not in (F32, F16):
+        raise WeightsError(f"tensor {info.name!r}: no conversion {info.type_name} -> "
+                           f"{type_name(lt)}")
+    row_len = info.ne[0]
+    n_rows = info.n_elements // row_len
+    src_row = int(lib.ggml_row_size(info.type, row_len))
+    dst_row = int(lib.ggml_row_size(lt, row_len))
+    rows_per_chunk = max(1, _CHUNK_ELEMENTS // row_len)
+    inexact = 0
+    for r0 in range(0, n_rows, rows_per_chunk):
+        nr = min(rows_per_chunk, n_rows - r0)
+        f32 = _to_f32(raw[r0 * src_row: (r0 + nr) * src_row], info.type, nr * row_len)
+        if lt == F16:
+            out = f32.astype(np.float16)
+            back = out.astype(np.float32)
+            inexact += int(np.count_nonzero((back != f32) & ~(np.isnan(back) & np.isnan(f32))))
+        else:
+            out = f32
+        lib.ggml_backend_tensor_set(t, ffi.from_buffer(out), r0 * dst_row, out.nbytes)
+    return inexact
+
+
+def _to_f32(raw: np.ndarray, t: int, n: int) -> np.ndarray:
+    if t == F32:
+        return raw.view(np.float32).copy()
+    if t == F16:
+        return raw.view(np.float16).astype(np.float32)
+    if t == BF16:
+        return (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    out = np.empty(n, dtype=np.float32)
+    lib.ggml_get_type_traits(t).to_float(ffi.cast("void *", ffi.from_buffer(raw)),
+                                         ffi.cast("float *", ffi.from_buffer(out)), n)
+    return out

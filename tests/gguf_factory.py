@@ -1,0 +1,186 @@
+"""Tiny qwen35 GGUF files with random weights, for tests that need a model file.
+
+The layout follows llama.cpp's converter: the ``qwen35.*`` keys it writes, its tensor names,
+1-D tensors, norms and ``ssm_conv1d`` always F32, every other matrix in the chosen type.  The
+default shape is the smallest whose matrix rows are all multiples of 256, so every K-quant
+applies: hidden 256, 4 layers (linear, linear, linear, attention), 2/1 heads of 128, FFN 256,
+DeltaNet 1 key head / 2 value heads of 128, vocabulary 64 (about 2 M weights, 8 MB in F32).
+
+    from gguf_factory import write_qwen35
+    model = write_qwen35(tmp_path / "m.gguf", dtype="q8_0")
+    model.values["blk.3.attn_q.weight"]   # float32 values before encoding
+    model.raw["blk.3.attn_q.weight"]      # the bytes written, in the tensor's file type
+
+Not a real model: the values are random and the tokenizer keys are placeholders.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import gguf
+
+from pytrain import ggml
+
+ARCH = "qwen35"
+
+
+@dataclass
+class TinyQwen35:
+    path: Path
+    hparams: dict
+    values: dict[str, np.ndarray] = field(default_factory=dict)   # float32 before encoding
+    types: dict[str, str] = field(default_factory=dict)           # ggml type name per tensor
+    raw: dict[str, np.ndarray] = field(default_factory=dict)      # bytes as written
+
+
+DEFAULTS = dict(n_layer=4, n_embd=256, n_ff=256, n_head=2, n_head_kv=1, head_dim=128,
+                n_vocab=64, conv_kernel=4, ssm_state=128, ssm_k_heads=1, ssm_v_heads=2,
+                ssm_v_dim=128, full_attention_interval=4, rms_eps=1e-6, rope_base=1e7)
+
+
+def qwen35_tensor_shapes(hp: dict, recurrent: list[bool], tied: bool = True,
+                         n_nextn: int = 0) -> dict[str, tuple[int, ...]]:
+    """Numpy-order shapes the converter writes, MTP blocks included (written independently
+    of ``Qwen35Config.tensor_shapes`` so the tests compare two derivations)."""
+    e, hd, ff = hp["n_embd"], hp["head_dim"], hp["n_ff"]
+    key_dim = hp["ssm_k_heads"] * hp["ssm_state"]
+    inner = hp["ssm_v_heads"] * hp["ssm_v_dim"]
+    s: dict[str, tuple[int, ...]] = {"token_embd.weight": (hp["n_vocab"], e),
+                                     "output_norm.weight": (e,)}
+    if not tied:
+        s["output.weight"] = (hp["n_vocab"], e)
+    for i, rec in enumerate(recurrent + [False] * n_nextn):
+        p = f"blk.{i}."
+        s[p + "attn_norm.weight"] = (e,)
+        s[p + "post_attention_norm.weight"] = (e,)
+        s[p + "ffn_gate.weight"] = (ff, e)
+        s[p + "ffn_up.weight"] = (ff, e)
+        s[p + "ffn_down.weight"] = (e, ff)
+        if rec:
+            s[p + "attn_qkv.weight"] = (2 * key_dim + inner, e)
+            s[p + "attn_gate.weight"] = (inner, e)
+            s[p + "ssm_conv1d.weight"] = (2 * key_dim + inner, hp["conv_kernel"])
+            s[p + "ssm_dt.bias"] = (hp["ssm_v_heads"],)
+            s[p + "ssm_a"] = (hp["ssm_v_heads"],)
+            s[p + "ssm_beta.weight"] = (hp["ssm_v_heads"], e)
+            s[p + "ssm_alpha.weight"] = (hp["ssm_v_heads"], e)
+            s[p + "ssm_norm.weight"] = (hp["ssm_v_dim"],)
+            s[p + "ssm_out.weight"] = (e, inner)
+        else:
+            s[p + "attn_q.weight"] = (2 * hp["n_head"] * hd, e)
+            s[p + "attn_k.weight"] = (hp["n_head_kv"] * hd, e)
+            s[p + "attn_v.weight"] = (hp["n_head_kv"] * hd, e)
+            s[p + "attn_output.weight"] = (e, hp["n_head"] * hd)
+            s[p + "attn_q_norm.weight"] = (hd,)
+            s[p + "attn_k_norm.weight"] = (hd,)
+        if i >= len(recurrent):   # MTP block: llama.cpp's nextn tensors on top of a layer
+            s[p + "nextn.eh_proj.weight"] = (e, 2 * e)
+            s[p + "nextn.enorm.weight"] = (e,)
+            s[p + "nextn.hnorm.weight"] = (e,)
+            s[p + "nextn.shared_head_norm.weight"] = (e,)
+    return s
+
+
+def file_type_for(name: str, shape: tuple[int, ...], dtype: str) -> str:
+    """The converter's rule: 1-D, ``*_norm.weight`` and ``ssm_conv1d`` stay F32; a matrix
+    whose rows do not fill whole blocks of the chosen type falls back to F16."""
+    if len(shape) <= 1 or name.endswith("_norm.weight") or "ssm_conv1d" in name:
+        return "f32"
+    if shape[-1] % ggml.lib.ggml_blck_size(ggml.TYPES[dtype]):
+        return "f16"
+    return dtype
+
+
+def encode(values: np.ndarray, type_name: str) -> np.ndarray:
+    """``values`` as the bytes of a ggml type (ggml's own quantizers and converters)."""
+    return ggml.to_bytes(values, ggml.TYPES[type_name], row_len=values.shape[-1])
+
+
+def write_qwen35(path: str | Path, dtype: str = "f32", *, seed: int = 0, n_nextn: int = 0,
+                 tied: bool = True, arch: str = ARCH, recurrent: list[bool] | None = None,
+                 drop: tuple[str, ...] = (), shapes: dict[str, tuple[int, ...]] | None = None,
+                 extra: dict[str, np.ndarray] | None = None,
+                 types: dict[str, str] | None = None,
+                 values_fn: Callable[[str, tuple[int, ...], np.random.Generator], np.ndarray]
+                 | None = None, **hparams) -> TinyQwen35:
+    """Write a tiny qwen35 GGUF.
+
+    ``dtype``: ggml type name for matrices (``f32``, ``f16``, ``bf16``, ``q8_0``, ``q4_K``...).
+    ``drop``: tensor names to leave out; ``shapes``: per-name shape overrides (numpy order);
+    ``extra``: additional float32 tensors; ``types``: per-name type overrides (any ggml type
+    name, also integer ones for error tests); ``values_fn(name, shape, rng)``: custom values.
+    """
+    hp = {**DEFAULTS, **hparams}
+    n_layer = hp["n_layer"]
+    if recurrent is None:
+        recurrent = [(i + 1) % hp["full_attention_interval"] != 0 for i in range(n_layer)]
+    want = qwen35_tensor_shapes(hp, recurrent, tied=tied, n_nextn=n_nextn)
+    want.update(shapes or {})
+    rng = np.random.default_rng(seed)
+
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name("tiny-qwen35-test")
+    w.add_block_count(n_layer + n_nextn)
+    w.add_context_length(4096)
+    w.add_embedding_length(hp["n_embd"])
+    w.add_feed_forward_length(hp["n_ff"])
+    w.add_head_count(hp["n_head"])
+    w.add_head_count_kv(hp["n_head_kv"])
+    w.add_key_length(hp["head_dim"])
+    w.add_value_length(hp["head_dim"])
+    w.add_layer_norm_rms_eps(hp["rms_eps"])
+    w.add_rope_freq_base(hp["rope_base"])
+    w.add_rope_dimension_count(hp["head_dim"] // 4)
+    w.add_rope_dimension_sections([11, 11, 10, 0])
+    w.add_ssm_conv_kernel(hp["conv_kernel"])
+    w.add_ssm_inner_size(hp["ssm_v_heads"] * hp["ssm_v_dim"])
+    w.add_ssm_state_size(hp["ssm_state"])
+    w.add_ssm_time_step_rank(hp["ssm_v_heads"])
+    w.add_ssm_group_count(hp["ssm_k_heads"])
+    w.add_full_attention_interval(hp["full_attention_interval"])
+    w.add_array(f"{arch}.attention.recurrent_layers", list(recurrent) + [False] * n_nextn)
+    if n_nextn:
+        w.add_nextn_predict_layers(n_nextn)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list([f"t{i}" for i in range(hp["n_vocab"])])
+
+    model = TinyQwen35(Path(path), hp)
+    all_values = dict(want)
+    for name, extra_v in (extra or {}).items():
+        all_values[name] = extra_v
+    for name, spec in all_values.items():
+        if name in drop:
+            continue
+        if isinstance(spec, np.ndarray):
+            vals = spec.astype(np.float32)
+        elif values_fn is not None:
+            vals = np.asarray(values_fn(name, spec, rng), dtype=np.float32).reshape(spec)
+        elif len(spec) == 1:
+            vals = (1.0 + 0.1 * rng.standard_normal(spec)).astype(np.float32)
+        else:
+            vals = (0.05 * rng.standard_normal(spec)).astype(np.float32)
+        tname = (types or {}).get(name) or file_type_for(name, vals.shape, dtype)
+        if tname in ("i8", "i16", "i32", "i64", "f64"):
+            arr = vals.astype({"i8": np.int8, "i16": np.int16, "i32": np.int32,
+                               "i64": np.int64, "f64": np.float64}[tname])
+            w.add_tensor(name, arr)
+            raw = arr.reshape(-1).view(np.uint8)
+        else:
+            raw = encode(vals, tname)
+            if tname in ("f32", "f16"):
+                w.add_tensor(name, raw.view(np.float32 if tname == "f32" else np.float16)
+                             .reshape(vals.shape))
+            else:
+                qtype = gguf.GGMLQuantizationType[tname.upper()]
+                w.add_tensor(name, raw.reshape(*vals.shape[:-1], -1), raw_dtype=qtype)
+        model.values[name] = vals
+        model.types[name] = tname
+        model.raw[name] = raw
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return model
