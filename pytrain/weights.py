@@ -213,7 +213,7 @@ def open_reader(path: str | os.PathLike[str]) -> GGUFReader:
         why = _explain_failure(p) if p.is_file() else None
         if why:
             raise WeightsError(f"{p}: {why}") from e
-        raise WeightsError(str(e)) from e
+        raise
 
 
 def tensor_infos(reader: GGUFReader) -> dict[str, TensorInfo]:
@@ -221,8 +221,6 @@ def tensor_infos(reader: GGUFReader) -> dict[str, TensorInfo]:
     out: dict[str, TensorInfo] = {}
     for t in reader.tensors:
         ne = [int(d) for d in t.shape]
-        while len(ne) > 1 and ne[-1] == 1:   # as ggml.shape(): trailing unit ne dims dropped
-            ne.pop()
         out[t.name] = TensorInfo(t.name, int(t.tensor_type), tuple(reversed(ne)),
                                  int(t.n_bytes), int(t.data_offset))
     return out
@@ -291,7 +289,8 @@ def load_weights(path: str | os.PathLike[str], runtime, shapes: Mapping[str, tup
         if raw.nbytes != info.n_bytes:
             raise WeightsError(f"{p}: truncated GGUF file: tensor {n!r} has {raw.nbytes} of its "
                                f"{info.n_bytes} bytes")
-        lt = load_type(n, info.shape, info.type, device, type_policy)
+        # the expected shape decides matrix vs vector: a [1, n] matrix is still a matrix
+        lt = load_type(n, tuple(want), info.type, device, type_policy)
         note = ""
         if info.type == BF16 and lt == F16 and _bf16_overflows_f16(raw):
             lt, note = F32, "BF16 values beyond F16's range (65504): loaded as F32"
@@ -300,8 +299,8 @@ def load_weights(path: str | os.PathLike[str], runtime, shapes: Mapping[str, tup
     ctx = ggml.Context(n_tensors=len(plan))
     tensors: dict[str, object] = {}
     for info, lt, _raw, _note in plan:
-        ne = ffi.new("int64_t[]", list(info.ne))
-        t = lib.ggml_new_tensor(ctx.ptr, lt, len(info.ne), ne)
+        want_ne = list(reversed(shapes[info.name]))
+        t = lib.ggml_new_tensor(ctx.ptr, lt, len(want_ne), ffi.new("int64_t[]", want_ne))
         ggml.set_name(t, info.name)
         tensors[info.name] = t
     buf = runtime.alloc(ctx)
