@@ -345,3 +345,8 @@ def build_backward(ctx: Context, forward, loss):
 def seed_backward(backward) -> None:
     """Set d(loss)/d(loss) = 1 and zero gradient accumulators (ggml_graph_reset)."""
     lib.ggml_graph_reset(backward)
+
+
+def is_allocated(t) -> bool:
+    """False for a tensor the scheduler left out because no node of the graph reads it."""
+    return t.buffer != ffi.NULL or t.data != ffi.NULL

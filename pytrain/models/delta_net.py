@@ -1,0 +1,233 @@
+"""Gated DeltaNet pieces built only from ggml ops that have a backward pass.
+
+llama.cpp computes these with fused ops (GATED_DELTA_NET, SSM_CONV) or with ops that have no
+backward (CUMSUM, TRI, SOLVE_TRI, PAD, CONCAT, L2_NORM, SIGMOID).  LoRA sits in the attention
+layers, under DeltaNet layers, so gradients must flow through the recurrence: every function
+here is made of MUL_MAT, MUL, ADD/SUB, EXP, SOFTPLUS, DIAG_MASK_INF, ACC, views and repeats,
+whose backward ggml already has.  Forward results are tested against the fused ops.
+
+Layouts (ggml ne order, fastest first):
+  per-token features  [d, H, T, B]
+  chunked             [d, C, NC, B*H]  (T = C·NC; dim 3 is b + B·h so host masks of shape
+                                        [.., NC, B] broadcast over heads)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from pytrain.ggml import ffi, lib
+
+CHUNK = 64
+
+
+def chunk_size(n_tokens: int) -> int:
+    """The chunk length for a (padded) sequence length: whole chunks of 64, or one chunk."""
+    return CHUNK if n_tokens >= CHUNK else n_tokens
+
+
+def padded_length(n_tokens: int) -> int:
+    return n_tokens if n_tokens <= CHUNK else -(-n_tokens // CHUNK) * CHUNK
+
+
+def sigmoid(ctx, x):
+    """sigmoid(x) = exp(-softplus(-x)): SIGMOID itself has no backward in ggml."""
+    return lib.ggml_exp(ctx, lib.ggml_neg(ctx, lib.ggml_softplus(ctx, lib.ggml_neg(ctx, x))))
+
+
+def l2_norm(ctx, x, eps: float = 1e-6):
+    """x · rsqrt(Σx² + eps) over dim 0, as HF's Qwen3.5 does (ggml_l2_norm divides by
+    max(‖x‖, eps) instead, and has no backward)."""
+    ss = lib.ggml_sum_rows(ctx, lib.ggml_sqr(ctx, x))                 # [1, ...]
+    # rsqrt as exp(-log(.)/2): DIV's backward cannot broadcast its divisor, MUL's can
+    inv = lib.ggml_exp(ctx, lib.ggml_scale(ctx, lib.ggml_log(ctx, lib.ggml_scale_bias(
+        ctx, ss, 1.0, eps)), -0.5))
+    return lib.ggml_mul(ctx, x, inv)
+
+
+def causal_conv(ctx, x, w, zeros, seg_keep):
+    """Depthwise causal conv: out[c, t] = Σ_k w[c, k] · x[c, t - (K-1) + k].
+
+    x:        [C, T, B] activations
+    w:        [K, C] the GGUF conv weight (frozen)
+    zeros:    [C, T + K - 1, B] a zero-filled input, the padded canvas
+    seg_keep: [1, T, B, K] host mask: 1 where tap k of token t reads a token of the same
+              sample (0 across a packed-sample boundary or before the row start)
+    """
+    K = int(w.ne[0])
+    C, T, B = int(x.ne[0]), int(x.ne[1]), int(x.ne[2])
+    xp = lib.ggml_acc(ctx, zeros, x, zeros.nb[1], zeros.nb[2], zeros.nb[3],
+                      (K - 1) * zeros.nb[1])                            # [C, T+K-1, B]
+    wt = lib.ggml_cont(ctx, lib.ggml_transpose(ctx, w))                 # [C, K]
+    out = None
+    for k in range(K):
+        xk = lib.ggml_view_3d(ctx, xp, C, T, B, xp.nb[1], xp.nb[2], k * xp.nb[1])
+        wk = lib.ggml_view_1d(ctx, wt, C, k * wt.nb[1])
+        mk = lib.ggml_view_3d(ctx, seg_keep, 1, T, B, seg_keep.nb[1], seg_keep.nb[2],
+                              k * seg_keep.nb[3])
+        term = lib.ggml_mul(ctx, lib.ggml_mul(ctx, xk, wk), mk)
+        out = term if out is None else lib.ggml_add(ctx, out, term)
+    return out
+
+
+@dataclass
+class ChunkInputs:
+    """Host-made constants of one chunked recurrence (shared by every DeltaNet layer)."""
+    tri: object       # [C, C]       1 where k <= i (cumsum as a matmul)
+    eye: object       # [C, C]       identity
+    m_incl: object    # [C, C, NC, B] 1 where j <= i and same sample
+    m_strict: object  # [C, C, NC, B] 1 where j <  i and same sample
+    carry: object     # [1, C, NC, B] 1 where the token continues the sample of the previous chunk
+
+
+def new_chunk_inputs(ctx, C: int, NC: int, B: int) -> ChunkInputs:
+    f32 = lib.GGML_TYPE_F32
+    t = ChunkInputs(
+        tri=lib.ggml_new_tensor_2d(ctx, f32, C, C),
+        eye=lib.ggml_new_tensor_2d(ctx, f32, C, C),
+        m_incl=lib.ggml_new_tensor_4d(ctx, f32, C, C, NC, B),
+        m_strict=lib.ggml_new_tensor_4d(ctx, f32, C, C, NC, B),
+        carry=lib.ggml_new_tensor_4d(ctx, f32, 1, C, NC, B),
+    )
+    for x in vars(t).values():
+        lib.ggml_set_input(x)
+    return t
+
+
+def chunk_input_values(seg: np.ndarray, C: int) -> dict[str, np.ndarray]:
+    """Numpy values for ChunkInputs from per-token sample ids ``seg`` [B, T] (T = C·NC)."""
+    B, T = seg.shape
+    NC = T // C
+    s = seg.reshape(B, NC, C)
+    same = s[:, :, :, None] == s[:, :, None, :]                       # [B, NC, i, j]
+    causal = np.tril(np.ones((C, C), bool))
+    m_incl = same & causal
+    m_strict = same & np.tril(np.ones((C, C), bool), -1)
+    prev = np.concatenate([np.full((B, 1), np.iinfo(np.int64).min), s[:, :-1, -1]], axis=1)
+    carry = (s == prev[:, :, None])                                    # [B, NC, C]
+    carry[:, 0, :] = False                                             # zero initial state
+    # numpy order is the reverse of ggml ne: [B, NC, i(C), j(C)] -> ne [j, i, NC, B]
+    return {
+        "tri": np.tril(np.ones((C, C), np.float32)),                   # ne [k, i]: k <= i
+        "eye": np.eye(C, dtype=np.float32),
+        "m_incl": m_incl.astype(np.float32),
+        "m_strict": m_strict.astype(np.float32),
+        "carry": carry.astype(np.float32)[:, :, :, None],
+    }
+
+
+def to_chunks(ctx, x, C: int):
+    """[d, H, T, B] -> [d, C, NC, B*H] (contiguous)."""
+    d, H, T, B = (int(x.ne[i]) for i in range(4))
+    y = lib.ggml_cont(ctx, lib.ggml_permute(ctx, x, 0, 3, 1, 2))       # [d, T, B, H]
+    return lib.ggml_reshape_4d(ctx, y, d, C, T // C, B * H)
+
+
+def from_chunks(ctx, y, H: int, B: int):
+    """[d, C, NC, B*H] -> [d, H, T, B] (contiguous)."""
+    d, C, NC = int(y.ne[0]), int(y.ne[1]), int(y.ne[2])
+    y = lib.ggml_reshape_4d(ctx, y, d, C * NC, B, H)                   # [d, T, B, H]
+    return lib.ggml_cont(ctx, lib.ggml_permute(ctx, y, 0, 2, 3, 1))
+
+
+def transpose(ctx, x):
+    """cont(transpose(x)) whose backward hands x a contiguous gradient: TRANSPOSE's backward
+    transposes the gradient back, and most ops' backward (MUL's among them) reject a
+    non-contiguous gradient; RESHAPE's backward makes it contiguous first."""
+    x = lib.ggml_reshape_4d(ctx, x, x.ne[0], x.ne[1], x.ne[2], x.ne[3])
+    return lib.ggml_cont(ctx, lib.ggml_transpose(ctx, x))
+
+
+def _view_chunk(ctx, t, c: int):
+    """Chunk c of a [x, y, NC, BH] tensor as a 3-D view [x, y, BH]."""
+    return lib.ggml_view_3d(ctx, t, t.ne[0], t.ne[1], t.ne[3], t.nb[1], t.nb[3], c * t.nb[2])
+
+
+def _neumann_inverse(ctx, L, eye, C: int):
+    """(I + L)^-1 for strictly lower-triangular L (nilpotent, L^C = 0):
+    (I - L)(I + L^2)(I + L^4)...(I + L^(2^m)) with 2^(m+1) >= C.  Every factor is a
+    polynomial in L, so they commute; P and P^T are both kept to avoid transposes.
+    ggml ne [j, i] holds the numpy matrix M[i, j]; mul_mat(a, b) = b @ a^T."""
+    LT = transpose(ctx, L)
+    inv = lib.ggml_add(ctx, lib.ggml_neg(ctx, L), eye)                  # I - L
+    P, PT = L, LT
+    k = 2
+    while k < C:
+        P, PT = lib.ggml_mul_mat(ctx, PT, P), lib.ggml_mul_mat(ctx, P, PT)   # P@P, (P@P)^T
+        factor_t = lib.ggml_add(ctx, PT, eye)                          # (I + P)^T
+        inv = lib.ggml_mul_mat(ctx, factor_t, inv)                     # inv @ (I + P)
+        k *= 2
+    return inv
+
+
+def gated_delta_rule(ctx, q, k, v, g, beta, ci: ChunkInputs, C: int):
+    """The gated delta rule over whole sequences, chunk-parallel inside chunks and recurrent
+    across them, starting from a zero state.
+
+    q, k: [S, H, T, B] (already L2-normalised, heads already matched to v's heads)
+    v:    [S, H, T, B]
+    g:    [1, H, T, B] log decay (<= 0);  beta: [1, H, T, B] in (0, 1)
+    returns o: [S, H, T, B] with o_t = q_t·S_t / sqrt(S), S_t = e^{g_t} S_{t-1} + k_t δ_tᵀ,
+    δ_t = β_t (v_t - S_{t-1}ᵀ k_t e^{g_t}) — what ggml_gated_delta_net computes.
+    """
+    S, H, T, B = (int(q.ne[i]) for i in range(4))
+    NC = T // C
+    # scale after the copy into chunks: SCALE's backward needs a contiguous gradient
+    qc = lib.ggml_scale(ctx, to_chunks(ctx, q, C), 1.0 / float(np.sqrt(S)))
+    kc, vc = to_chunks(ctx, k, C), to_chunks(ctx, v, C)
+    bc = to_chunks(ctx, beta, C)                                        # [1, C, NC, BH]
+    gc = lib.ggml_reshape_2d(ctx, to_chunks(ctx, g, C), C, NC * B * H)  # [C, NC·BH]
+    gam = lib.ggml_mul_mat(ctx, ci.tri, gc)                             # cumsum in chunk
+    gam_i = lib.ggml_reshape_4d(ctx, gam, 1, C, NC, B * H)              # varies along i
+    gam_j = lib.ggml_reshape_4d(ctx, gam, C, 1, NC, B * H)              # varies along j
+    # γ_i - γ_j as ADD of a negation: SUB's backward cannot broadcast its second operand
+    diff = lib.ggml_add(ctx, lib.ggml_repeat_4d(ctx, gam_i, C, C, NC, B * H),
+                        lib.ggml_neg(ctx, gam_j))
+    decay = lib.ggml_mul(ctx, lib.ggml_exp(ctx, lib.ggml_diag_mask_inf(ctx, diff, 0)),
+                         ci.m_incl)                                     # D[i,j], j<=i
+    e = lib.ggml_mul(ctx, lib.ggml_exp(ctx, gam_i), ci.carry)          # [1, C, NC, BH]
+
+    kb = lib.ggml_mul(ctx, kc, bc)
+    L = lib.ggml_mul(ctx, lib.ggml_mul(ctx, lib.ggml_mul_mat(ctx, kc, kb), decay), ci.m_strict)
+    inv = _neumann_inverse(ctx, L, ci.eye, C)                           # [C, C, NC, BH]
+
+    vbT = transpose(ctx, lib.ggml_mul(ctx, vc, bc))   # [C, S]
+    uT = lib.ggml_mul_mat(ctx, inv, vbT)                                # (Tinv βv)^T [C, S]
+    kbeT = transpose(ctx, lib.ggml_mul(ctx, kb, e))
+    w = lib.ggml_mul_mat(ctx, kbeT, inv)                                # Tinv (β e k) [S, C]
+    qe = lib.ggml_mul(ctx, qc, e)                                       # [S, C]
+    A = lib.ggml_mul(ctx, lib.ggml_mul_mat(ctx, kc, qc), decay)         # q_i·k_j D[i,j]
+    last = lib.ggml_view_4d(ctx, decay, C, 1, NC, B * H, decay.nb[1], decay.nb[2],
+                            decay.nb[3], (C - 1) * decay.nb[1])
+    last = lib.ggml_reshape_4d(ctx, lib.ggml_cont(ctx, last), 1, C, NC, B * H)
+    kdT = transpose(ctx, lib.ggml_mul(ctx, kc, last))  # [C, S]
+    # views of views break VIEW's backward (it zero-fills the viewed tensor with SCALE, which
+    # needs it contiguous), so anything viewed per chunk is made contiguous first
+    e_last = lib.ggml_cont(ctx, lib.ggml_view_4d(ctx, e, 1, 1, NC, B * H, e.nb[1], e.nb[2],
+                                                 e.nb[3], (C - 1) * e.nb[1]))
+
+    canvas = lib.ggml_scale(ctx, vc, 0.0)       # zeros of the output's shape [S, C, NC, BH]
+    state_t = None                               # Sᵀ: ne [S_k, S_v, BH], zero before chunk 0
+    for c in range(NC):
+        dT = _view_chunk(ctx, uT, c)                                    # δᵀ = (U - W S)ᵀ
+        if state_t is not None:
+            dT = lib.ggml_sub(ctx, dT, lib.ggml_mul_mat(ctx, _view_chunk(ctx, w, c), state_t))
+        o = lib.ggml_mul_mat(ctx, dT, _view_chunk(ctx, A, c))          # A δ      [S, C, BH]
+        if state_t is not None:
+            o = lib.ggml_add(ctx, o, lib.ggml_mul_mat(ctx, state_t, _view_chunk(ctx, qe, c)))
+        if NC == 1:
+            return from_chunks(ctx, lib.ggml_reshape_4d(ctx, o, S, C, 1, B * H), H, B)
+        if c + 1 < NC:
+            upd = lib.ggml_mul_mat(ctx, _view_chunk(ctx, kdT, c), dT)  # (Kdᵀ δ)ᵀ
+            state_t = upd if state_t is None else lib.ggml_add(
+                ctx, lib.ggml_mul(ctx, state_t, _view_chunk(ctx, e_last, c)), upd)
+        canvas = _place_chunk(ctx, canvas, o, c)
+    return from_chunks(ctx, canvas, H, B)
+
+
+def _place_chunk(ctx, canvas, o, c: int):
+    """Write chunk c's output [S, C, BH] into the [S, C, NC, BH] result.  ACC has a backward;
+    CONCAT and the SET_ROWS writes llama.cpp uses do not."""
+    return lib.ggml_acc(ctx, canvas, o, canvas.nb[1], canvas.nb[3], canvas.nb[3] * canvas.ne[3],
+                        c * canvas.nb[2])
