@@ -1,0 +1,104 @@
+"""A loaded model: runtime, weights, tokenizer and forward graphs, behind a small API.
+
+    model = pytrain.load_model("model.gguf", device="auto", threads=None)
+    model.logits(tokens)              # [T] or [B, T] ints -> float32 [T, V] / [B, T, V]
+    model.generate(prompt_tokens, max_new_tokens=32)
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from pytrain import ggml
+from pytrain.ggml import lib
+from pytrain.model_file import open_model
+from pytrain.models import qwen35
+from pytrain.tokenizer import Tokenizer
+from pytrain.weights import load_weights
+
+
+def graph_budget(config, T: int) -> int:
+    """Nodes (and tensors) a forward + backward graph of this model may need."""
+    n_chunks = max(1, T // 64)
+    return 4096 + config.n_layer * (400 + 60 * n_chunks) * 3
+
+
+@dataclass
+class Model:
+    path: str
+    config: object
+    metadata: dict
+    runtime: ggml.Runtime
+    weights: object
+    tokenizer: Tokenizer
+
+    @property
+    def graph(self) -> qwen35.Qwen35Graph:
+        return qwen35.Qwen35Graph(self.config, self.weights.tensors)
+
+    def logits(self, tokens, seg: np.ndarray | None = None, lora=None) -> np.ndarray:
+        """Log-its of every position; right padding (or packing via ``seg``) is the caller's."""
+        arr = np.asarray(tokens)
+        single = arr.ndim == 1
+        arr = np.atleast_2d(arr).astype(np.int64)
+        B, T = arr.shape
+        Tp = qwen35.padded_length(T)
+        if seg is None:
+            seg = np.zeros((B, T), np.int64)
+        seg = np.atleast_2d(seg)
+        pad_tok = self.tokenizer.pad_id if self.tokenizer.pad_id is not None else 0
+        tok_p = np.full((B, Tp), pad_tok, np.int64)
+        tok_p[:, :T] = arr
+        seg_p = np.full((B, Tp), -1, np.int64)
+        seg_p[:, :T] = seg
+        size = graph_budget(self.config, Tp)
+        ctx = ggml.Context(n_tensors=size, graph_size=size)
+        try:
+            fwd = self.graph.build(ctx.ptr, B, Tp, lora)
+            lib.ggml_set_output(fwd.logits)
+            gf = ggml.new_graph(ctx, size)
+            lib.ggml_build_forward_expand(gf, fwd.logits)
+            self.runtime.alloc_graph(gf)
+            qwen35.set_inputs(fwd, qwen35.input_values(self.config, tok_p, seg_p))
+            self.runtime.compute(gf)
+            out = ggml.to_numpy(fwd.logits).reshape(B, Tp, -1)[:, :T].copy()
+        finally:
+            lib.ggml_backend_sched_reset(self.runtime.sched)
+            ctx.close()
+        return out[0] if single else out
+
+    def generate(self, prompt_tokens, max_new_tokens: int = 64, temperature: float = 0.0,
+                 seed: int = 0, stop_ids=None, lora=None) -> list[int]:
+        """Sample up to ``max_new_tokens`` after the prompt, stopping at an end-of-generation
+        token.  Recomputes the whole prefix each step (no KV cache): fine for the small
+        models and short answers of evaluation and demos."""
+        rng = np.random.default_rng(seed)
+        stop = set(self.tokenizer.eog_ids if stop_ids is None else stop_ids)
+        toks = list(prompt_tokens)
+        out: list[int] = []
+        for _ in range(max_new_tokens):
+            last = self.logits(np.array(toks), lora=lora)[-1].astype(np.float64)
+            if temperature <= 0:
+                nxt = int(last.argmax())
+            else:
+                p = np.exp((last - last.max()) / temperature)
+                nxt = int(rng.choice(len(p), p=p / p.sum()))
+            if nxt in stop:
+                break
+            out.append(nxt)
+            toks.append(nxt)
+        return out
+
+    def close(self) -> None:
+        self.weights.close()
+        self.runtime.close()
+
+
+def load_model(path: str | os.PathLike, device: str = "auto", threads: int | None = None,
+               type_policy: str = "auto") -> Model:
+    arch, meta, _infos, config = open_model(path)
+    rt = ggml.Runtime(device, threads=threads)
+    weights = load_weights(path, rt, config.tensor_shapes(), type_policy)
+    return Model(str(path), config, meta, rt, weights, Tokenizer.from_metadata(meta))

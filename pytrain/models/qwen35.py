@@ -1,0 +1,228 @@
+"""Qwen3.5 (arch ``qwen35``): the forward graph pytrain trains through.
+
+It computes what llama.cpp's src/models/qwen35.cpp computes, but only from ops with a
+backward in ggml (see delta_net.py), on right-padded or packed batches [B, T]:
+
+  x = token_embd[tokens]
+  per layer:  h = x + mixer(rms_norm(x) · attn_norm)          mixer = attention | DeltaNet
+              x = h + ffn(rms_norm(h) · post_attention_norm)
+  logits = (rms_norm(x) · output_norm) @ (output | token_embd)ᵀ
+
+Shapes in comments are ggml ne order (fastest first): E = n_embd, T tokens, B rows.
+``seg`` [B, T] gives each token's sample id (-1 for padding): attention, conv taps and the
+recurrent state never cross a change of id, so packed samples stay isolated.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from pytrain import ggml
+from pytrain.ggml import lib
+from pytrain.models import delta_net as dn
+from pytrain.models.qwen35_config import Qwen35Config
+
+# a LoRA hook: (ctx, base tensor name, input x) -> delta to add to W·x, or None
+LoraFn = Callable[[object, str, object], object]
+
+
+@dataclass
+class GraphInputs:
+    """Tensors the host fills before each compute, and how to fill them."""
+    tokens: object                      # I32 [T·B]
+    pos: object                         # I32 [T·B] position within its sample
+    kq_mask: object                     # F32 [T, T, 1, B] 0 or -inf
+    conv_zeros: object | None = None    # F32 [conv_channels, T + K - 1, B]
+    conv_keep: object | None = None     # F32 [1, T, B, K]
+    chunks: dn.ChunkInputs | None = None
+
+
+@dataclass
+class Forward:
+    logits: object                      # F32 [V, T, B]
+    inputs: GraphInputs
+    B: int
+    T: int                              # padded length the graph runs on
+    extra: dict = field(default_factory=dict)
+
+
+class Qwen35Graph:
+    """Builds the forward graph from loaded weights (name → ggml tensor)."""
+
+    def __init__(self, config: Qwen35Config, weights: dict[str, object]):
+        self.c = config
+        self.w = weights
+
+    # -- building blocks -------------------------------------------------------------
+    def mm(self, ctx, name: str, x, lora: LoraFn | None):
+        """W·x, plus the adapter's contribution when ``name`` is adapted."""
+        y = lib.ggml_mul_mat(ctx, self.w[name], x)
+        if lora is not None:
+            d = lora(ctx, name, x)
+            if d is not None:
+                y = lib.ggml_add(ctx, y, d)
+        return y
+
+    def norm(self, ctx, x, weight: str):
+        return lib.ggml_mul(ctx, lib.ggml_rms_norm(ctx, x, self.c.rms_eps), self.w[weight])
+
+    # -- layers ----------------------------------------------------------------------
+    def attention(self, ctx, il: int, x, inp: GraphInputs, B: int, T: int, lora):
+        c, p = self.c, f"blk.{il}."
+        hd, H, Hkv = c.head_dim, c.n_head, c.n_head_kv
+        qg = self.mm(ctx, p + "attn_q.weight", x, lora)                 # [2·hd·H, T·B]
+        # per head: [query (hd) | gate (hd)]
+        q = lib.ggml_view_3d(ctx, qg, hd, H, T * B, 2 * hd * 4, 2 * hd * H * 4, 0)
+        gate = lib.ggml_view_3d(ctx, qg, hd, H, T * B, 2 * hd * 4, 2 * hd * H * 4, hd * 4)
+        gate = lib.ggml_cont_2d(ctx, gate, hd * H, T * B)
+        k = lib.ggml_reshape_3d(ctx, self.mm(ctx, p + "attn_k.weight", x, lora), hd, Hkv, T * B)
+        v = lib.ggml_reshape_3d(ctx, self.mm(ctx, p + "attn_v.weight", x, lora), hd, Hkv, T * B)
+        q = self.norm(ctx, lib.ggml_cont(ctx, q), p + "attn_q_norm.weight")
+        k = self.norm(ctx, k, p + "attn_k_norm.weight")
+        rope = lambda t: lib.ggml_rope_ext(ctx, t, inp.pos, ggml.ffi.NULL, c.n_rot,
+                                           lib.GGML_ROPE_TYPE_NEOX, 0, c.rope_base, 1.0, 0.0,
+                                           1.0, 0.0, 0.0)
+        q, k = rope(q), rope(k)                                           # [hd, H, T·B]
+
+        def heads_last(t, n):                                             # -> [hd, T, n·B]
+            t = lib.ggml_reshape_4d(ctx, t, hd, n, T, B)
+            return lib.ggml_reshape_3d(ctx, lib.ggml_cont(ctx, lib.ggml_permute(ctx, t, 0, 2, 1, 3)),
+                                       hd, T, n * B)
+        q3, k3 = heads_last(q, H), heads_last(k, Hkv)
+        # B merged behind the heads keeps MUL_MAT's grouped broadcast (q head h reads kv head
+        # h // (H/Hkv), as HF's repeat_kv) inside 3-D tensors, which its backward supports
+        kq = lib.ggml_mul_mat(ctx, k3, q3)                                # [T_k, T_q, H·B]
+        kq = lib.ggml_reshape_4d(ctx, kq, T, T, H, B)
+        probs = lib.ggml_soft_max_ext(ctx, kq, inp.kq_mask, 1.0 / float(np.sqrt(hd)), 0.0)
+        probs = lib.ggml_reshape_3d(ctx, probs, T, T, H * B)
+        vT = lib.ggml_reshape_4d(ctx, v, hd, Hkv, T, B)
+        vT = lib.ggml_reshape_3d(ctx, lib.ggml_cont(ctx, lib.ggml_permute(ctx, vT, 1, 2, 0, 3)),
+                                 T, hd, Hkv * B)                         # [T, hd, Hkv·B]
+        o = lib.ggml_mul_mat(ctx, vT, probs)                              # [hd, T, H·B]
+        o = lib.ggml_reshape_4d(ctx, o, hd, T, H, B)
+        o = lib.ggml_cont_2d(ctx, lib.ggml_permute(ctx, o, 0, 2, 1, 3), hd * H, T * B)
+        o = lib.ggml_mul(ctx, o, dn.sigmoid(ctx, gate))
+        return self.mm(ctx, p + "attn_output.weight", o, lora)
+
+    def delta_net(self, ctx, il: int, x, inp: GraphInputs, B: int, T: int, lora, C: int):
+        c, p = self.c, f"blk.{il}."
+        S, Hk, Hv = c.ssm_state, c.ssm_k_heads, c.ssm_v_heads
+        dv = c.ssm_head_v_dim
+        ch = c.conv_channels
+        mixed = self.mm(ctx, p + "attn_qkv.weight", x, lora)              # [ch, T·B]
+        z = self.mm(ctx, p + "attn_gate.weight", x, lora)                 # [dv·Hv, T·B]
+        beta = dn.sigmoid(ctx, self.mm(ctx, p + "ssm_beta.weight", x, lora))   # [Hv, T·B]
+        alpha = self.mm(ctx, p + "ssm_alpha.weight", x, lora)
+        g = lib.ggml_mul(ctx, lib.ggml_softplus(ctx, lib.ggml_add(ctx, alpha, self.w[p + "ssm_dt.bias"])),
+                         self.w[p + "ssm_a"])                             # log decay <= 0
+        conv = dn.causal_conv(ctx, lib.ggml_reshape_3d(ctx, mixed, ch, T, B),
+                              self.w[p + "ssm_conv1d.weight"], inp.conv_zeros, inp.conv_keep)
+        conv = lib.ggml_silu(ctx, conv)                                   # [ch, T, B]
+        row = conv.nb[1]
+
+        def split(n_heads, dim, offset):
+            t = lib.ggml_view_4d(ctx, conv, dim, n_heads, T, B, dim * 4, row, conv.nb[2], offset)
+            return lib.ggml_cont(ctx, t)
+        q = dn.l2_norm(ctx, split(Hk, S, 0))
+        k = dn.l2_norm(ctx, split(Hk, S, Hk * S * 4))
+        v = split(Hv, dv, 2 * Hk * S * 4)
+        if Hv != Hk:  # GGUF value heads are tiled over key heads: head j reads key j % Hk
+            q = lib.ggml_repeat_4d(ctx, q, S, Hv, T, B)
+            k = lib.ggml_repeat_4d(ctx, k, S, Hv, T, B)
+        g = lib.ggml_reshape_4d(ctx, g, 1, Hv, T, B)
+        beta = lib.ggml_reshape_4d(ctx, beta, 1, Hv, T, B)
+        o = dn.gated_delta_rule(ctx, q, k, v, g, beta, inp.chunks, C)    # [dv, Hv, T, B]
+        o = lib.ggml_mul(ctx, self.norm(ctx, o, p + "ssm_norm.weight"),
+                         lib.ggml_silu(ctx, lib.ggml_reshape_4d(ctx, z, dv, Hv, T, B)))
+        return self.mm(ctx, p + "ssm_out.weight", lib.ggml_reshape_2d(ctx, o, dv * Hv, T * B), lora)
+
+    def ffn(self, ctx, il: int, x, lora):
+        p = f"blk.{il}."
+        gate = self.mm(ctx, p + "ffn_gate.weight", x, lora)
+        up = self.mm(ctx, p + "ffn_up.weight", x, lora)
+        return self.mm(ctx, p + "ffn_down.weight", lib.ggml_mul(ctx, lib.ggml_silu(ctx, gate), up), lora)
+
+    # -- the whole model -------------------------------------------------------------
+    def build(self, ctx, B: int, T: int, lora: LoraFn | None = None) -> Forward:
+        """The forward graph for B rows of T tokens (T already padded: see padded_length)."""
+        c = self.c
+        C = dn.chunk_size(T)
+        assert T % C == 0, f"T={T} is not a multiple of the chunk size {C}"
+        i32, f32 = lib.GGML_TYPE_I32, lib.GGML_TYPE_F32
+        inp = GraphInputs(
+            tokens=lib.ggml_new_tensor_1d(ctx, i32, T * B),
+            pos=lib.ggml_new_tensor_1d(ctx, i32, T * B),
+            kq_mask=lib.ggml_new_tensor_4d(ctx, f32, T, T, 1, B),
+        )
+        if any(c.recurrent):
+            inp.conv_zeros = lib.ggml_new_tensor_3d(ctx, f32, c.conv_channels, T + c.conv_kernel - 1, B)
+            inp.conv_keep = lib.ggml_new_tensor_4d(ctx, f32, 1, T, B, c.conv_kernel)
+            inp.chunks = dn.new_chunk_inputs(ctx, C, T // C, B)
+            lib.ggml_set_input(inp.conv_zeros)
+            lib.ggml_set_input(inp.conv_keep)
+        for t in (inp.tokens, inp.pos, inp.kq_mask):
+            lib.ggml_set_input(t)
+
+        x = lib.ggml_get_rows(ctx, self.w["token_embd.weight"], inp.tokens)   # [E, T·B]
+        for il in range(c.n_layer):
+            p = f"blk.{il}."
+            h = self.norm(ctx, x, p + "attn_norm.weight")
+            if c.recurrent[il]:
+                h = self.delta_net(ctx, il, h, inp, B, T, lora, C)
+            else:
+                h = self.attention(ctx, il, h, inp, B, T, lora)
+            x = lib.ggml_add(ctx, x, h)
+            x = lib.ggml_add(ctx, x, self.ffn(ctx, il, self.norm(ctx, x, p + "post_attention_norm.weight"), lora))
+        x = self.norm(ctx, x, "output_norm.weight")
+        head = "token_embd.weight" if c.tied_embeddings else "output.weight"
+        logits = lib.ggml_mul_mat(ctx, self.w[head], x)                   # [V, T·B]
+        logits = lib.ggml_reshape_3d(ctx, logits, c.n_vocab, T, B)
+        return Forward(logits, inp, B, T)
+
+
+# --------------------------------------------------------------------------- host inputs
+
+def padded_length(n_tokens: int) -> int:
+    return dn.padded_length(n_tokens)
+
+
+def input_values(config: Qwen35Config, tokens: np.ndarray, seg: np.ndarray) -> dict[str, np.ndarray]:
+    """Numpy values for GraphInputs from tokens [B, T] and sample ids seg [B, T] (-1 = pad)."""
+    B, T = tokens.shape
+    pos = np.zeros((B, T), np.int32)
+    for b in range(B):
+        start = 0
+        for t in range(T):
+            if t > 0 and seg[b, t] != seg[b, t - 1]:
+                start = t
+            pos[b, t] = t - start
+    same = seg[:, :, None] == seg[:, None, :]                            # [B, q, k]
+    causal = np.tril(np.ones((T, T), bool))
+    mask = np.where(same & causal, 0.0, -np.inf).astype(np.float32)[:, None]   # [B, 1, q, k]
+    vals = {"tokens": tokens.astype(np.int32).reshape(-1), "pos": pos.reshape(-1),
+            "kq_mask": mask}
+    if any(config.recurrent):
+        K = config.conv_kernel
+        keep = np.zeros((K, B, T, 1), np.float32)
+        for k in range(K):
+            src = np.arange(T) - (K - 1) + k
+            ok = src >= 0
+            keep[k][:, ok, 0] = seg[:, src[ok]] == seg[:, ok]
+        vals["conv_keep"] = keep
+        vals["conv_zeros"] = np.zeros((B, T + K - 1, config.conv_channels), np.float32)
+        vals.update({"chunk_" + k: v for k, v in
+                     dn.chunk_input_values(seg, dn.chunk_size(T)).items()})
+    return vals
+
+
+def set_inputs(fwd: Forward, vals: dict[str, np.ndarray]) -> None:
+    inp = fwd.inputs
+    targets = {"tokens": inp.tokens, "pos": inp.pos, "kq_mask": inp.kq_mask,
+               "conv_keep": inp.conv_keep, "conv_zeros": inp.conv_zeros}
+    if inp.chunks is not None:
+        targets.update({"chunk_" + k: v for k, v in vars(inp.chunks).items()})
+    for name, t in targets.items():
+        if t is not None and ggml.is_allocated(t):
+            ggml.from_numpy(t, vals[name])
