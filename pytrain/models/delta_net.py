@@ -120,6 +120,7 @@ def chunk_input_values(seg: np.ndarray, C: int) -> dict[str, np.ndarray]:
 def to_chunks(ctx, x, C: int):
     """[d, H, T, B] -> [d, C, NC, B*H] (contiguous)."""
     d, H, T, B = (int(x.ne[i]) for i in range(4))
+    x = lib.ggml_reshape_4d(ctx, x, d, H, T, B)    # PERMUTE's gradient reaches x made contiguous
     y = lib.ggml_cont(ctx, lib.ggml_permute(ctx, x, 0, 3, 1, 2))       # [d, T, B, H]
     return lib.ggml_reshape_4d(ctx, y, d, C, T // C, B * H)
 

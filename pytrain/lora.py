@@ -1,0 +1,86 @@
+"""LoRA adapter tensors and the hook that adds them to the base projections.
+
+For a frozen base W [n_out, n_in] the adapted projection is W·x + (alpha/r)·B·(A·x), with
+A [r, n_in] and B [n_out, r] (numpy order).  In ggml ne order these are exactly llama.cpp's
+adapter tensors: ``<name>.lora_a`` ne [n_in, r] and ``<name>.lora_b`` ne [r, n_out].  B starts
+at zero, so training starts from the base model; A starts like PEFT's default
+(Kaiming-uniform with a = sqrt(5): U(-1/sqrt(n_in), 1/sqrt(n_in))).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from pytrain import ggml
+from pytrain.ggml import ffi, lib
+from pytrain.lora_targets import lora_shapes
+
+
+@dataclass
+class LoraAdapter:
+    rank: int
+    alpha: float
+    names: list[str]                          # adapted base tensors
+    a: dict[str, object] = field(default_factory=dict)
+    b: dict[str, object] = field(default_factory=dict)
+    ctx: object = None
+    buffer: object = None
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+    def params(self) -> list:
+        return [t for n in self.names for t in (self.a[n], self.b[n])]
+
+    def hook(self, ctx, name: str, x):
+        """The LoraFn for Qwen35Graph: (alpha/r)·B·(A·x) for adapted tensors, else None."""
+        if name not in self.a:
+            return None
+        ax = lib.ggml_mul_mat(ctx, self.a[name], x)                   # [r, N]
+        return lib.ggml_scale(ctx, lib.ggml_mul_mat(ctx, self.b[name], ax), self.scale)
+
+    def get(self) -> dict[str, np.ndarray]:
+        out = {}
+        for n in self.names:
+            out[n + ".lora_a"] = ggml.to_numpy(self.a[n]).copy()
+            out[n + ".lora_b"] = ggml.to_numpy(self.b[n]).copy()
+        return out
+
+    def set(self, values: dict[str, np.ndarray]) -> None:
+        for n in self.names:
+            ggml.from_numpy(self.a[n], values[n + ".lora_a"])
+            ggml.from_numpy(self.b[n], values[n + ".lora_b"])
+
+    def drift(self) -> float:
+        """Σ over adapters of ‖B·A‖_F · alpha/r, the drift seed 000 tracks."""
+        total = 0.0
+        for n in self.names:
+            a, b = ggml.to_numpy(self.a[n]), ggml.to_numpy(self.b[n])
+            total += float(np.linalg.norm(b.astype(np.float64) @ a)) * self.scale
+        return total
+
+
+def create(runtime: ggml.Runtime, config, names: list[str], rank: int, alpha: float,
+           seed: int = 0) -> LoraAdapter:
+    """Allocate A and B (F32, trainable) for each target on the runtime's primary backend."""
+    shapes = lora_shapes(config, names, rank)
+    ad = LoraAdapter(rank, float(alpha), list(names))
+    ad.ctx = ggml.Context(n_tensors=2 * len(names))
+    for n in names:
+        (a_shape, b_shape) = shapes[n]
+        for which, shp, store in (("lora_a", a_shape, ad.a), ("lora_b", b_shape, ad.b)):
+            t = lib.ggml_new_tensor(ad.ctx.ptr, lib.GGML_TYPE_F32, len(shp),
+                                    ffi.new("int64_t[]", list(reversed(shp))))
+            ggml.set_name(t, f"{n}.{which}")
+            lib.ggml_set_param(t)
+            store[n] = t
+    ad.buffer = runtime.alloc(ad.ctx)
+    rng = np.random.default_rng(seed)
+    for n in names:
+        a_shape, b_shape = shapes[n]
+        bound = 1.0 / np.sqrt(a_shape[1])
+        ggml.from_numpy(ad.a[n], rng.uniform(-bound, bound, a_shape).astype(np.float32))
+        ggml.from_numpy(ad.b[n], np.zeros(b_shape, np.float32))
+    return ad
