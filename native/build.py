@@ -15,6 +15,7 @@ Usage:  python native/build.py [--cuda] [--jobs N] [--force]
 from __future__ import annotations
 
 import argparse
+import fcntl
 import hashlib
 import json
 import os
@@ -33,6 +34,7 @@ ARCHIVE_VERSION = "0.3.36"
 ARCHIVE_NAME = "llama_cpp_python-0.3.36.tar.gz"
 ARCHIVE_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
 SRC_DIRNAME = "llama_cpp_python-0.3.36"
+PATCH_DIR = Path(__file__).resolve().parent / "patches"
 
 
 class BuildError(RuntimeError):
@@ -110,11 +112,34 @@ def fetch_archive() -> Path:
     return dest
 
 
+def patches() -> list[Path]:
+    """Our fixes to the vendored ggml, applied in name order (each says why in its body)."""
+    return sorted(PATCH_DIR.glob("*.patch"))
+
+
+def patches_digest() -> str:
+    h = hashlib.sha256()
+    for p in patches():
+        h.update(p.name.encode() + b"\0" + p.read_bytes())
+    return h.hexdigest()
+
+
+def _apply_patch(patch: Path, llama_dir: Path) -> None:
+    git = shutil.which("git")
+    cmd = ([git, "apply", "-p1", str(patch)] if git else ["patch", "-p1", "-i", str(patch)])
+    r = subprocess.run(cmd, cwd=llama_dir, capture_output=True, text=True)
+    if r.returncode != 0:
+        last = (r.stderr.strip().splitlines() or ["no output"])[-1]
+        raise BuildError(f"patch {patch.name} does not apply to the pinned source ({last})")
+
+
 def extract_source() -> Path:
-    """Extract the archive once; a marker written after extraction makes the tree valid."""
+    """Extract the archive once and apply native/patches; the marker, written last, records
+    the archive hash and the patch set, so a changed patch set extracts afresh."""
     root = source_root()
     marker = root / ".pytrain-extracted"
-    if marker.exists():
+    want = f"{ARCHIVE_SHA256} {patches_digest()}\n"
+    if marker.exists() and marker.read_text() == want:
         return root
     archive = fetch_archive()
     parent = root.parent
@@ -128,11 +153,15 @@ def extract_source() -> Path:
         with tarfile.open(archive) as tf:
             tf.extractall(tmp, filter="data")
         # The vendored ggml lacks ggml.pc.in; CMake's configure_file fails without it.
-        pc = tmp / SRC_DIRNAME / "vendor" / "llama.cpp" / "ggml" / "ggml.pc.in"
+        llama_dir = tmp / SRC_DIRNAME / "vendor" / "llama.cpp"
+        pc = llama_dir / "ggml" / "ggml.pc.in"
         if not pc.exists():
             pc.write_text("")
+        for patch in patches():
+            log(f"applying {patch.name}")
+            _apply_patch(patch, llama_dir)
         os.replace(tmp / SRC_DIRNAME, root)
-        marker.write_text(ARCHIVE_SHA256 + "\n")
+        marker.write_text(want)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return root
@@ -219,7 +248,8 @@ def build(cuda: bool = False, jobs: int | None = None, force: bool = False,
     stamp = out_dir / "build_info.json"
     if stamp.exists() and not force:
         info = json.loads(stamp.read_text())
-        if info.get("cuda") == cuda and info.get("archive_sha256") == ARCHIVE_SHA256:
+        if (info.get("cuda") == cuda and info.get("archive_sha256") == ARCHIVE_SHA256
+                and info.get("patches_sha256") == patches_digest()):
             log(f"ggml already built ({'cuda' if cuda else 'cpu'}); --force rebuilds")
             return info
     stamp.unlink(missing_ok=True)  # from here on, an interrupted build is visibly incomplete
@@ -237,6 +267,8 @@ def build(cuda: bool = False, jobs: int | None = None, force: bool = False,
         "archive": ARCHIVE_NAME,
         "archive_project": f"{ARCHIVE_PROJECT}=={ARCHIVE_VERSION}",
         "archive_sha256": ARCHIVE_SHA256,
+        "patches": [p.name for p in patches()],
+        "patches_sha256": patches_digest(),
         "source": str(source_root()),
         "cuda": cuda,
         "libs": libs,
@@ -271,6 +303,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--source-only", action="store_true",
                     help="only fetch, verify and extract the pinned source; print its path")
     a = ap.parse_args(argv)
+    cache_dir().mkdir(parents=True, exist_ok=True)
+    lock = open(cache_dir() / ".lock", "w")
+    fcntl.flock(lock, fcntl.LOCK_EX)   # one build at a time per cache (tests, make, helpers)
     try:
         if a.source_only:
             print(extract_source())

@@ -3,6 +3,7 @@ nothing left behind that later looks like a valid build.  The download is replac
 pip (the real one is exercised by every fresh `make`), so these run in seconds."""
 import shutil
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -111,3 +112,24 @@ def test_half_extracted_source_is_redone(cache, monkeypatch):
     assert got == root and not (root / "partial-file").exists()
     assert (root / ".pytrain-extracted").exists()
     assert (native_build.ggml_dir() / "ggml.pc.in").exists()
+
+
+def test_patches_are_applied_and_recorded():
+    import json
+    info = json.loads((Path(native_build.PKG_NATIVE) / "build_info.json").read_text())
+    assert info["patches"] == [p.name for p in native_build.patches()]
+    assert info["patches_sha256"] == native_build.patches_digest()
+    ops = native_build.ggml_dir() / "src" / "ggml-cpu" / "ops.cpp"
+    assert "pytrain patch" in ops.read_text()
+
+
+def test_a_patch_that_does_not_apply_is_a_one_line_error(tmp_path, cache, monkeypatch, capsys):
+    bad = tmp_path / "patches"
+    bad.mkdir()
+    (bad / "0001-bad.patch").write_text("--- a/ggml/nope.c\n+++ b/ggml/nope.c\n@@ -1 +1 @@\n-x\n+y\n")
+    monkeypatch.setattr(native_build, "PATCH_DIR", bad)
+    (cache / "dl").mkdir(parents=True)
+    (cache / "dl" / native_build.ARCHIVE_NAME).symlink_to(REAL_CACHE / "dl" / native_build.ARCHIVE_NAME)
+    rc, err = run_main(["--source-only"], capsys)
+    assert rc == 1 and len(err) == 1 and "0001-bad.patch does not apply" in err[0]
+    assert not (native_build.source_root() / ".pytrain-extracted").exists()
