@@ -479,7 +479,7 @@ def describe() -> str:
         hints = get_type_hints(cls)
         for f in dataclasses.fields(cls):
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            tname = str(hints[f.name]).replace("typing.", "").replace("<class '", "").replace("'>", "")
+            tname = re.sub(r"<class '(\w+)'>|typing\.", r"\1", str(hints[f.name]))
             dflt = "unset" if default is None else _toml_value(default)
             out.append(f"  {f.name} ({tname}, default {dflt}): {f.metadata['help']}")
             if f.metadata.get("choices"):

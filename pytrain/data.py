@@ -1,0 +1,498 @@
+"""JSONL datasets to token examples with a per-token target mask, and examples to batches.
+
+The loss (``pytrain.loss.shift_targets``) shifts targets itself, so this module only says, per
+token, "this token is a target" (``train_mask``) and, per batch position, which sample it
+belongs to (``seg``, -1 for padding).  Everything that decides what is trained happens here or
+in ``chat_template``: assistant turns only for chats, the completion (+ EOS) for
+prompt/completion records, everything for plain text.  The first token of a sample is never a
+target (nothing precedes it), so an example counts as trainable only if its mask selects a
+token after the first.
+
+Nothing is dropped silently: every record that does not become an example is either an error
+naming ``file:line`` (``on_error="stop"``) or counted by reason in :class:`DataStats`.
+Reasons: ``malformed_json``, ``not_an_object``, ``unrecognised_record``, ``bad_field``,
+``unknown_role``, ``template_error`` (errors, subject to ``on_error``) and
+``no_assistant_turn``, ``too_long`` (truncation "drop"), ``no_targets`` (always skipped and
+counted: they are valid records with nothing to train).  Mixing record formats in one file is
+always an error: it means the file is not what the config says.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
+
+import numpy as np
+
+from pytrain.chat_template import ChatTemplateError, encode_chat
+from pytrain.config import MASKS, MASKS_FOR_FORMAT
+
+if TYPE_CHECKING:
+    from pytrain.config import DataConfig
+    from pytrain.tokenizer import Tokenizer
+
+ROLES = ("system", "user", "assistant", "tool")
+ERROR_REASONS = ("malformed_json", "not_an_object", "unrecognised_record", "bad_field",
+                 "unknown_role", "template_error")
+SKIP_REASONS = ("no_assistant_turn", "too_long", "no_targets")
+_KEEP_MESSAGES = 3  # first messages kept per skip reason, for the report
+
+
+class DataError(ValueError):
+    """A dataset that cannot be used; the message names the file (and line)."""
+
+
+# ------------------------------------------------------------------------------- types
+@dataclass
+class Example:
+    """One training sample: ``tokens`` int32 [L], ``train_mask`` bool [L] (token is a target)."""
+
+    tokens: np.ndarray
+    train_mask: np.ndarray
+    source: str = ""  # file:line
+
+    def __len__(self) -> int:
+        return int(self.tokens.shape[0])
+
+    @property
+    def n_targets(self) -> int:
+        """Targets after the shift: masked tokens other than the first."""
+        return int(self.train_mask[1:].sum())
+
+
+@dataclass
+class Batch:
+    """``tokens`` int32 [B, T]; ``seg`` int64 [B, T] sample id within the row, -1 = padding;
+    ``train_mask`` bool [B, T], False on padding."""
+
+    tokens: np.ndarray
+    seg: np.ndarray
+    train_mask: np.ndarray
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.tokens.shape)  # type: ignore[return-value]
+
+    @property
+    def n_targets(self) -> int:
+        """Valid targets, by the same rule as ``loss.shift_targets`` (equal by test)."""
+        s, m = self.seg, self.train_mask
+        return int(((s[:, 1:] == s[:, :-1]) & (s[:, 1:] >= 0) & m[:, 1:]).sum())
+
+    @property
+    def n_tokens(self) -> int:
+        """Real (non-padding) tokens."""
+        return int((self.seg >= 0).sum())
+
+    @property
+    def n_samples(self) -> int:
+        return int(sum(len(np.unique(r[r >= 0])) for r in self.seg))
+
+    def pad_to(self, T: int, pad_id: int) -> "Batch":
+        """The same batch right-padded to ``T`` columns (for graphs built for a fixed T)."""
+        B, t = self.tokens.shape
+        if T < t:
+            raise ValueError(f"cannot pad a batch of length {t} to {T}")
+        tok = np.full((B, T), pad_id, np.int32)
+        seg = np.full((B, T), -1, np.int64)
+        msk = np.zeros((B, T), bool)
+        tok[:, :t], seg[:, :t], msk[:, :t] = self.tokens, self.seg, self.train_mask
+        return Batch(tok, seg, msk)
+
+
+@dataclass
+class DataStats:
+    """What happened to one file's records; ``records == examples + sum(skipped.values())``."""
+
+    path: str = ""
+    format: str | None = None
+    mask: str | None = None
+    records: int = 0                  # non-blank lines read
+    skipped: dict[str, int] = field(default_factory=dict)
+    skip_messages: dict[str, list[str]] = field(default_factory=dict)  # first few per reason
+    truncated: int = 0                # kept, but cut to max_seq_len
+    examples: int = 0
+    tokens: int = 0
+    target_tokens: int = 0
+    padding_share: float | None = None  # set by record_batches
+
+    @property
+    def dropped(self) -> int:
+        """Examples skipped for being longer than max_seq_len (truncation "drop")."""
+        return self.skipped.get("too_long", 0)
+
+    def skip(self, reason: str, message: str) -> None:
+        self.skipped[reason] = self.skipped.get(reason, 0) + 1
+        kept = self.skip_messages.setdefault(reason, [])
+        if len(kept) < _KEEP_MESSAGES:
+            kept.append(message)
+
+    def record_batches(self, batches: Sequence[Batch]) -> None:
+        """Set ``padding_share``: padding positions / all positions of ``batches``."""
+        total = sum(b.tokens.size for b in batches)
+        pad = sum(int((b.seg < 0).sum()) for b in batches)
+        self.padding_share = pad / total if total else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"path": self.path, "format": self.format, "mask": self.mask,
+                "records": self.records, "skipped": dict(self.skipped),
+                "truncated": self.truncated, "dropped": self.dropped,
+                "examples": self.examples, "tokens": self.tokens,
+                "target_tokens": self.target_tokens, "padding_share": self.padding_share}
+
+    def summary(self) -> str:
+        """One line for the run log."""
+        skipped = ", ".join(f"{k} {v}" for k, v in sorted(self.skipped.items())) or "none"
+        pad = "" if self.padding_share is None else f", padding {self.padding_share:.1%}"
+        return (f"{os.path.basename(self.path)}: {self.records} records ({self.format}, mask "
+                f"{self.mask}) -> {self.examples} examples, {self.tokens} tokens, "
+                f"{self.target_tokens} targets; truncated {self.truncated}; skipped {skipped}"
+                f"{pad}")
+
+
+# ------------------------------------------------------------------------------- reading
+def _detect(obj: dict[str, Any]) -> str | None:
+    """The record's format from its keys, or None when it matches none or several."""
+    keys = (("chat", ("messages",)), ("completion", ("prompt", "completion")), ("text", ("text",)))
+    found = [fmt for fmt, names in keys if any(k in obj for k in names)]
+    return found[0] if len(found) == 1 else None
+
+
+def _iter_lines(path: str) -> Iterator[tuple[int, bytes]]:
+    try:
+        f = open(path, "rb")
+    except OSError as e:
+        raise DataError(f"{path}: cannot read dataset: {e.strerror or e}") from e
+    with f:
+        for n, line in enumerate(f, 1):
+            if line.strip():
+                yield n, line
+
+
+class _RecordError(Exception):
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+def _check_content(content: Any, where: str) -> None:
+    if content is None or isinstance(content, str):
+        return
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type", "text") == "text"
+                                         and isinstance(p.get("text"), str) for p in content):
+        return
+    raise _RecordError("bad_field", f"{where}: content must be a string or a list of "
+                                    f"{{\"type\": \"text\", \"text\": ...}} parts")
+
+
+def _check_chat(obj: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+    messages = obj["messages"]
+    if not isinstance(messages, list) or not messages:
+        raise _RecordError("bad_field", "\"messages\" must be a non-empty list")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise _RecordError("bad_field", f"messages[{i}] must be an object")
+        role = m.get("role")
+        if not isinstance(role, str):
+            raise _RecordError("bad_field", f"messages[{i}] needs a string \"role\"")
+        if role not in ROLES:
+            raise _RecordError("unknown_role", f"messages[{i}]: unknown role {role!r} (valid: "
+                                               f"{', '.join(ROLES)})")
+        if "content" not in m and not (role == "assistant" and m.get("tool_calls")):
+            raise _RecordError("bad_field", f"messages[{i}] ({role}) has no \"content\"")
+        _check_content(m.get("content"), f"messages[{i}]")
+        if m.get("content") is None and not (role == "assistant" and m.get("tool_calls")):
+            raise _RecordError("bad_field", f"messages[{i}] ({role}): content is null")
+        if "tool_calls" in m and not isinstance(m["tool_calls"], list):
+            raise _RecordError("bad_field", f"messages[{i}]: \"tool_calls\" must be a list")
+    tools = obj.get("tools")
+    if tools is not None and not (isinstance(tools, list)
+                                  and all(isinstance(t, dict) for t in tools)):
+        raise _RecordError("bad_field", "\"tools\" must be a list of objects")
+    return messages, tools
+
+
+def _check_str(obj: dict[str, Any], key: str) -> str:
+    if key not in obj:
+        raise _RecordError("bad_field", f"missing \"{key}\"")
+    if not isinstance(obj[key], str):
+        raise _RecordError("bad_field", f"\"{key}\" must be a string, got "
+                                        f"{type(obj[key]).__name__}")
+    return obj[key]
+
+
+# ------------------------------------------------------------------------------- encoding
+def _plain_ids(tokenizer: "Tokenizer", text: str) -> list[int]:
+    """Tokens of raw text; special-token strings are parsed, as transformers' tokenizer does."""
+    return tokenizer.encode(text, add_special=False, parse_special=True)
+
+
+def _eos(tokenizer: "Tokenizer") -> int:
+    if tokenizer.eos_id is None:
+        raise DataError("the model's tokenizer has no EOS token; completion and text records "
+                        "end with one")
+    return tokenizer.eos_id
+
+
+def encode_record(tokenizer: "Tokenizer", obj: dict[str, Any], fmt: str, mask: str,
+                  template: str | None = None) -> tuple[list[int], list[bool]]:
+    """Token ids and per-token target flags of one validated record.
+
+    chat: the template render; assistant_only -> ``encode_chat``'s mask, all -> every token.
+    completion: [BOS] + prompt + completion + EOS, tokenized part by part so the boundary is
+    exact; completion_only trains completion + EOS.  text: [BOS] + text + EOS, all trained.
+    BOS only when the GGUF asks for it (``add_bos_token``).
+    """
+    if fmt == "chat":
+        messages, tools = _check_chat(obj)
+        try:
+            enc = encode_chat(tokenizer, messages, template, tools=tools)
+        except ChatTemplateError as e:
+            raise _RecordError("template_error", str(e)) from None
+        return enc.ids, (enc.mask if mask == "assistant_only" else [True] * len(enc.ids))
+    bos = [tokenizer.bos_id] if tokenizer.add_bos and tokenizer.bos_id is not None else []
+    if fmt == "completion":
+        prompt, completion = _check_str(obj, "prompt"), _check_str(obj, "completion")
+        head = bos + _plain_ids(tokenizer, prompt)
+        tail = _plain_ids(tokenizer, completion) + [_eos(tokenizer)]
+        train_head = mask == "all"
+        return head + tail, [train_head] * len(head) + [True] * len(tail)
+    if fmt == "text":
+        ids = bos + _plain_ids(tokenizer, _check_str(obj, "text")) + [_eos(tokenizer)]
+        return ids, [True] * len(ids)
+    raise ValueError(f"unknown format {fmt!r}")
+
+
+def _truncate(ids: list[int], flags: list[bool], max_len: int, policy: str
+              ) -> tuple[list[int], list[bool]] | None:
+    if len(ids) <= max_len:
+        return ids, flags
+    if policy == "right":
+        return ids[:max_len], flags[:max_len]
+    if policy == "left":
+        return ids[-max_len:], flags[-max_len:]
+    if policy == "drop":
+        return None
+    raise ValueError(f"unknown truncation {policy!r}")
+
+
+def load_examples(path: str | os.PathLike[str], tokenizer: "Tokenizer", *, format: str = "auto",
+                  mask: str | None = None, max_seq_len: int = 1024, truncation: str = "right",
+                  on_error: str = "stop", template: str | None = None
+                  ) -> tuple[list[Example], DataStats]:
+    """Read one JSONL file into examples (see the module docstring for what is skipped).
+
+    ``mask`` None follows the file's format.  Raises :class:`DataError` for a record error
+    with ``on_error="stop"``, mixed formats, a mask that does not fit the format, and a file
+    with no usable example.
+    """
+    path = os.fspath(path)
+    if format not in ("auto", *MASKS_FOR_FORMAT):
+        raise ValueError(f"unknown format {format!r}")
+    if mask is not None and mask not in MASKS:
+        raise ValueError(f"unknown mask {mask!r}")
+    if on_error not in ("stop", "skip"):
+        raise ValueError(f"on_error must be 'stop' or 'skip', got {on_error!r}")
+    stats = DataStats(path=path)
+    examples: list[Example] = []
+    fmt = None if format == "auto" else format
+    fmt_line = None  # line that decided the format in auto mode
+
+    def set_format(f: str, line: int | None) -> None:
+        nonlocal fmt, fmt_line
+        fmt, fmt_line = f, line
+        m = mask if mask is not None else MASKS_FOR_FORMAT[f][0]
+        if m not in MASKS_FOR_FORMAT[f]:
+            raise DataError(f"{path}: mask {m!r} does not apply to {f} records (valid: "
+                            f"{', '.join(MASKS_FOR_FORMAT[f])})")
+        if f == "chat" and not (template or tokenizer.chat_template):
+            raise DataError(f"{path}: chat records need a chat template and the model has none")
+        stats.format, stats.mask = f, m
+
+    if fmt is not None:
+        set_format(fmt, None)
+
+    for line, raw in _iter_lines(path):
+        stats.records += 1
+        where = f"{path}:{line}"
+        try:
+            try:
+                obj = json.loads(raw.decode("utf-8"))
+            except UnicodeDecodeError as e:
+                raise _RecordError("malformed_json", f"not UTF-8 ({e.reason} at byte {e.start})")
+            except json.JSONDecodeError as e:
+                raise _RecordError("malformed_json", f"malformed JSON: {e.msg} (column {e.colno})")
+            if not isinstance(obj, dict):
+                raise _RecordError("not_an_object", f"expected a JSON object, got "
+                                                    f"{type(obj).__name__}")
+            kind = _detect(obj)
+            if kind is None:
+                raise _RecordError("unrecognised_record", "record has none (or several) of the "
+                                   "keys \"messages\", \"prompt\"/\"completion\", \"text\"")
+            if fmt is None:
+                set_format(kind, line)
+            elif kind != fmt:
+                why = f"line {fmt_line}" if fmt_line else "data.format"
+                raise DataError(f"{where}: a {kind} record in a file of {fmt} records (decided "
+                                f"by {why}); one file holds one format")
+            ids, flags = encode_record(tokenizer, obj, fmt, stats.mask, template)
+        except _RecordError as e:
+            if on_error == "stop":
+                raise DataError(f"{where}: {e}") from None
+            stats.skip(e.reason, f"{where}: {e}")
+            continue
+        if fmt == "chat" and stats.mask == "assistant_only" and not any(flags):
+            if not any(m.get("role") == "assistant" for m in obj["messages"]):
+                stats.skip("no_assistant_turn", f"{where}: no assistant turn to train")
+            else:
+                stats.skip("no_targets", f"{where}: the template renders no assistant turn")
+            continue
+        cut = _truncate(ids, flags, max_seq_len, truncation)
+        if cut is None:
+            stats.skip("too_long", f"{where}: {len(ids)} tokens > max_seq_len {max_seq_len}")
+            continue
+        if len(cut[0]) < len(ids):
+            stats.truncated += 1
+        ex = Example(np.asarray(cut[0], np.int32), np.asarray(cut[1], bool), where)
+        if ex.n_targets == 0:
+            stats.skip("no_targets", f"{where}: no target token"
+                       + (" after truncation" if len(cut[0]) < len(ids) else ""))
+            continue
+        examples.append(ex)
+        stats.examples += 1
+        stats.tokens += len(ex)
+        stats.target_tokens += ex.n_targets
+    if not examples:
+        skipped = ", ".join(f"{k} {v}" for k, v in sorted(stats.skipped.items()))
+        raise DataError(f"{path}: no usable examples ({stats.records} records read"
+                        + (f"; skipped: {skipped}" if skipped else "") + ")")
+    return examples, stats
+
+
+# ------------------------------------------------------------------------------- splits
+def split_examples(examples: Sequence[Example], fraction: float, seed: int
+                   ) -> tuple[list[Example], list[Example]]:
+    """(train, validation): a seeded random ``fraction`` held out, at least one example each
+    side when ``fraction`` > 0; order within each side is the original order."""
+    if not 0.0 <= fraction < 1.0:
+        raise ValueError(f"split fraction must be in [0, 1), got {fraction}")
+    n = len(examples)
+    if fraction == 0.0:
+        return list(examples), []
+    if n < 2:
+        raise DataError(f"cannot hold out a validation split from {n} example(s)")
+    k = min(max(1, round(fraction * n)), n - 1)
+    held = set(np.random.default_rng(seed).permutation(n)[:k].tolist())
+    return ([e for i, e in enumerate(examples) if i not in held],
+            [e for i, e in enumerate(examples) if i in held])
+
+
+@dataclass
+class DataSplits:
+    train: list[Example]
+    valid: list[Example]
+    train_stats: DataStats
+    valid_stats: DataStats | None   # None when the validation set is a split of train
+
+
+def load_data(cfg: "DataConfig", tokenizer: "Tokenizer", template: str | None = None
+              ) -> DataSplits:
+    """Training and validation examples as ``cfg`` ([data] section) describes them."""
+    kw = dict(format=cfg.format, mask=cfg.mask, max_seq_len=cfg.max_seq_len,
+              truncation=cfg.truncation, on_error=cfg.on_error, template=template)
+    if cfg.train is None:
+        raise DataError("data.train is not set")
+    train, tstats = load_examples(cfg.train, tokenizer, **kw)
+    if cfg.validation is not None:
+        valid, vstats = load_examples(cfg.validation, tokenizer, **kw)
+        return DataSplits(train, valid, tstats, vstats)
+    seed = cfg.shuffle_seed if cfg.shuffle_seed is not None else 0
+    train, valid = split_examples(train, cfg.split, seed)
+    return DataSplits(train, valid, tstats, None)
+
+
+# ------------------------------------------------------------------------------- batching
+def pad_token_id(tokenizer: "Tokenizer") -> int:
+    """The id written at padding positions: the pad token, else EOS.  Padding is never a
+    target (seg -1), so this only decides what the forward pass reads there."""
+    for tid in (tokenizer.pad_id, tokenizer.eos_id):
+        if tid is not None:
+            return tid
+    raise DataError("the tokenizer has neither a pad nor an EOS token to pad with")
+
+
+def _rows_to_batch(rows: list[list[Example]], pad_id: int) -> Batch:
+    T = max(sum(len(e) for e in r) for r in rows)
+    B = len(rows)
+    tok = np.full((B, T), pad_id, np.int32)
+    seg = np.full((B, T), -1, np.int64)
+    msk = np.zeros((B, T), bool)
+    for b, row in enumerate(rows):
+        at = 0
+        for s, ex in enumerate(row):
+            n = len(ex)
+            tok[b, at:at + n] = ex.tokens
+            seg[b, at:at + n] = s
+            msk[b, at:at + n] = ex.train_mask
+            at += n
+    return Batch(tok, seg, msk)
+
+
+def _pack_rows(examples: Sequence[Example], order: np.ndarray, capacity: int) -> list[list[int]]:
+    """First-fit decreasing: longest first, each into the first row with room."""
+    lengths = np.array([len(examples[i]) for i in order], np.int64)
+    by_len = order[np.argsort(-lengths, kind="stable")]
+    free = np.empty(len(examples), np.int64)
+    rows: list[list[int]] = []
+    for i in by_len:
+        n = len(examples[i])
+        fits = np.flatnonzero(free[:len(rows)] >= n)
+        if fits.size:
+            r = int(fits[0])
+        else:
+            r = len(rows)
+            rows.append([])
+            free[r] = capacity
+        rows[r].append(int(i))
+        free[r] -= n
+    return rows
+
+
+def make_batches(examples: Sequence[Example], batch_size: int, packing: bool = False,
+                 seed: int = 0, shuffle: bool = True, *, max_seq_len: int | None = None,
+                 pad_id: int | None = None) -> list[Batch]:
+    """Examples into batches; deterministic given ``seed``.
+
+    Without packing: length-bucketed (sorted by length, ties in seeded random order; chunks of
+    ``batch_size``; batch order shuffled), one sample per row, right-padded, T = the longest
+    row of the batch.  With packing: first-fit-decreasing into rows of ``max_seq_len`` (default:
+    the longest example) with seg ids 0, 1, 2, ... per row; rows shuffled, then chunked.
+    ``shuffle=False`` (evaluation) uses no randomness: sorted, in order.  ``pad_id`` (default
+    0; pass :func:`pad_token_id`) fills padding, whose seg is -1 and mask False.
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if not examples:
+        return []
+    pad = 0 if pad_id is None else int(pad_id)
+    rng = np.random.default_rng(seed)
+    n = len(examples)
+    order = rng.permutation(n) if shuffle else np.arange(n)
+    if packing:
+        cap = max_seq_len if max_seq_len is not None else max(len(e) for e in examples)
+        longest = max(len(e) for e in examples)
+        if longest > cap:
+            raise ValueError(f"an example of {longest} tokens does not fit a packed row of "
+                             f"{cap}; truncate to max_seq_len first")
+        packed = _pack_rows(examples, order, cap)
+        if shuffle:
+            packed = [packed[i] for i in rng.permutation(len(packed))]
+        rows = [[examples[i] for i in r] for r in packed]
+    else:
+        lengths = np.array([len(examples[i]) for i in order], np.int64)
+        rows = [[examples[i]] for i in order[np.argsort(lengths, kind="stable")]]
+    batches = [_rows_to_batch(rows[i:i + batch_size], pad) for i in range(0, len(rows), batch_size)]
+    if shuffle:
+        batches = [batches[i] for i in rng.permutation(len(batches))]
+    return batches
