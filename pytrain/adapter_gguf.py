@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 import os
-import tempfile
+import secrets
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -60,7 +60,8 @@ def _is_token_embd(base: str) -> bool:
     return base.endswith("token_embd.weight")
 
 
-def _pairs(tensors: Mapping[str, np.ndarray], where: str) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+def _pairs(tensors: Mapping[str, np.ndarray], where: str
+           ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """``{base name: (A, B)}`` after llama.cpp's name and shape rules (see module docstring)."""
     halves: dict[str, dict[str, np.ndarray]] = {}
     for name, arr in tensors.items():
@@ -188,6 +189,19 @@ def _add_metadata(w: GGUFWriter, key: str, value: Any, where: str) -> None:
                            f"{type(value).__name__}")
 
 
+def _new_temp_file(p: Path) -> Path:
+    """An empty, exclusively created file next to ``p``.  Unlike ``mkstemp`` (mode 0600) it
+    gets the umask's permissions, so the renamed adapter is as readable as a plain write."""
+    for _ in range(100):
+        tmp = p.parent / f".{p.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+        try:
+            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+            return tmp
+        except FileExistsError:
+            continue
+    raise AdapterError(f"{p}: cannot create a temporary file in {p.parent}")
+
+
 def write_lora_gguf(path: str | os.PathLike[str], arch: str, alpha: float,
                     tensors: Mapping[str, np.ndarray],
                     base_metadata: Mapping[str, Any] | None = None) -> Path:
@@ -220,9 +234,7 @@ def write_lora_gguf(path: str | os.PathLike[str], arch: str, alpha: float,
     pairs = _pairs(arrays, str(p))
 
     p.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")
-    os.close(fd)
-    tmp = Path(tmp_name)
+    tmp = _new_temp_file(p)
     try:
         w = GGUFWriter(tmp, arch)          # writes general.architecture
         w.add_type("adapter")

@@ -1,6 +1,7 @@
 """Adapter GGUF I/O: round trip, the checks llama.cpp's loader makes (refused here first, with
 the file named), base-model matching, and atomic writes.  The llama.cpp load itself is
 tests/test_llama_cpp_adapter.py."""
+import os
 from pathlib import Path
 
 import numpy as np
@@ -10,6 +11,7 @@ from gguf import GGUFWriter
 from pytrain import adapter_gguf as AG
 from pytrain.adapter_gguf import AdapterError, check_adapter_matches, read_lora_gguf, \
     write_lora_gguf
+from pytrain.gguf_meta import GGUFError
 from pytrain.model_file import open_model
 
 FIX = Path(__file__).resolve().parent / "fixtures" / "qwen35"
@@ -52,6 +54,9 @@ def test_round_trip_is_exact(tmp_path, rng):
         assert got[k].dtype == np.float32 and np.array_equal(got[k], t[k])
     assert got_meta == meta
     assert list(tmp_path.iterdir()) == [p]          # no temp file left behind
+    umask = os.umask(0)
+    os.umask(umask)
+    assert p.stat().st_mode & 0o777 == 0o666 & ~umask   # not mkstemp's 0600
 
 
 def test_file_layout_is_what_llama_cpp_reads(tmp_path, rng):
@@ -180,12 +185,12 @@ def test_read_refuses_bad_shapes_and_suffixes(tmp_path, rng):
 def test_read_refuses_non_gguf_and_truncated(tmp_path, rng):
     p = tmp_path / "junk.gguf"
     p.write_bytes(b"not a gguf at all")
-    with pytest.raises(AdapterError.__mro__[1], match="junk.gguf: not a GGUF"):
+    with pytest.raises(GGUFError, match="junk.gguf: not a GGUF"):
         read_lora_gguf(p)
     good = write_lora_gguf(tmp_path / "a.gguf", "qwen35", 8, pair(rng))
     cut = tmp_path / "cut.gguf"
     cut.write_bytes(good.read_bytes()[:-100])
-    with pytest.raises(AdapterError.__mro__[1], match="cut.gguf: truncated"):
+    with pytest.raises(GGUFError, match="cut.gguf: truncated"):
         read_lora_gguf(cut)
 
 

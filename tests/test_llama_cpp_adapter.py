@@ -1,0 +1,158 @@
+"""llama.cpp loads pytrain's adapter GGUF and computes the same logits as pytrain with it.
+
+The authority for "loads in llama.cpp with --lora" is llama.cpp: ``scripts/llama_logits``
+(built by ``python scripts/build_llama_cpp.py`` from the pinned source) runs llama.cpp's model
+loader, ``llama_adapter_lora_init`` and its qwen35 graph on our file.  For each real
+converter-made model: a rank-4, alpha-8 adapter on q/k/v/o of the attention layers with
+non-zero random A and B must (1) change llama.cpp's logits, by far more than the tolerance,
+and (2) give llama.cpp logits equal to ``model.logits(tokens, lora=adapter.hook)``.
+
+Tolerance: both sides are float32 but use different graphs (llama.cpp: fused Gated DeltaNet
+and conv ops, F32 KV cache; pytrain: chunked delta rule from differentiable ops, sequence
+padded to its chunk length), so they agree to rounding, not bit for bit, and the tiny random
+models amplify rounding with depth in the sequence.  Measured on this machine (2 CPU threads),
+logits of magnitude ~10, adapter A and B ~ N(0, 0.3):
+
+    model    T    max|Δ| base   max|Δ| with adapter   adapter effect
+    gqa      40   1.2e-5        1.6e-5                16
+    gqa      100  2.4e-5        2.5e-5                16
+    untied   40   2.3e-5        3.6e-5                13
+    untied   100  4.9e-5        1.7e-4                13
+
+(Other token draws and T = 160: at most 1.9e-4.)  ATOL = 1e-3 leaves ≥ 5× headroom and is
+still four orders of magnitude below the change the adapter makes; an adapter llama.cpp
+applied with a different scale, orientation or target would miss it by far.
+"""
+import importlib.util
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import pytrain
+from pytrain import lora
+from pytrain.adapter_gguf import check_adapter_matches, read_lora_gguf, write_lora_gguf
+from pytrain.lora_targets import select_targets
+
+ROOT = Path(__file__).resolve().parent.parent
+FIX = ROOT / "tests" / "fixtures" / "qwen35"
+ATOL = 1e-3          # max |Δ logits| allowed between llama.cpp and pytrain (see docstring)
+MIN_EFFECT = 0.05    # the adapter must move llama.cpp's logits at least this much
+
+
+def _build_script():
+    spec = importlib.util.spec_from_file_location("build_llama_cpp",
+                                                  ROOT / "scripts" / "build_llama_cpp.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def llama_logits_exe():
+    exe = _build_script().built_binary()
+    if exe is None:
+        pytest.skip("llama.cpp cross-check not built: run `python scripts/build_llama_cpp.py` "
+                    "(a few minutes, CPU only)")
+    return exe
+
+
+def run_llama(exe, model: Path, adapter: Path | None, tokens, out: Path, n_vocab: int):
+    cmd = [str(exe), str(model), str(adapter) if adapter else "-",
+           ",".join(str(int(t)) for t in tokens), str(out), "2"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, f"llama_logits failed ({r.returncode}):\n{r.stderr[-3000:]}"
+    return np.fromfile(out, dtype=np.float32).reshape(len(tokens), n_vocab)
+
+
+def llama_cpp_compatible(fixture: Path, tmp_path: Path) -> Path:
+    """A copy of ``fixture`` whose ``rope.dimension_sections`` fit its tiny heads.
+
+    The fixtures carry HF's default MRoPE sections [11, 11, 10, 0] (sum 32) with head_dim 16
+    and 4 rotated dims; llama.cpp's CPU rope aborts (``GGML_ASSERT(sect_dims <= ne0)``) on
+    that.  The real Qwen3.5 has sum(sections) = n_rot / 2 (32 of 64); [1, 1, 0, 0] is the same
+    ratio here.  For text every section sees the same position, so the sections do not change
+    the function (pytrain uses plain NEOX rope and ignores them): both sides run this copy.
+    """
+    from gguf import GGUFReader
+    out = tmp_path / fixture.name
+    shutil.copyfile(fixture, out)
+    r = GGUFReader(out, "r+")
+    f = r.fields["qwen35.rope.dimension_sections"]
+    n_rot = int(r.fields["qwen35.rope.dimension_count"].contents())
+    new = [n_rot // 4, n_rot // 2 - n_rot // 4, 0, 0]
+    assert len(f.data) == 4 and sum(new) == n_rot // 2
+    for j, idx in enumerate(f.data):
+        f.parts[idx][0] = new[j]
+    r.data.flush()
+    del r
+    return out
+
+
+def tokens_for(n_vocab: int, T: int = 40, seed: int = 7) -> np.ndarray:
+    """Random ids over the normal vocabulary (no special tokens, so both sides see the same
+    ids without any tokenizer involvement)."""
+    return np.random.default_rng(seed).integers(0, min(n_vocab, 480), T)
+
+
+@pytest.mark.parametrize("T", [40, 100])
+@pytest.mark.parametrize("fixture", ["gqa-f32.gguf", "untied-f32.gguf"])
+def test_llama_cpp_loads_adapter_and_matches_pytrain(llama_logits_exe, tmp_path, fixture, T):
+    path = llama_cpp_compatible(FIX / fixture, tmp_path)
+    m = pytrain.load_model(path, device="cpu", threads=2)
+    try:
+        names = select_targets(m.config)                 # q/k/v/o of the attention layers
+        assert names and all(".attn_" in n for n in names)
+        ad = lora.create(m.runtime, m.config, names, rank=4, alpha=8, seed=0)
+        rng = np.random.default_rng(1)
+        vals = ad.get()
+        for k in vals:                                   # non-zero A and B
+            vals[k] = rng.normal(0, 0.3, vals[k].shape).astype(np.float32)
+        ad.set(vals)
+        tensors = ad.get()
+        check_adapter_matches(m.config, tensors)
+        arch = m.metadata["general.architecture"]
+        adapter_file = write_lora_gguf(tmp_path / "adapter.gguf", arch, ad.alpha, tensors,
+                                       {"general.name": f"test {fixture}"})
+        arch, alpha, back, _ = read_lora_gguf(adapter_file, arch="qwen35")
+        assert arch == "qwen35" and alpha == 8.0
+        assert all(np.array_equal(back[k], tensors[k]) for k in tensors)
+
+        toks = tokens_for(m.config.n_vocab, T)
+        ours_base = m.logits(toks)
+        ours_lora = m.logits(toks, lora=ad.hook)
+        V = ours_base.shape[-1]
+        cpp_base = run_llama(llama_logits_exe, path, None, toks, tmp_path / "base.f32", V)
+        cpp_lora = run_llama(llama_logits_exe, path, adapter_file, toks, tmp_path / "lora.f32", V)
+    finally:
+        m.close()
+
+    d_base = float(np.abs(cpp_base - ours_base).max())
+    d_lora = float(np.abs(cpp_lora - ours_lora).max())
+    effect = float(np.abs(cpp_lora - cpp_base).max())
+    print(f"\n{fixture} T={T}: max|Δ| base {d_base:.3g}, with adapter {d_lora:.3g}; "
+          f"adapter effect {effect:.3g}; logit scale {float(np.abs(ours_lora).max()):.3g}")
+    assert effect > MIN_EFFECT, "llama.cpp ignored the adapter (logits did not change)"
+    assert d_base < ATOL, f"base logits differ by {d_base}"
+    assert d_lora < ATOL, f"logits with the adapter differ by {d_lora}"
+
+
+@pytest.mark.parametrize("arch, n_in, message", [
+    ("qwen35", 96, "incorrect shape"),                      # made for a wider model
+    ("llama", 64, "model arch and LoRA arch mismatch"),     # made for another architecture
+])
+def test_llama_cpp_refuses_adapter_for_other_base(llama_logits_exe, tmp_path, arch, n_in,
+                                                  message):
+    """llama.cpp's loader refuses mismatched adapters (check_adapter_matches and
+    read_lora_gguf(arch=...) report the same earlier, with clearer messages)."""
+    rng = np.random.default_rng(0)
+    t = {"blk.3.attn_q.weight.lora_a": rng.normal(size=(4, n_in)).astype(np.float32),
+         "blk.3.attn_q.weight.lora_b": rng.normal(size=(128, 4)).astype(np.float32)}
+    p = write_lora_gguf(tmp_path / "other.gguf", arch, 8, t)
+    model = llama_cpp_compatible(FIX / "gqa-f32.gguf", tmp_path)
+    cmd = [str(llama_logits_exe), str(model), str(p), "1,2,3", str(tmp_path / "o.f32"), "1"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 3, r.stderr[-2000:]
+    assert message in r.stderr
