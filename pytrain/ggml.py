@@ -237,10 +237,24 @@ class Runtime:
         self.primary = self.backends[0]
         self.device = "cuda" if gpu is not None else "cpu"
         self._backend_arr = ffi.new("ggml_backend_t[]", self.backends)
-        self.graph_size = graph_size
-        self.sched = lib.ggml_backend_sched_new(self._backend_arr, ffi.NULL, len(self.backends),
-                                                graph_size, False, True)
+        self.graph_size = 0
+        self.sched = None
+        self._current = None       # address of the graph the scheduler has allocated
+        self._ensure_sched(graph_size)
         self._buffers: list = []
+
+    def _ensure_sched(self, graph_size: int) -> None:
+        """The scheduler's hash set and backend-id arrays are sized at creation; a graph with
+        more tensors than that overflows them (heap corruption, not an error), so the
+        scheduler is recreated larger whenever a bigger graph comes."""
+        if self.sched is not None and graph_size <= self.graph_size:
+            return
+        if self.sched is not None:
+            lib.ggml_backend_sched_free(self.sched)
+        self._current = None
+        self.graph_size = max(graph_size, 2 * self.graph_size)
+        self.sched = lib.ggml_backend_sched_new(self._backend_arr, ffi.NULL, len(self.backends),
+                                                self.graph_size, False, True)
 
     def close(self) -> None:
         if getattr(self, "sched", None) is not None:
@@ -272,20 +286,45 @@ class Runtime:
     def free(self, buf) -> None:
         self._buffers.remove(buf)
         lib.ggml_backend_buffer_free(buf)
+        self._current = None
 
     # -- graphs
-    def alloc_graph(self, graph) -> None:
-        """Assign backends and allocate the graph's intermediate tensors; inputs can be set
-        afterwards.  Refuses CPU fallbacks on a GPU backend unless allowed."""
+    def alloc_graph(self, graph, ctx: "Context") -> None:
+        """Assign backends and allocate the graph's intermediate tensors (``ctx`` is the
+        context its nodes were made in); inputs can be set afterwards.  Refuses CPU
+        fallbacks on a GPU backend unless allowed.
+
+        A graph that is still the allocated one is left as it is.  Any other graph may hold
+        data pointers into compute buffers the scheduler has since reused or freed (ggml-alloc
+        treats a tensor with data as already placed), so those pointers are cleared first —
+        what ggml-opt does by duplicating its static graphs before each allocation."""
+        if self._current == address(graph):
+            return
+        static = {address(b) for b in self._buffers}
+        t = lib.ggml_get_first_tensor(ctx.ptr)
+        while t != ffi.NULL:
+            own = t.view_src.buffer if t.view_src != ffi.NULL else t.buffer
+            if own == ffi.NULL or address(own) not in static:
+                t.data = ffi.NULL
+                t.buffer = ffi.NULL
+            t = lib.ggml_get_next_tensor(ctx.ptr, t)
+        # nodes + leafs of the graph, plus the copies the scheduler adds between backends
+        self._ensure_sched(2 * int(lib.ggml_graph_size(graph)) + 1024)
         lib.ggml_backend_sched_reset(self.sched)
+        self._current = None
         if not lib.ggml_backend_sched_alloc_graph(self.sched, graph):
             raise MemoryError("ggml_backend_sched_alloc_graph failed")
+        self._current = address(graph)
         if self.gpu is not None and not self.allow_cpu_fallback:
             fb = self.cpu_fallbacks(graph)
             if fb:
                 raise CPUFallbackError(
                     f"{len(fb)} ops would run on the CPU instead of {self.device}: "
                     + ", ".join(sorted(set(fb))[:12]))
+
+    def forget_graph(self) -> None:
+        """Call before freeing the context of the allocated graph."""
+        self._current = None
 
     def cpu_fallbacks(self, graph) -> list[str]:
         """Ops of an allocated graph that the scheduler placed on the CPU backend."""
@@ -330,16 +369,40 @@ def tensor_array(tensors: Sequence):
     return ffi.new("struct ggml_tensor *[]", list(tensors))
 
 
-def build_backward(ctx: Context, forward, loss):
+def build_backward(ctx: Context, forward, loss, accumulators: dict | None = None,
+                   loss_seed=None):
     """A graph computing ``forward`` then the gradients of the scalar ``loss`` with respect to
-    every tensor marked with ``ggml_set_param``.  Call ``seed_backward`` after allocating it."""
+    every tensor marked with ``ggml_set_param``.
+
+    Without ``accumulators`` the gradients are fresh each compute; call ``seed_backward``
+    after allocating.  With ``accumulators`` (param tensor address -> static F32 tensor of
+    the same shape) and a static ``loss_seed`` holding 1.0, each compute ADDS its gradients
+    into the accumulators (ggml's grad_accs): gradient accumulation across micro-batches and
+    across graphs of different shapes, zeroed by the caller."""
     lib.ggml_set_loss(loss)
     lib.ggml_set_output(loss)
     backward = lib.ggml_graph_dup(ctx.ptr, forward, True)
-    lib.ggml_build_backward_expand(ctx.ptr, backward, ffi.NULL)
-    acc = lib.ggml_graph_get_grad_acc(backward, loss)
-    lib.ggml_set_input(acc)  # the seed d(loss)/d(loss) = 1 is written before each compute
+    if accumulators is None:
+        lib.ggml_build_backward_expand(ctx.ptr, backward, ffi.NULL)
+        acc = lib.ggml_graph_get_grad_acc(backward, loss)
+        lib.ggml_set_input(acc)  # the seed d(loss)/d(loss) = 1 is written before each compute
+        return backward
+    n = lib.ggml_graph_n_nodes(backward)
+    accs = ffi.new("struct ggml_tensor *[]", n)
+    for i in range(n):
+        node = lib.ggml_graph_node(backward, i)
+        key = int(ffi.cast("uintptr_t", node))
+        if key in accumulators:
+            accs[i] = accumulators[key]
+        elif node == loss:
+            accs[i] = loss_seed
+    lib.ggml_build_backward_expand(ctx.ptr, backward, accs)
     return backward
+
+
+def address(t) -> int:
+    """A tensor pointer as an int, for dict keys."""
+    return int(ffi.cast("uintptr_t", t))
 
 
 def seed_backward(backward) -> None:

@@ -1,4 +1,5 @@
-"""One static graph per batch shape: forward with the adapter → masked CE → backward.
+"""One static graph per batch shape: forward with the adapter → masked CE → backward, adding
+its gradients into the shared accumulators.
 
 Built once and reused for every micro-batch of that shape: only inputs change (tokens,
 positions, masks, labels, loss_scale), so no graph is rebuilt per step.
@@ -12,12 +13,15 @@ from pytrain.ggml import lib
 from pytrain.lora import LoraAdapter
 from pytrain.model import Model, graph_budget
 from pytrain.models import qwen35
+from pytrain.optimizer import Accumulators
 
 
 class GradGraph:
     def __init__(self, model: Model, adapter: LoraAdapter, B: int, T: int,
-                 keep_logit_grad: bool = False):
+                 acc: Accumulators | None = None, keep_logit_grad: bool = False):
         self.model, self.adapter = model, adapter
+        self.acc = acc or Accumulators(model.runtime, adapter.params())
+        self.own_acc = acc is None
         self.B, self.T = B, qwen35.padded_length(T)
         size = graph_budget(model.config, self.T)
         self.ctx = ggml.Context(n_tensors=size * 2, graph_size=size * 2, grads=True)
@@ -27,12 +31,13 @@ class GradGraph:
         self.ce = loss_mod.build(c, self.fwd.logits, V, self.T * B)
         gf = ggml.new_graph(self.ctx, size * 2, grads=True)
         lib.ggml_build_forward_expand(gf, self.ce.loss)
-        self.graph = ggml.build_backward(self.ctx, gf, self.ce.loss)
-        self.grads = {}
-        for t in adapter.params():
-            g = ggml.grad_of(self.graph, t)
-            lib.ggml_set_output(g)
-            self.grads[ggml.name(t)] = g
+        # d(loss)/d(loss) = 1 lives in its own small static buffer
+        self.seed_ctx = ggml.Context(n_tensors=1)
+        seed = lib.ggml_new_tensor_1d(self.seed_ctx.ptr, lib.GGML_TYPE_F32, 1)
+        self.seed_buf = model.runtime.alloc(self.seed_ctx)
+        ggml.from_numpy(seed, np.ones(1, np.float32))
+        accs = {ggml.address(p): self.acc.grad[ggml.name(p)] for p in adapter.params()}
+        self.graph = ggml.build_backward(self.ctx, gf, self.ce.loss, accs, seed)
         self.logit_grad = None
         if keep_logit_grad:
             g = ggml.grad_of(self.graph, self.fwd.logits)
@@ -46,30 +51,41 @@ class GradGraph:
         """Right-pad a [B, T0] batch to the graph's length (padding: seg -1, IGNORE)."""
         B, T0 = tokens.shape
         pad_tok = self.model.tokenizer.pad_id or 0
-        tok = np.full((B, self.T), pad_tok, np.int64)
-        sg = np.full((B, self.T), -1, np.int64)
-        tg = np.full((B, self.T), loss_mod.IGNORE, np.int64)
-        tok[:, :T0], sg[:, :T0], tg[:, :T0] = tokens, seg, targets
+        tok = np.full((self.B, self.T), pad_tok, np.int64)
+        sg = np.full((self.B, self.T), -1, np.int64)
+        tg = np.full((self.B, self.T), loss_mod.IGNORE, np.int64)
+        tok[:B, :T0], sg[:B, :T0], tg[:B, :T0] = tokens, seg, targets
         return tok, sg, tg
 
-    def run(self, tokens: np.ndarray, seg: np.ndarray, targets: np.ndarray,
-            n_valid_step: int | None = None, buggy: bool = False) -> dict:
-        """Compute loss and gradients for one micro-batch; returns numpy results."""
+    def accumulate(self, tokens: np.ndarray, seg: np.ndarray, targets: np.ndarray,
+                   n_valid_step: int | None = None, buggy: bool = False) -> tuple[float, int]:
+        """Forward + backward of one micro-batch, adding its gradients into the
+        accumulators; returns (this micro-batch's share of the step loss, its valid count)."""
         tok, sg, tg = self.pad(tokens, seg, targets)
         rt = self.model.runtime
-        rt.alloc_graph(self.graph)
+        rt.alloc_graph(self.graph, self.ctx)
         qwen35.set_inputs(self.fwd, qwen35.input_values(self.model.config, tok, sg))
         n_valid = loss_mod.set_labels(self.ce, tg, self.model.config.n_vocab,
                                       self.model.tokenizer.pad_id, n_valid_step, buggy)
-        ggml.seed_backward(self.graph)
         rt.compute(self.graph)
-        out = {"loss": float(ggml.to_numpy(self.ce.loss).reshape(-1)[0]), "n_valid": n_valid,
-               "grads": {k: ggml.to_numpy(g).copy() for k, g in self.grads.items()}}
+        return float(ggml.to_numpy(self.ce.loss).reshape(-1)[0]), n_valid
+
+    def run(self, tokens: np.ndarray, seg: np.ndarray, targets: np.ndarray,
+            n_valid_step: int | None = None, buggy: bool = False) -> dict:
+        """Loss and fresh gradients of one micro-batch (zeroes the accumulators first)."""
+        self.acc.zero_grads()
+        loss, n_valid = self.accumulate(tokens, seg, targets, n_valid_step, buggy)
+        out = {"loss": loss, "n_valid": n_valid, "grads": self.acc.grads()}
         if self.logit_grad is not None:
             V = self.model.config.n_vocab
             out["logit_grad"] = ggml.to_numpy(self.logit_grad).reshape(self.B, self.T, V).copy()
         return out
 
     def close(self) -> None:
-        lib.ggml_backend_sched_reset(self.model.runtime.sched)
+        self.model.runtime.forget_graph()
+        self.model.runtime.free(self.seed_buf)
+        self.seed_ctx.close()
+        if self.own_acc:
+            self.model.runtime.free(self.acc.buffer)
+            self.acc.ctx.close()
         self.ctx.close()

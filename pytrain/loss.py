@@ -98,9 +98,9 @@ def set_labels(ce: MaskedCE, targets: np.ndarray, n_vocab: int, pad_id: int | No
     n = flat.size
     ggml.from_numpy(ce.inputs.labels, label_rows(flat, n_vocab))
     real = flat >= 0
-    if buggy:
+    if buggy:   # every row trained, CE's division by all rows kept; n_valid_step = micro-batches
         ggml.from_numpy(ce.inputs.row_mask, np.ones((n, 1), np.float32))
-        ggml.from_numpy(ce.inputs.loss_scale, np.ones(1, np.float32))
+        ggml.from_numpy(ce.inputs.loss_scale, np.array([1.0 / (n_valid_step or 1)], np.float32))
         return n
     if pad_id is not None:
         col = read_column(ce.inputs.labels, pad_id)

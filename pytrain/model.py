@@ -60,12 +60,12 @@ class Model:
             lib.ggml_set_output(fwd.logits)
             gf = ggml.new_graph(ctx, size)
             lib.ggml_build_forward_expand(gf, fwd.logits)
-            self.runtime.alloc_graph(gf)
+            self.runtime.alloc_graph(gf, ctx)
             qwen35.set_inputs(fwd, qwen35.input_values(self.config, tok_p, seg_p))
             self.runtime.compute(gf)
             out = ggml.to_numpy(fwd.logits).reshape(B, Tp, -1)[:, :T].copy()
         finally:
-            lib.ggml_backend_sched_reset(self.runtime.sched)
+            self.runtime.forget_graph()
             ctx.close()
         return out[0] if single else out
 

@@ -32,7 +32,7 @@ lib.ggml_build_forward_expand(gf, loss)
 gb = ggml.build_backward(ctx, gf, loss)
 grad = ggml.grad_of(gb, w)
 lib.ggml_set_output(grad)
-rt.alloc_graph(gb)
+rt.alloc_graph(gb, ctx)
 
 print(f"softmax regression on {rt.device}: {N} samples, {D} features, {C} classes")
 for step in range(STEPS + 1):

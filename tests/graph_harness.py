@@ -43,7 +43,7 @@ def run(build, inputs: dict, grad_of: tuple = (), seed_grad: np.ndarray | None =
                 lib.ggml_build_forward_expand(graph, g)
             lib.ggml_set_output(g)
             grads[name] = g
-    rt.alloc_graph(graph)
+    rt.alloc_graph(graph, ctx)
     for name, arr in inputs.items():
         if ggml.is_allocated(tensors[name]):
             ggml.from_numpy(tensors[name], arr)

@@ -118,7 +118,7 @@ class Block:
             g = ggml.grad_of(self.graph, t)
             lib.ggml_set_output(g)
             self.grads[k_] = g
-        self.rt.alloc_graph(self.graph)
+        self.rt.alloc_graph(self.graph, self.ctx)
 
     def set_params(self, params):
         for k, v in params.items():

@@ -1,0 +1,138 @@
+"""Gradient accumulators, global-norm clipping and AdamW over the LoRA parameters.
+
+The accumulators are static tensors that every micro-batch graph's backward adds into
+(ggml's grad_accs); the step is two small static graphs: the global gradient norm (read on
+the host, so a NaN/inf stops the run before any parameter changes) and the update
+(clip factor and AdamW hyperparameters are runtime inputs: schedules need no rebuild).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from pytrain import ggml
+from pytrain.ggml import lib
+
+
+class Accumulators:
+    """One F32 gradient accumulator per trainable tensor, plus AdamW moments."""
+
+    def __init__(self, runtime: ggml.Runtime, params: list):
+        self.runtime = runtime
+        self.params = list(params)
+        n = len(self.params)
+        self.ctx = ggml.Context(n_tensors=3 * n)
+        self.grad, self.m, self.v = {}, {}, {}
+        for p in self.params:
+            nm = ggml.name(p)
+            for store, tag in ((self.grad, "grad"), (self.m, "adam_m"), (self.v, "adam_v")):
+                t = lib.ggml_dup_tensor(self.ctx.ptr, p)
+                ggml.set_name(t, f"{tag}.{nm}"[:63])
+                store[nm] = t
+        self.buffer = runtime.alloc(self.ctx)
+        lib.ggml_backend_buffer_clear(self.buffer, 0)
+
+    def zero_grads(self) -> None:
+        for t in self.grad.values():
+            lib.ggml_backend_tensor_memset(t, 0, 0, lib.ggml_nbytes(t))
+
+    def reset_moments(self) -> None:
+        lib.ggml_backend_buffer_clear(self.buffer, 0)
+
+    def grads(self) -> dict[str, np.ndarray]:
+        return {k: ggml.to_numpy(t).copy() for k, t in self.grad.items()}
+
+    def moments(self) -> dict[str, np.ndarray]:
+        out = {}
+        for k in self.m:
+            out["m." + k] = ggml.to_numpy(self.m[k]).copy()
+            out["v." + k] = ggml.to_numpy(self.v[k]).copy()
+        return out
+
+    def set_moments(self, values: dict[str, np.ndarray]) -> None:
+        for k in self.m:
+            ggml.from_numpy(self.m[k], values["m." + k])
+            ggml.from_numpy(self.v[k], values["v." + k])
+
+
+@dataclass
+class AdamW:
+    lr: float = 1e-4
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0     # 0 disables clipping
+
+
+class Optimizer:
+    """The norm graph and the update graph over an Accumulators set."""
+
+    def __init__(self, runtime: ggml.Runtime, acc: Accumulators, hp: AdamW):
+        self.rt, self.acc, self.hp = runtime, acc, hp
+        n = len(acc.params)
+        size = 16 * n + 64
+        self.ctx = ggml.Context(n_tensors=size, graph_size=size)
+        c = self.ctx.ptr
+        # ||g||^2 = sum over tensors of sum(g^2)
+        sq = None
+        for p in acc.params:
+            s = lib.ggml_sum(c, lib.ggml_sqr(c, acc.grad[ggml.name(p)]))
+            sq = s if sq is None else lib.ggml_add(c, sq, s)
+        self.sumsq = sq
+        lib.ggml_set_output(sq)
+        self.norm_graph = ggml.new_graph(self.ctx, size)
+        lib.ggml_build_forward_expand(self.norm_graph, sq)
+        # update: g' = g * clip; AdamW step in place on the parameter
+        self.clip = lib.ggml_new_tensor_1d(c, lib.GGML_TYPE_F32, 1)
+        self.adamw_params = lib.ggml_new_tensor_1d(c, lib.GGML_TYPE_F32, 7)
+        lib.ggml_set_input(self.clip)
+        lib.ggml_set_input(self.adamw_params)
+        self.update_graph = ggml.new_graph(self.ctx, size)
+        for p in acc.params:
+            k = ggml.name(p)
+            g = lib.ggml_mul(c, acc.grad[k], self.clip)
+            lib.ggml_build_forward_expand(
+                self.update_graph,
+                lib.ggml_opt_step_adamw(c, p, g, acc.m[k], acc.v[k], self.adamw_params))
+        self.t = 0
+
+    def grad_norm(self) -> float:
+        self.rt.alloc_graph(self.norm_graph, self.ctx)
+        self.rt.compute(self.norm_graph)
+        return math.sqrt(max(float(ggml.to_numpy(self.sumsq).reshape(-1)[0]), 0.0)) \
+            if np.isfinite(ggml.to_numpy(self.sumsq)).all() else float("nan")
+
+    def step(self, lr: float, grad_norm: float) -> float:
+        """Apply one AdamW step with learning rate ``lr``; returns the clip factor used."""
+        hp = self.hp
+        self.t += 1
+        clip = 1.0
+        if hp.max_grad_norm > 0 and grad_norm > hp.max_grad_norm:
+            clip = hp.max_grad_norm / (grad_norm + 1e-6)
+        self.rt.alloc_graph(self.update_graph, self.ctx)
+        ggml.from_numpy(self.clip, np.array([clip], np.float32))
+        b1h = 1.0 / (1.0 - hp.beta1 ** self.t)
+        b2h = 1.0 / (1.0 - hp.beta2 ** self.t)
+        ggml.from_numpy(self.adamw_params, np.array(
+            [lr, hp.beta1, hp.beta2, hp.eps, hp.weight_decay, b1h, b2h], np.float32))
+        self.rt.compute(self.update_graph)
+        return clip
+
+
+def schedule(kind: str, step: int, total: int, lr: float, warmup: int = 0) -> float:
+    """Learning rate at 0-based ``step`` of ``total``: linear warmup, then constant, linear
+    decay to 0, or cosine decay to 0."""
+    if warmup > 0 and step < warmup:
+        return lr * (step + 1) / warmup
+    if kind == "constant":
+        return lr
+    span = max(1, total - warmup)
+    frac = min(1.0, (step - warmup) / span)
+    if kind == "linear":
+        return lr * (1.0 - frac)
+    if kind == "cosine":
+        return lr * 0.5 * (1.0 + math.cos(math.pi * frac))
+    raise ValueError(f"unknown schedule {kind!r}: constant, linear or cosine")

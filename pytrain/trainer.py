@@ -1,0 +1,163 @@
+"""The training step and evaluation over batches: graphs cached per shape, token-mean loss
+over the whole optimizer step, NaN stops before any parameter changes."""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from pytrain import ggml, loss as loss_mod
+from pytrain.ggml import lib
+from pytrain.grad_graph import GradGraph
+from pytrain.lora import LoraAdapter
+from pytrain.model import Model, graph_budget
+from pytrain.models import qwen35
+from pytrain.optimizer import Accumulators, AdamW, Optimizer
+
+
+class NonFiniteLoss(RuntimeError):
+    """Loss or gradient norm became NaN/inf; the parameters were left as they were."""
+
+
+def bucket_length(T: int) -> int:
+    """Graph length for a batch of T tokens: a multiple of 16 (few distinct graphs), then
+    whole DeltaNet chunks."""
+    return qwen35.padded_length(-(-T // 16) * 16)
+
+
+@dataclass
+class StepResult:
+    loss: float
+    n_valid: int
+    grad_norm: float
+    clip: float
+    lr: float
+    tokens: int
+    seconds: float
+
+
+class Trainer:
+    def __init__(self, model: Model, adapter: LoraAdapter, hp: AdamW, buggy_loss: bool = False,
+                 max_graphs: int = 6):
+        self.model, self.adapter, self.hp = model, adapter, hp
+        self.buggy = buggy_loss
+        self.acc = Accumulators(model.runtime, adapter.params())
+        self.opt = Optimizer(model.runtime, self.acc, hp)
+        self.graphs: dict[tuple[int, int], GradGraph] = {}
+        self.max_graphs = max_graphs
+        self.eval_graphs: dict[tuple[int, int], EvalGraph] = {}
+
+    def graph(self, B: int, T: int) -> GradGraph:
+        key = (B, bucket_length(T))
+        if key not in self.graphs:
+            if len(self.graphs) >= self.max_graphs:   # drop the oldest shape
+                self._drop(next(iter(self.graphs)))
+            self.graphs[key] = GradGraph(self.model, self.adapter, B, key[1], acc=self.acc)
+        return self.graphs[key]
+
+    def _drop(self, key) -> None:
+        g = self.graphs.pop(key)
+        g.close()
+
+    def targets(self, batch) -> np.ndarray:
+        if self.buggy:
+            pad = self.model.tokenizer.pad_id
+            return loss_mod.buggy_targets(batch.tokens, batch.seg, 0 if pad is None else pad)
+        return loss_mod.shift_targets(batch.tokens, batch.train_mask, batch.seg)
+
+    def step(self, micro_batches: list, lr: float) -> StepResult | None:
+        """One optimizer step over ``micro_batches`` (gradient accumulation).  Returns None
+        when the step has no valid target (skipped, nothing divided by zero)."""
+        t0 = time.perf_counter()
+        tgts = [self.targets(b) for b in micro_batches]
+        n_step = int(sum((t >= 0).sum() for t in tgts))
+        if self.buggy:   # the unfixed loss: each micro-batch's mean over ALL its rows,
+            n_step = len(micro_batches)   # averaged over micro-batches as ggml-opt does
+        if n_step == 0:
+            return None
+        self.acc.zero_grads()
+        total, tokens = 0.0, 0
+        for b, tg in zip(micro_batches, tgts):
+            g = self.graph(*b.tokens.shape)
+            part, _ = g.accumulate(b.tokens, b.seg, tg, n_step, self.buggy)
+            total += part
+            tokens += int((b.seg >= 0).sum())
+        if not math.isfinite(total):
+            raise NonFiniteLoss(f"loss is {total}")
+        norm = self.opt.grad_norm()
+        if not math.isfinite(norm):
+            raise NonFiniteLoss(f"gradient norm is {norm}")
+        clip = self.opt.step(lr, norm)
+        return StepResult(total, n_step, norm, clip, lr, tokens, time.perf_counter() - t0)
+
+    def evaluate(self, batches: list) -> dict:
+        """Loss, token accuracy and perplexity over valid targets only."""
+        nll, correct, n = 0.0, 0, 0
+        for b in batches:
+            tg = loss_mod.shift_targets(b.tokens, b.train_mask, b.seg)
+            k = int((tg >= 0).sum())
+            if k == 0:
+                continue
+            key = (b.tokens.shape[0], bucket_length(b.tokens.shape[1]))
+            if key not in self.eval_graphs:
+                self.eval_graphs[key] = EvalGraph(self.model, self.adapter, *key)
+            s, c = self.eval_graphs[key].run(b.tokens, b.seg, tg)
+            nll += s
+            correct += c
+            n += k
+        if n == 0:
+            return {"loss": float("nan"), "accuracy": float("nan"), "perplexity": float("nan"),
+                    "n_valid": 0}
+        return {"loss": nll / n, "accuracy": correct / n, "perplexity": math.exp(min(nll / n, 50)),
+                "n_valid": n}
+
+    def close(self) -> None:
+        for g in list(self.graphs.values()) + list(self.eval_graphs.values()):
+            g.close()
+        self.graphs.clear()
+        self.eval_graphs.clear()
+
+
+class EvalGraph:
+    """Forward + masked CE (sum form) + argmax, for validation metrics."""
+
+    def __init__(self, model: Model, adapter: LoraAdapter | None, B: int, T: int):
+        self.model = model
+        self.B, self.T = B, T
+        size = graph_budget(model.config, T)
+        self.ctx = ggml.Context(n_tensors=size, graph_size=size)
+        c = self.ctx.ptr
+        self.fwd = model.graph.build(c, B, T, adapter.hook if adapter else None)
+        self.ce = loss_mod.build(c, self.fwd.logits, model.config.n_vocab, T * B)
+        self.pred = lib.ggml_argmax(c, lib.ggml_reshape_2d(c, self.fwd.logits,
+                                                           model.config.n_vocab, T * B))
+        for t in (self.ce.loss, self.pred):
+            lib.ggml_set_output(t)
+        self.graph = ggml.new_graph(self.ctx, size)
+        lib.ggml_build_forward_expand(self.graph, self.ce.loss)
+        lib.ggml_build_forward_expand(self.graph, self.pred)
+
+    def run(self, tokens, seg, targets) -> tuple[float, int]:
+        """(sum of CE over valid targets, number of correct argmax predictions)."""
+        B0, T0 = tokens.shape
+        pad_tok = self.model.tokenizer.pad_id or 0
+        tok = np.full((self.B, self.T), pad_tok, np.int64)
+        sg = np.full((self.B, self.T), -1, np.int64)
+        tg = np.full((self.B, self.T), loss_mod.IGNORE, np.int64)
+        tok[:B0, :T0], sg[:B0, :T0], tg[:B0, :T0] = tokens, seg, targets
+        rt = self.model.runtime
+        rt.alloc_graph(self.graph, self.ctx)
+        qwen35.set_inputs(self.fwd, qwen35.input_values(self.model.config, tok, sg))
+        n = loss_mod.set_labels(self.ce, tg, self.model.config.n_vocab,
+                                self.model.tokenizer.pad_id)
+        rt.compute(self.graph)
+        mean = float(ggml.to_numpy(self.ce.loss).reshape(-1)[0])
+        pred = ggml.to_numpy(self.pred).reshape(self.B, self.T)
+        ok = tg >= 0
+        return mean * n, int((pred[ok] == tg[ok]).sum())
+
+    def close(self) -> None:
+        self.model.runtime.forget_graph()
+        self.ctx.close()
