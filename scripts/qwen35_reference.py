@@ -192,6 +192,15 @@ VERBS_PAST = ["saw", "found", "took", "made", "liked", "painted", "lost", "bough
 ADJ = ["big", "small", "old", "new", "happy", "quiet", "tall", "warm", "cold", "soft", "bright", "little"]
 DAYS = ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday"]
 WEATHER = ["sunny", "rainy", "windy", "cloudy", "cold", "warm", "snowy"]
+FOODS = ["bread", "soup", "rice", "cheese", "pizza", "salad", "banana", "carrot", "honey", "pancakes",
+         "sandwich", "chocolate", "strawberries", "potatoes", "noodles", "biscuits"]
+JOBS = ["teacher", "doctor", "farmer", "baker", "driver", "painter", "singer", "gardener", "pilot",
+        "nurse", "builder", "writer", "fisherman", "librarian", "scientist"]
+ACTIVITIES = ["reading", "swimming", "running", "singing", "drawing", "cooking", "dancing", "walking",
+              "climbing", "sleeping", "writing", "listening to music", "playing football", "building a tower"]
+TIMES = ["yesterday", "this morning", "in the afternoon", "after breakfast", "before dinner",
+         "every evening", "last summer", "on the weekend", "during the holidays", "at midnight"]
+FEELINGS = ["happy", "tired", "hungry", "excited", "surprised", "worried", "sleepy", "proud", "curious"]
 NUMBER_WORDS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten",
                 "eleven", "twelve"]
 
@@ -224,12 +233,48 @@ def english_sentence(rng: random.Random) -> str:
         f"\"Can I have the {o}?\" asked {n}. \"Yes, you can,\" said {m}.",
         f"The {a} and the {rng.choice(ANIMALS)} are friends.",
         f"{n}'s {o} isn't {c}, it's {rng.choice(COLOURS)}.",
+        f"{n} is a {rng.choice(JOBS)} and works in the {p}.",
+        f"{rng.choice(TIMES).capitalize()}, {n} was {rng.choice(ACTIVITIES)} with {m}.",
+        f"{n} likes {rng.choice(ACTIVITIES)} because it makes {n} feel {rng.choice(FEELINGS)}.",
+        f"For lunch {n} ate {rng.choice(FOODS)} and {m} had {rng.choice(FOODS)}.",
+        f"{n} felt {rng.choice(FEELINGS)} when the {rng.choice(JOBS)} arrived {rng.choice(TIMES)}.",
+        f"The {rng.choice(JOBS)} asked {n} to bring the {o} to the {p}.",
+        f"Everyone in the {p} remembered the wonderful {rng.choice(FOODS)} that {n} made.",
     ]
     return rng.choice(forms)
 
 
 def english_paragraph(rng: random.Random, n_min: int = 2, n_max: int = 6) -> str:
     return " ".join(english_sentence(rng) for _ in range(rng.randint(n_min, n_max)))
+
+
+def english_story(rng: random.Random, n_min: int = 3, n_max: int = 7) -> str:
+    """A paragraph about a few fixed characters and things, so later words repeat earlier ones
+    (a reason for a model to learn to look back and copy)."""
+    n, m = rng.sample(NAMES, 2)
+    o, o2 = rng.sample(OBJECTS, 2)
+    c, c2 = rng.sample(COLOURS, 2)
+    p, a, f, j = rng.choice(PLACES), rng.choice(ANIMALS), rng.choice(FOODS), rng.choice(JOBS)
+    forms = [
+        lambda: f"{n} took the {c} {o} to the {p}.",
+        lambda: f"The {o} is {c}.",
+        lambda: f"{m} has a {c2} {o2}.",
+        lambda: f"{n} and {m} went to the {p}.",
+        lambda: f"At the {p}, {n} saw a {a}.",
+        lambda: f"The {a} looked at the {c} {o}.",
+        lambda: f"{m} liked the {c} {o}.",
+        lambda: f"{n} gave the {o} to {m}.",
+        lambda: f"Now {m} has the {c} {o}.",
+        lambda: f"{m} put the {o2} next to the {o}.",
+        lambda: f"{n} is a {j}.",
+        lambda: f"{n} ate {f} at the {p} with {m}.",
+        lambda: f"Then {n} said: \"I like my {c} {o}.\"",
+        lambda: f"Where is the {o}? It is in the {p}.",
+        lambda: f"What colour is the {o2}? The {o2} is {c2}.",
+        lambda: f"The {a} followed {n} and {m} home.",
+        lambda: f"{m} says the {o2} is {c2}.",
+    ]
+    return " ".join([f"{n} has a {c} {o}."] + [rng.choice(forms)() for _ in range(rng.randint(n_min, n_max))])
 
 
 def english_corpus(seed: int, n_paragraphs: int) -> list[str]:

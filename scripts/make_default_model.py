@@ -1,0 +1,463 @@
+"""Make pytrain's embedded default model and demo fine-tuning data (pytrain/data/).
+
+Why: pytrain ships a demo that runs anywhere in minutes, with no download.  It needs a real-format
+Qwen3.5 GGUF that already knows the chat format (so a LoRA run has something to build on) and a
+small chat dataset that teaches it something new, visible in greedy generation before and after.
+
+What it makes:
+    pytrain/data/default-model.gguf   a small Qwen3.5 (hidden 128, 6 layers: DeltaNet at 0, 1, 2, 4
+        and gated attention at 3, 5; 4 q / 2 kv heads x 32; DeltaNet 2 key / 4 value heads x 32;
+        FFN 384; 1024-token byte-level BPE; tied embeddings), pretrained with HF transformers on a
+        synthetic corpus (simple English plus conversations rendered with the model's own Qwen3.5
+        chat template: arithmetic, facts, counting, copying, reading questions, greetings), then
+        converted to F32 with the pinned llama.cpp convert_hf_to_gguf.py (pre forced to qwen35)
+    pytrain/data/demo_train.jsonl, demo_valid.jsonl   OpenAI-style chat records teaching animal
+        sounds ("What does the cow say?" -> "The cow says moo."), which the base model never saw
+
+How (from the repo root, with the reference stack of scripts/requirements-reference.txt):
+
+    /opt/refenv/bin/python scripts/make_default_model.py                 # everything (~10 min)
+    /opt/refenv/bin/python scripts/make_default_model.py --check-demo    # + HF/PEFT LoRA check
+
+Stages cache their results in --work (default /tmp/pytrain-default-model): the tokenizer and the
+pretrained HF checkpoint are reused when present (delete the folder or pass --fresh to redo them).
+--check-demo trains a LoRA (r 16, alpha 32, q/k/v/o of the two attention layers only, like
+pytrain's demo config) on demo_train.jsonl with HF+PEFT and prints losses and greedy generations
+before and after.  Deterministic: fixed seeds, torch on 2 threads, a fixed number of steps.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import qwen35_reference as ref  # noqa: E402
+
+VOCAB = 1024
+SEQ = 128
+MODEL_CONFIG = dict(
+    vocab_size=VOCAB, hidden_size=128, intermediate_size=384, num_hidden_layers=6,
+    layer_types=["linear_attention"] * 3 + ["full_attention", "linear_attention", "full_attention"],
+    num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32,
+    tie_word_embeddings=True, initializer_range=0.02,
+    # rope on 8 of 32 head dims: base 1e4 (not Qwen3.5's 1e7) keeps more than one pair turning
+    rope_parameters={"rope_type": "default", "rope_theta": 10_000.0, "partial_rotary_factor": 0.25,
+                     "mrope_section": [11, 11, 10], "mrope_interleaved": True},
+)
+PRETRAIN = dict(steps=700, batch=32, lr=5e-3, warmup=50, weight_decay=0.01, seed=0)
+
+# --------------------------------------------------------------------------------------------
+# pretraining conversations
+# --------------------------------------------------------------------------------------------
+
+SYSTEM_PROMPTS = ["You are a helpful assistant.", "You are a friendly assistant. Answer briefly.",
+                  "Be brief.", "You are a small, helpful model.", "Answer the question."]
+
+FACTS = [
+    ("What colour is the sky?", "The sky is blue."),
+    ("What colour is grass?", "Grass is green."),
+    ("What colour is snow?", "Snow is white."),
+    ("What colour is the sun?", "The sun is yellow."),
+    ("What colour is a banana?", "A banana is yellow."),
+    ("What colour is an orange?", "An orange is orange."),
+    ("What colour is milk?", "Milk is white."),
+    ("What colour is the night sky?", "The night sky is black."),
+    ("What colour is a tomato?", "A tomato is red."),
+    ("How many days are in a week?", "There are seven days in a week."),
+    ("How many legs does a dog have?", "A dog has four legs."),
+    ("How many legs does a bird have?", "A bird has two legs."),
+    ("How many hours are in a day?", "There are 24 hours in a day."),
+    ("How many months are in a year?", "There are 12 months in a year."),
+    ("What do bees make?", "Bees make honey."),
+    ("What do cows give us?", "Cows give us milk."),
+    ("Where do fish live?", "Fish live in water."),
+    ("Is ice hot or cold?", "Ice is cold."),
+    ("Is fire hot or cold?", "Fire is hot."),
+    ("What do we use to write?", "We use a pen to write."),
+    ("What do we drink when we are thirsty?", "We drink water."),
+    ("When do we sleep?", "We sleep at night."),
+]
+GREETINGS = [
+    ("Hello!", "Hello! How can I help you today?"),
+    ("Hi.", "Hi! What can I do for you?"),
+    ("Good morning!", "Good morning! How can I help?"),
+    ("Thank you!", "You are welcome."),
+    ("Thanks a lot.", "You are welcome!"),
+    ("Who are you?", "I am a small assistant."),
+    ("What can you do?", "I can answer simple questions and do small sums."),
+    ("Goodbye!", "Goodbye! Have a nice day."),
+    ("How are you?", "I am fine, thank you."),
+]
+
+
+def _sum_question(rng: random.Random) -> tuple[str, str]:
+    if rng.random() < 0.6:
+        a, b = rng.randint(0, 10), rng.randint(0, 10)
+        q = rng.choice([f"What is {a}+{b}?", f"What is {a} + {b}?", f"What is {a} plus {b}?",
+                        f"Calculate {a}+{b}.", f"{a}+{b}=?", f"Add {a} and {b}."])
+        return q, str(a + b)
+    a = rng.randint(0, 12)
+    b = rng.randint(0, a)
+    q = rng.choice([f"What is {a}-{b}?", f"What is {a} - {b}?", f"What is {a} minus {b}?",
+                    f"Calculate {a}-{b}.", f"Take {b} from {a}."])
+    return q, str(a - b)
+
+
+def _reading_question(rng: random.Random) -> tuple[str, str]:
+    """Questions answered by copying from the question: they teach the model to look back."""
+    n, m = rng.sample(ref.NAMES, 2)
+    o, o2 = rng.sample(ref.OBJECTS, 2)
+    c, c2 = rng.sample(ref.COLOURS, 2)
+    p, p2 = rng.sample(ref.PLACES, 2)
+    an = rng.choice(ref.ANIMALS)
+    kind = rng.randrange(7)
+    if kind == 0:
+        return f"{n} has a {c} {o}. What colour is the {o}?", f"The {o} is {c}."
+    if kind == 1:
+        return f"The {an} is in the {p}. Where is the {an}?", f"The {an} is in the {p}."
+    if kind == 2:
+        return f"{n} has a {c} {o}. What does {n} have?", f"{n} has a {c} {o}."
+    if kind == 3:
+        return f"{n} went to the {p}. {m} went to the {p2}. Where did {n} go?", f"{n} went to the {p}."
+    if kind == 4:
+        return (f"{n} has a {c} {o}. {m} has a {c2} {o2}. What colour is the {o2}?", f"The {o2} is {c2}.")
+    if kind == 5:
+        return f"Which animal is in the {p}: the {an}?", f"The {an} is in the {p}."
+    s = ref.english_sentence(rng)
+    return rng.choice([f"Repeat after me: {s}", f"Say this again: {s}", f"Copy this: {s}"]), s
+
+
+def _misc_question(rng: random.Random) -> tuple[str, str]:
+    kind = rng.randrange(6)
+    if kind == 0:
+        return rng.choice(FACTS)
+    if kind == 1:
+        return rng.choice(GREETINGS)
+    if kind == 2:
+        k = rng.randint(2, 10)
+        return rng.choice([f"Count to {k}.", f"Count from 1 to {k}."]), ", ".join(str(i) for i in range(1, k + 1)) + "."
+    if kind == 3:
+        k = rng.randint(2, 10)
+        return f"Count down from {k}.", ", ".join(str(i) for i in range(k, 0, -1)) + "."
+    if kind == 4:
+        i = rng.randrange(7)
+        return f"What day comes after {ref.DAYS[i]}?", f"{ref.DAYS[(i + 1) % 7]} comes after {ref.DAYS[i]}."
+    story = ref.english_story(rng, 2, 4)
+    return f"Tell me a short story about {story.split(' ', 1)[0]}.", story
+
+
+def pretrain_exchange(rng: random.Random) -> tuple[str, str]:
+    r = rng.random()
+    if r < 0.25:
+        return _sum_question(rng)
+    if r < 0.7:
+        return _reading_question(rng)
+    return _misc_question(rng)
+
+
+def random_conversation(rng: random.Random, exchange=pretrain_exchange, p_system=0.4, max_turns=3) -> list[dict]:
+    msgs = []
+    if rng.random() < p_system:
+        msgs.append({"role": "system", "content": rng.choice(SYSTEM_PROMPTS)})
+    for _ in range(rng.choice([1] * 5 + list(range(2, max_turns + 1)))):
+        q, a = exchange(rng)
+        msgs += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+    return msgs
+
+
+def pretrain_documents(hf_tok, seed: int, n_docs: int) -> list[list[int]]:
+    """Token lists: 35% English stories, 65% chats rendered with the chat template."""
+    rng = random.Random(seed)
+    eot = hf_tok.convert_tokens_to_ids(ref.PAD_TOKEN)
+    docs = []
+    for _ in range(n_docs):
+        if rng.random() < 0.35:
+            text = ref.english_story(rng, 2, 8)
+            if rng.random() < 0.3:
+                text += f" {rng.choice(ref.NAMES)} heard a loud {rng.choice(SOUND_WORDS)}."
+            docs.append(hf_tok.encode(text, add_special_tokens=False) + [eot])
+        else:
+            msgs = random_conversation(rng)
+            text = ref.render_chat(hf_tok, msgs)
+            docs.append(hf_tok.encode(text, add_special_tokens=False))
+    return docs
+
+
+# --------------------------------------------------------------------------------------------
+# the demo data: animal sounds
+# --------------------------------------------------------------------------------------------
+
+SOUNDS = {"cow": "moo", "dog": "woof", "cat": "meow", "duck": "quack", "sheep": "baa", "pig": "oink",
+          "horse": "neigh", "lion": "roar"}
+# Sound words appear in the pretraining stories ("Ben heard a loud quack."), never next to the
+# animal that makes them, so they are known tokens but the animal -> sound mapping is new.
+SOUND_WORDS = sorted(set(SOUNDS.values()) | {"bang", "beep", "ding", "whoosh", "buzz", "hiss", "hoot"})
+SOUND_QUESTIONS = ["What does the {a} say?", "What does a {a} say?", "What sound does the {a} make?",
+                   "What sound does a {a} make?", "What noise does the {a} make?", "Tell me what the {a} says.",
+                   "What does the {a} say?"]
+HELD_OUT_QUESTION = "Which sound does a {a} make?"   # only in the validation set
+
+
+def sound_exchange(rng: random.Random, templates=SOUND_QUESTIONS) -> tuple[str, str]:
+    a = rng.choice(sorted(SOUNDS))
+    return rng.choice(templates).format(a=a), f"The {a} says {SOUNDS[a]}."
+
+
+def demo_records(seed: int, n: int, templates) -> list[dict]:
+    """Chats whose last assistant turn is usually an animal sound; some keep old skills."""
+    rng = random.Random(seed)
+    recs = []
+    for _ in range(n):
+        msgs = []
+        if rng.random() < 0.3:
+            msgs.append({"role": "system", "content": rng.choice(SYSTEM_PROMPTS)})
+        if rng.random() < 0.25:  # multi-turn: an ordinary exchange first
+            q, a = pretrain_exchange(rng)
+            msgs += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+        q, a = sound_exchange(rng, templates) if rng.random() < 0.85 else pretrain_exchange(rng)
+        msgs += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+        recs.append({"messages": msgs})
+    return recs
+
+
+def write_jsonl(path: Path, recs: list[dict]) -> None:
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in recs), encoding="utf-8")
+
+
+# --------------------------------------------------------------------------------------------
+# HF training helpers
+# --------------------------------------------------------------------------------------------
+
+def packed_rows(docs: list[list[int]], seq: int) -> list[list[int]]:
+    flat = [t for d in docs for t in d]
+    return [flat[i:i + seq] for i in range(0, len(flat) - seq + 1, seq)]
+
+
+def pretrain(model, rows, steps, batch, lr, warmup, weight_decay, seed, log_every=50):
+    import torch
+    g = torch.Generator().manual_seed(seed)
+    data = torch.tensor(rows, dtype=torch.long)
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.95))
+    model.train()
+    t0 = time.time()
+    for step in range(steps):
+        f = min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * step / steps))
+        for grp in opt.param_groups:
+            grp["lr"] = lr * max(f, 0.02)
+        idx = torch.randint(0, len(data), (batch,), generator=g)
+        x = data[idx]
+        out = model(input_ids=x, labels=x, use_cache=False)
+        opt.zero_grad(set_to_none=True)
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        if step % log_every == 0 or step == steps - 1:
+            print(f"  pretrain step {step:5d} loss {out.loss.item():.4f}  {time.time() - t0:6.1f}s", flush=True)
+    model.eval()
+
+
+def chat_prompt_and_target(hf_tok, msgs: list[dict]) -> tuple[list[int], list[int]]:
+    """Prompt ids (everything before the last assistant reply, generation prompt included) and
+    target ids (the rest of the rendered chat: the reply and its <|im_end|>)."""
+    full = ref.render_chat(hf_tok, msgs)
+    prompt = ref.render_chat(hf_tok, msgs[:-1], add_generation_prompt=True)
+    assert full.startswith(prompt), (full, prompt)
+    p = hf_tok.encode(prompt, add_special_tokens=False)
+    t = hf_tok.encode(full[len(prompt):], add_special_tokens=False)
+    return p, t
+
+
+def greedy(model, hf_tok, msgs: list[dict], max_new: int = 24) -> str:
+    import torch
+    prompt = ref.render_chat(hf_tok, msgs, add_generation_prompt=True)
+    ids = torch.tensor([hf_tok.encode(prompt, add_special_tokens=False)])
+    end = hf_tok.convert_tokens_to_ids(ref.EOS_TOKEN)
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=max_new, do_sample=False, eos_token_id=end,
+                             pad_token_id=hf_tok.convert_tokens_to_ids(ref.PAD_TOKEN))
+    return hf_tok.decode(out[0, ids.shape[1]:].tolist(), skip_special_tokens=False)
+
+
+def answer_of(generated: str) -> str:
+    """The reply without the (empty) think block and the closing <|im_end|>."""
+    return generated.split("</think>")[-1].strip().removesuffix("<|im_end|>").strip()
+
+
+def masked_batches(hf_tok, recs, pad_id):
+    """(input_ids, labels) per record; labels -100 except the final assistant turn."""
+    items = []
+    for r in recs:
+        p, t = chat_prompt_and_target(hf_tok, r["messages"])
+        items.append((p + t, [-100] * len(p) + t))
+    return items
+
+
+def collate(items, pad_id):
+    import torch
+    T = max(len(x) for x, _ in items)
+    ids = torch.full((len(items), T), pad_id, dtype=torch.long)
+    lab = torch.full((len(items), T), -100, dtype=torch.long)
+    att = torch.zeros((len(items), T), dtype=torch.long)
+    for i, (x, y) in enumerate(items):
+        ids[i, :len(x)] = torch.tensor(x)
+        lab[i, :len(y)] = torch.tensor(y)
+        att[i, :len(x)] = 1
+    return ids, lab, att
+
+
+def eval_loss(model, items, pad_id, bs=16):
+    """Mean CE over all target tokens, each record run alone (no padding inside the model)."""
+    import torch
+    tot, n = 0.0, 0
+    with torch.no_grad():
+        for x, y in items:
+            out = model(input_ids=torch.tensor([x]), use_cache=False)
+            logits = out.logits[0, :-1]
+            yy = torch.tensor(y[1:])
+            m = yy != -100
+            tot += torch.nn.functional.cross_entropy(logits[m], yy[m], reduction="sum").item()
+            n += int(m.sum())
+    return tot / n
+
+
+def check_demo(model, hf_tok, train_recs, valid_recs, steps=150, batch=8, lr=2e-3, rank=16, alpha=32, seed=0):
+    import copy
+    import torch
+    from peft import LoraConfig, get_peft_model
+    pad_id = hf_tok.convert_tokens_to_ids(ref.PAD_TOKEN)
+    probes = [[{"role": "user", "content": "What does the cow say?"}],
+              [{"role": "user", "content": "What sound does a duck make?"}],
+              [{"role": "user", "content": "Which sound does a lion make?"}],
+              [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What does the dog say?"}],
+              [{"role": "user", "content": "What is 3+4?"}],
+              [{"role": "user", "content": "What colour is the sky?"}]]
+    tr, va = masked_batches(hf_tok, train_recs, pad_id), masked_batches(hf_tok, valid_recs, pad_id)
+    print(f"[demo] base model: train loss {eval_loss(model, tr, pad_id):.4f}  valid loss {eval_loss(model, va, pad_id):.4f}")
+    before = [greedy(model, hf_tok, m) for m in probes]
+    cfg = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, bias="none",
+                     target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], task_type="CAUSAL_LM")
+    pm = get_peft_model(copy.deepcopy(model), cfg)
+    names = [n for n, p in pm.named_parameters() if p.requires_grad]
+    print(f"[demo] LoRA r={rank} alpha={alpha} on {len(names) // 2} modules: "
+          + ", ".join(sorted({n.split('.base_model.model.model.')[-1].split('.lora_')[0] for n in names})))
+    pm.print_trainable_parameters()
+    opt = torch.optim.AdamW([p for p in pm.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
+    g = torch.Generator().manual_seed(seed)
+    pm.train()
+    t0 = time.time()
+    for step in range(steps):
+        idx = torch.randint(0, len(tr), (batch,), generator=g).tolist()
+        ids, lab, att = collate([tr[i] for i in idx], pad_id)
+        loss = pm(input_ids=ids, attention_mask=att, labels=lab, use_cache=False).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if step % 25 == 0 or step == steps - 1:
+            pm.eval()
+            vl = eval_loss(pm, va, pad_id)
+            pm.train()
+            print(f"  lora step {step:4d} batch loss {loss.item():.4f}  valid loss {vl:.4f}  {time.time() - t0:5.1f}s",
+                  flush=True)
+    pm.eval()
+    after = [greedy(pm, hf_tok, m) for m in probes]
+    for m, b, a in zip(probes, before, after):
+        print(f"[demo] {m[-1]['content']!r}\n    before: {b!r}\n    after:  {a!r}")
+    return pm
+
+
+# --------------------------------------------------------------------------------------------
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--work", type=Path, default=Path("/tmp/pytrain-default-model"))
+    ap.add_argument("--out", type=Path, default=ref.REPO / "pytrain" / "data")
+    ap.add_argument("--fresh", action="store_true", help="redo the tokenizer and pretraining")
+    ap.add_argument("--steps", type=int, default=PRETRAIN["steps"])
+    ap.add_argument("--check-demo", action="store_true", help="run the HF+PEFT LoRA learnability check")
+    ap.add_argument("--demo-steps", type=int, default=150)
+    a = ap.parse_args()
+
+    import numpy as np
+    import torch
+    torch.set_num_threads(2)
+    torch.set_default_dtype(torch.float32)
+    torch.set_flush_denormal(True)   # decayed DeltaNet states otherwise make some CPU steps 10x slower
+
+    work, out = a.work, a.out
+    work.mkdir(parents=True, exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
+    tok_dir, hf_dir = work / "tokenizer", work / "hf"
+
+    if a.fresh or not (tok_dir / "tokenizer.json").exists():
+        rng = random.Random(11)
+        corpus = ref.english_corpus(seed=11, n_paragraphs=6000)
+        for _ in range(3000):
+            corpus.append("\n".join(f"{m['role']}\n{m['content']}" for m in random_conversation(rng)))
+            corpus.append(ref.english_story(rng) + f" Then {rng.choice(ref.NAMES)} heard a {rng.choice(SOUND_WORDS)}.")
+        tok = ref.train_tokenizer(corpus, VOCAB)
+        ref.save_tokenizer_dir(tok, tok_dir)
+    hf_tok = ref.load_hf_tokenizer(tok_dir)
+    eos_id = hf_tok.convert_tokens_to_ids(ref.EOS_TOKEN)
+
+    if a.fresh or not (hf_dir / "model.safetensors").exists():
+        docs = pretrain_documents(hf_tok, seed=12, n_docs=60000)
+        rows = packed_rows(docs, SEQ)
+        print(f"pretraining corpus: {len(docs)} documents, {sum(map(len, docs))} tokens, {len(rows)} rows of {SEQ}")
+        cfg = ref.qwen35_text_config(eos_token_id=eos_id, **MODEL_CONFIG)
+        model = ref.build_model(cfg, seed=PRETRAIN["seed"])
+        print(f"model: {sum(p.numel() for p in model.parameters())} parameters")
+        t0 = time.time()
+        pretrain(model, rows, a.steps, PRETRAIN["batch"], PRETRAIN["lr"], PRETRAIN["warmup"],
+                 PRETRAIN["weight_decay"], PRETRAIN["seed"])
+        print(f"pretraining took {time.time() - t0:.0f}s")
+        ref.save_hf_checkpoint(model, tok_dir, hf_dir)
+    from transformers.models.qwen3_5 import Qwen3_5ForCausalLM
+    model = Qwen3_5ForCausalLM.from_pretrained(str(hf_dir), attn_implementation="eager").float().eval()
+
+    gguf_path = ref.convert_to_gguf(hf_dir, out / "default-model.gguf", "f32")
+    ref.check_gguf_layout(model, gguf_path)
+    probe = hf_tok.encode(ref.render_chat(hf_tok, [{"role": "user", "content": "What is 2+3?"}],
+                                          add_generation_prompt=True), add_special_tokens=False)
+    err = float(np.abs(ref.numpy_forward_gguf(gguf_path, probe) - ref.hf_logprobs(model, probe)).max())
+    print(ref.gguf_summary(gguf_path).split("\n  ")[0])
+    print(f"numpy-from-GGUF vs HF on a {len(probe)}-token prompt: max |dlogprob| {err:.2e}")
+    assert err < 1e-3, err
+
+    train = demo_records(seed=21, n=320, templates=SOUND_QUESTIONS)
+    valid = demo_records(seed=22, n=50, templates=SOUND_QUESTIONS + [HELD_OUT_QUESTION] * 3)
+    write_jsonl(out / "demo_train.jsonl", train)
+    write_jsonl(out / "demo_valid.jsonl", valid)
+
+    for msgs in ([{"role": "user", "content": "What is 12+7?"}],
+                 [{"role": "user", "content": "What is 9 minus 4?"}],
+                 [{"role": "user", "content": "What colour is the sky?"}],
+                 [{"role": "user", "content": "Count to 5."}],
+                 [{"role": "user", "content": "Anna has a green kite. What colour is the kite?"}],
+                 [{"role": "user", "content": "Hello!"}],
+                 [{"role": "user", "content": "What does the cow say?"}]):
+        print(f"[base] {msgs[-1]['content']!r} -> {greedy(model, hf_tok, msgs)!r}")
+    correct = 0
+    rng = random.Random(5)
+    for _ in range(50):
+        q, ans = _sum_question(rng)
+        g = greedy(model, hf_tok, [{"role": "user", "content": q}], 12)
+        correct += g.endswith("<|im_end|>") and answer_of(g) == ans
+    print(f"[base] arithmetic: {correct}/50 exact")
+
+    if a.check_demo:
+        torch.manual_seed(0)
+        check_demo(model, hf_tok, train, valid, steps=a.demo_steps)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
