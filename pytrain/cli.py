@@ -15,6 +15,80 @@ def _inspect(args: argparse.Namespace) -> int:
     return inspect_model.main(args.model)
 
 
+def _config(args: argparse.Namespace):
+    from pytrain.config import load_config
+    return load_config(args.config, args.set or [])
+
+
+def _train(args: argparse.Namespace) -> int:
+    from pytrain import run
+    cfg = _config(args)
+    res = run.train(cfg, progress=not args.no_progress)
+    print(f"adapter:  {res.adapter}")
+    print(f"metrics:  {res.out_dir / 'metrics.jsonl'}")
+    print(f"plot:     {res.out_dir / 'loss.png'}")
+    if res.final_eval:
+        e = res.final_eval
+        print(f"validation: loss {e['loss']:.4f}  accuracy {e['accuracy']:.3f}  "
+              f"perplexity {e['perplexity']:.2f}  over {e['n_valid']} target tokens")
+    return 0
+
+
+def _load_adapter(model, path):
+    from pytrain import lora
+    from pytrain.adapter_gguf import check_adapter_matches, read_lora_gguf
+    arch, alpha, tensors, _meta = read_lora_gguf(path, arch=model.metadata.get("general.architecture"))
+    check_adapter_matches(model.config, tensors, source=str(path))
+    names = sorted({k.rsplit(".", 1)[0] for k in tensors})
+    rank = tensors[names[0] + ".lora_a"].shape[0]
+    ad = lora.create(model.runtime, model.config, names, rank, alpha)
+    ad.set(tensors)
+    return ad
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from pytrain.data import load_data, make_batches, pad_token_id
+    from pytrain.model import load_model
+    from pytrain.optimizer import AdamW
+    from pytrain.trainer import Trainer
+    cfg = _config(args)
+    model = load_model(cfg.model.path, cfg.model.device, cfg.model.threads, cfg.model.type_policy)
+    splits = load_data(cfg.data, model.tokenizer)
+    examples = splits.valid or splits.train
+    batches = make_batches(examples, cfg.train.batch_size, cfg.data.packing, 0, shuffle=False,
+                           max_seq_len=cfg.data.max_seq_len, pad_id=pad_token_id(model.tokenizer))
+    adapter = _load_adapter(model, args.adapter) if args.adapter else None
+    if adapter is None:
+        from pytrain import lora
+        from pytrain.lora_targets import select_targets
+        adapter = lora.create(model.runtime, model.config, select_targets(model.config), 1, 1.0)
+    ev = Trainer(model, adapter, AdamW()).evaluate(batches)
+    which = "validation" if splits.valid else "training"
+    print(f"{which} set ({len(examples)} examples, {ev['n_valid']} target tokens): "
+          f"loss {ev['loss']:.4f}  accuracy {ev['accuracy']:.3f}  perplexity {ev['perplexity']:.2f}")
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from pytrain.chat_template import render
+    from pytrain.model import load_model
+    model = load_model(args.model, args.device, args.threads)
+    tok = model.tokenizer
+    adapter = _load_adapter(model, args.adapter) if args.adapter else None
+    if args.raw:
+        ids = tok.encode(args.prompt, add_special=True)
+    else:
+        msgs = ([{"role": "system", "content": args.system}] if args.system else []) + \
+            [{"role": "user", "content": args.prompt}]
+        text = render(tok.chat_template, msgs, add_generation_prompt=True,
+                      enable_thinking=False, **tok.special_tokens_map())
+        ids = tok.encode(text)
+    out = model.generate(ids, args.max_new_tokens, args.temperature, args.seed,
+                         lora=adapter.hook if adapter else None)
+    print(tok.decode(out, skip_special=True))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="pytrain", description=__doc__)
     sub = ap.add_subparsers(dest="command", required=True)
@@ -24,12 +98,43 @@ def build_parser() -> argparse.ArgumentParser:
                        "blocks and LoRA targets of a GGUF model (loads no weights)")
     p.add_argument("model", help="path to a .gguf model")
     p.set_defaults(func=_inspect)
+
+    def config_args(p):
+        p.add_argument("config", help="TOML config file")
+        p.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE",
+                       help="override a config value (repeatable)")
+    p = sub.add_parser("train", help="LoRA fine-tune from a TOML config")
+    config_args(p)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=_train)
+    p = sub.add_parser("eval", help="validation loss, token accuracy and perplexity over the "
+                       "valid targets of the config's data")
+    config_args(p)
+    p.add_argument("--adapter", help="adapter GGUF to evaluate (default: the base model)")
+    p.set_defaults(func=_eval)
+    p = sub.add_parser("generate", help="greedy or sampled generation, with an adapter")
+    p.add_argument("model", help="path to a .gguf model")
+    p.add_argument("--adapter", help="LoRA adapter GGUF")
+    p.add_argument("--prompt", required=True, help="user message (or raw text with --raw)")
+    p.add_argument("--system", help="system message")
+    p.add_argument("--raw", action="store_true", help="no chat template")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--threads", type=int, default=None)
+    p.set_defaults(func=_generate)
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except (ValueError, RuntimeError, OSError, KeyError) as e:
+        # bad config, data, model or adapter files: one clear line, no traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

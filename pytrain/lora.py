@@ -63,8 +63,11 @@ class LoraAdapter:
 
 
 def create(runtime: ggml.Runtime, config, names: list[str], rank: int, alpha: float,
-           seed: int = 0) -> LoraAdapter:
-    """Allocate A and B (F32, trainable) for each target on the runtime's primary backend."""
+           seed: int = 0, init: str = "peft") -> LoraAdapter:
+    """Allocate A and B (F32, trainable) for each target on the runtime's primary backend.
+    ``init``: "peft" (A Kaiming-uniform) or "gaussian" (A ~ N(0, 1/r), PEFT's gaussian)."""
+    if init not in ("peft", "gaussian"):
+        raise ValueError(f"lora init must be 'peft' or 'gaussian', got {init!r}")
     shapes = lora_shapes(config, names, rank)
     ad = LoraAdapter(rank, float(alpha), list(names))
     ad.ctx = ggml.Context(n_tensors=2 * len(names))
@@ -80,7 +83,11 @@ def create(runtime: ggml.Runtime, config, names: list[str], rank: int, alpha: fl
     rng = np.random.default_rng(seed)
     for n in names:
         a_shape, b_shape = shapes[n]
-        bound = 1.0 / np.sqrt(a_shape[1])
-        ggml.from_numpy(ad.a[n], rng.uniform(-bound, bound, a_shape).astype(np.float32))
+        if init == "peft":
+            bound = 1.0 / np.sqrt(a_shape[1])
+            a = rng.uniform(-bound, bound, a_shape)
+        else:
+            a = rng.normal(0.0, 1.0 / rank, a_shape)
+        ggml.from_numpy(ad.a[n], a.astype(np.float32))
         ggml.from_numpy(ad.b[n], np.zeros(b_shape, np.float32))
     return ad
