@@ -198,3 +198,29 @@ def test_lora_gradients_match_finite_differences(setup):
             assert abs(grads[name][idx] - fd) <= 0.02 * scale, (name, idx, grads[name][idx], fd)
     ad.set(base)
     g.close()
+
+
+def test_packed_row_equals_samples_run_alone(setup):
+    """A row packing two samples gives each sample's loss and gradients as when run alone
+    (token mean: packed·n = a·n_a + b·n_b); the boundary target is not trained."""
+    m, ad = setup
+    rng = np.random.default_rng(9)
+    a, b = rng.integers(0, 480, 9), rng.integers(0, 480, 6)
+    tr_a, tr_b = np.r_[np.zeros(3), np.ones(6)], np.r_[np.zeros(2), np.ones(4)]
+    row = np.concatenate([a, b])[None]
+    seg = np.array([[0] * 9 + [1] * 6])
+    tgt = L.shift_targets(row, np.concatenate([tr_a, tr_b])[None], seg)
+    assert tgt[0, 8] == L.IGNORE          # last token of a must not predict the first of b
+    g = GradGraph(m, ad, B=1, T=15)
+    packed = g.run(row, seg, tgt)
+    alone = []
+    for toks, tr in ((a, tr_a), (b, tr_b)):
+        s = np.zeros((1, len(toks)), np.int64)
+        alone.append(g.run(toks[None], s, L.shift_targets(toks[None], tr[None], s)))
+    g.close()
+    na, nb = alone[0]["n_valid"], alone[1]["n_valid"]
+    assert packed["n_valid"] == na + nb == 6 + 4
+    assert abs(packed["loss"] * (na + nb) - (alone[0]["loss"] * na + alone[1]["loss"] * nb)) < 1e-4
+    for k, v in packed["grads"].items():
+        want = (alone[0]["grads"][k] * na + alone[1]["grads"][k] * nb) / (na + nb)
+        np.testing.assert_allclose(v, want, atol=2e-6, rtol=1e-4, err_msg=k)
