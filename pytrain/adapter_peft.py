@@ -1,0 +1,629 @@
+"""LoRA adapters in Hugging Face PEFT's format (``adapter_config.json`` + ``adapter_model.safetensors``).
+
+pytrain keys its adapters by GGUF tensor name (``blk.N.attn_q.weight.lora_a`` → A [r, n_in],
+``.lora_b`` → B [n_out, r], numpy order, see :mod:`pytrain.lora`).  PEFT keys them by HF module
+(``base_model.model.model.layers.N.self_attn.q_proj.lora_A.weight`` → A [r, n_in],
+``....lora_B.weight`` → B [n_out, r]) and applies the same function, ``W·x + (lora_alpha/r)·B·(A·x)``.
+This module is the exact inverse of llama.cpp's ``convert_lora_to_gguf.py`` (pinned source,
+``conversion/qwen.py``) for every target pytrain supports:
+
+    GGUF ``blk.N.<t>.weight``   HF ``model.layers.N.<module>``   converter transform
+    attn_q / attn_k / attn_v    self_attn.q_proj / k_proj / v_proj   none
+    attn_output                 self_attn.o_proj                     none
+    ffn_gate / ffn_up / ffn_down  mlp.gate_proj / up_proj / down_proj  none
+    attn_qkv                    linear_attn.in_proj_qkv   B: value rows grouped → tiled
+    attn_gate                   linear_attn.in_proj_z     B: rows grouped → tiled (head_v_dim)
+    ssm_beta / ssm_alpha        linear_attn.in_proj_b / in_proj_a   B: rows grouped → tiled (1)
+    ssm_out                     linear_attn.out_proj      A: columns grouped → tiled (head_v_dim)
+
+The DeltaNet (``linear_attn``) transforms are the converter's ``_reorder_v_heads`` applied to a
+LoRA pair: HF stores value heads grouped by key head ``[K0: v0..v{g-1}, K1: ...]``, GGUF tiled
+``[v0 of K0, v0 of K1, ..., v1 of K0, ...]``; the converter permutes B's rows (outputs) or A's
+columns (inputs) with ``idx = arange(n).reshape(n_k, n_v / n_k, hd).transpose(0, 1)``, and
+``in_proj_qkv`` keeps its q and k rows and permutes only the value rows.  A permutation of B's
+rows or A's columns is exact, so these targets convert both ways without loss; they need the
+model's DeltaNet head counts (``model_config``, a :class:`pytrain.models.qwen35_config.Qwen35Config`
+or anything with ``ssm_k_heads``, ``ssm_v_heads``, ``ssm_state``, ``ssm_inner``).  With equal
+key and value head counts the permutation is the identity.
+
+``adapter_config.json`` is a complete PEFT 0.21 ``LoraConfig`` (every key PEFT 0.21.2's
+``save_pretrained`` writes, checked against one by ``scripts/make_peft_logits_golden.py``):
+``target_modules`` holds the HF short names (``q_proj``...) with ``layers_to_transform`` when
+that set, applied to the model, selects exactly the adapted modules (provable from
+``model_config``'s layer kinds, or from the adapted tensors themselves); otherwise it lists the
+full module names, so PEFT never adds adapters to layers pytrain did not train.  The module
+names are those of ``Qwen3_5ForCausalLM`` (``model.layers.N``); pass
+``layers_prefix="model.language_model.layers"`` for a ``Qwen3_5ForConditionalGeneration`` base.
+
+Writes are atomic per file: each file is written to a temporary file in the folder, fsync'ed,
+then renamed over its final name (weights first, then the config), so a failure never leaves a
+truncated file under a final name.
+
+Reading (:func:`read_peft_adapter`) accepts what PEFT writes for a plain LoRA on these modules
+(float32, float16, bfloat16 or float64 tensors; either module prefix) and refuses, naming the
+file, anything pytrain would compute differently: another ``peft_type``, ``fan_in_fan_out``,
+a bias, rsLoRA, DoRA and the other LoRA variants, ``rank_pattern`` / ``alpha_pattern``,
+``modules_to_save``, unknown modules, and tensors PEFT itself would not load.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import secrets
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+
+CONFIG_NAME = "adapter_config.json"
+WEIGHTS_NAME = "adapter_model.safetensors"
+PEFT_FORMAT_VERSION = "0.21.2"     # the PEFT release whose saved format this writer reproduces
+KEY_PREFIX = "base_model.model."   # PeftModel → LoraModel → the HF model
+DEFAULT_LAYERS_PREFIX = "model.layers"             # Qwen3_5ForCausalLM
+KNOWN_LAYERS_PREFIXES = ("model.layers", "model.language_model.layers")
+
+ATTENTION = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+             "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj"}
+FFN = {"ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+DELTANET = {"attn_qkv": "linear_attn.in_proj_qkv", "attn_gate": "linear_attn.in_proj_z",
+            "ssm_beta": "linear_attn.in_proj_b", "ssm_alpha": "linear_attn.in_proj_a",
+            "ssm_out": "linear_attn.out_proj"}
+GGUF_TO_HF = {**ATTENTION, **FFN, **DELTANET}
+HF_TO_GGUF = {v: k for k, v in GGUF_TO_HF.items()}
+
+_GGUF_BASE = re.compile(r"blk\.(\d+)\.([a-z_]+)\.weight")
+_HF_MODULE = re.compile(r"(?P<prefix>.+)\.(?P<layer>\d+)\.(?P<module>[a-z_]+\.[a-z_]+)")
+
+# safetensors dtype → (numpy dtype of the stored bytes, bytes per element)
+_ST_DTYPES = {"F32": ("<f4", 4), "F16": ("<f2", 2), "BF16": ("<u2", 2), "F64": ("<f8", 8)}
+
+
+class PeftAdapterError(ValueError):
+    """A PEFT adapter folder or tensor set pytrain cannot write or read exactly; names the file
+    or tensor."""
+
+
+# --------------------------------------------------------------------------- names
+
+def peft_module_name(gguf_base: str, layers_prefix: str = DEFAULT_LAYERS_PREFIX) -> str:
+    """``blk.3.attn_q.weight`` → ``model.layers.3.self_attn.q_proj`` (the HF module)."""
+    m = _GGUF_BASE.fullmatch(gguf_base)
+    if not m or m.group(2) not in GGUF_TO_HF:
+        raise PeftAdapterError(
+            f"tensor {gguf_base!r} has no PEFT module: supported are blk.N.<t>.weight with t in "
+            f"{', '.join(GGUF_TO_HF)}")
+    return f"{layers_prefix}.{int(m.group(1))}.{GGUF_TO_HF[m.group(2)]}"
+
+
+def gguf_base_name(module: str) -> str:
+    """``model.layers.3.self_attn.q_proj`` (or ``model.language_model.layers.3...``) →
+    ``blk.3.attn_q.weight``."""
+    m = _HF_MODULE.fullmatch(module)
+    if not m or m.group("prefix") not in KNOWN_LAYERS_PREFIXES \
+            or m.group("module") not in HF_TO_GGUF:
+        raise PeftAdapterError(
+            f"module {module!r} is not one pytrain can map to a GGUF tensor: expected "
+            f"{' or '.join(p + '.N' for p in KNOWN_LAYERS_PREFIXES)}.<module> with module in "
+            f"{', '.join(HF_TO_GGUF)}")
+    return f"blk.{int(m.group('layer'))}.{HF_TO_GGUF[m.group('module')]}.weight"
+
+
+# --------------------------------------------------------------------------- DeltaNet value heads
+
+def _grouped_to_tiled(n_k: int, n_v: int, hd: int) -> np.ndarray:
+    """The converter's ``_reorder_v_heads`` index: ``gguf[i] = hf[idx[i]]`` on an axis of
+    ``n_v * hd`` entries."""
+    if n_k <= 0 or n_v <= 0 or n_v % n_k:
+        raise PeftAdapterError(f"DeltaNet value heads ({n_v}) must be a multiple of key heads "
+                               f"({n_k})")
+    return np.arange(n_v * hd).reshape(n_k, n_v // n_k, hd).transpose(1, 0, 2).reshape(-1)
+
+
+def _deltanet_dims(model_config: Any, base: str, where: str) -> tuple[int, int, int, int]:
+    if model_config is None:
+        raise PeftAdapterError(
+            f"{where}: {base!r} is a DeltaNet tensor whose value heads llama.cpp's converter "
+            f"re-orders; pass model_config (the model's Qwen35Config) to convert it exactly")
+    try:
+        n_k, n_v = int(model_config.ssm_k_heads), int(model_config.ssm_v_heads)
+        dk, inner = int(model_config.ssm_state), int(model_config.ssm_inner)
+    except AttributeError as e:
+        raise PeftAdapterError(f"{where}: model_config lacks the DeltaNet sizes ({e})") from None
+    if n_v <= 0 or inner % n_v:
+        raise PeftAdapterError(f"{where}: inconsistent DeltaNet sizes in model_config "
+                               f"(ssm_inner {inner}, ssm_v_heads {n_v})")
+    return n_k, n_v, dk, inner // n_v
+
+
+def _convert_pair(base: str, a: np.ndarray, b: np.ndarray, model_config: Any, where: str,
+                  to_hf: bool) -> tuple[np.ndarray, np.ndarray]:
+    """(A, B) of one target from GGUF to HF order (``to_hf``) or back."""
+    short = _GGUF_BASE.fullmatch(base).group(2)
+    if short not in DELTANET:
+        return a, b
+    n_k, n_v, dk, dv = _deltanet_dims(model_config, base, where)
+    if short == "attn_qkv":
+        idx = np.concatenate([np.arange(2 * n_k * dk),
+                              2 * n_k * dk + _grouped_to_tiled(n_k, n_v, dv)])
+        axis = "rows"
+    elif short == "attn_gate":
+        idx, axis = _grouped_to_tiled(n_k, n_v, dv), "rows"
+    elif short in ("ssm_beta", "ssm_alpha"):
+        idx, axis = _grouped_to_tiled(n_k, n_v, 1), "rows"
+    else:                                   # ssm_out: input columns
+        idx, axis = _grouped_to_tiled(n_k, n_v, dv), "cols"
+    n = b.shape[0] if axis == "rows" else a.shape[1]
+    if n != len(idx):
+        raise PeftAdapterError(
+            f"{where}: {base!r} has {n} {'outputs' if axis == 'rows' else 'inputs'} but the "
+            f"model's DeltaNet sizes give {len(idx)} (an adapter for a different model?)")
+    perm = np.argsort(idx) if to_hf else idx     # hf = gguf[argsort(idx)], gguf = hf[idx]
+    if axis == "rows":
+        return a, np.ascontiguousarray(b[perm])
+    return np.ascontiguousarray(a[:, perm]), b
+
+
+# --------------------------------------------------------------------------- validation
+
+def _check_alpha(alpha: Any, where: str) -> float:
+    if isinstance(alpha, bool):
+        raise PeftAdapterError(f"{where}: lora_alpha must be a number, got {alpha!r}")
+    try:
+        a = float(alpha)
+    except (TypeError, ValueError):
+        raise PeftAdapterError(f"{where}: lora_alpha must be a number, got {alpha!r}") from None
+    if not math.isfinite(a) or a == 0.0:
+        raise PeftAdapterError(f"{where}: lora_alpha must be finite and non-zero, got {alpha!r}")
+    return a
+
+
+def _check_rank(rank: Any, where: str) -> int:
+    if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or int(rank) < 1:
+        raise PeftAdapterError(f"{where}: rank (r) must be a positive integer, got {rank!r}")
+    return int(rank)
+
+
+def _gguf_pairs(tensors: Mapping[str, Any], rank: int, where: str
+                ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """``{gguf base: (A, B)}`` as float32, after name, shape, rank and finiteness checks."""
+    halves: dict[str, dict[str, np.ndarray]] = {}
+    for name, arr in tensors.items():
+        if name.endswith(".lora_a"):
+            base, which = name[:-7], "a"
+        elif name.endswith(".lora_b"):
+            base, which = name[:-7], "b"
+        else:
+            raise PeftAdapterError(f"{where}: tensor {name!r} does not end in '.lora_a' or "
+                                   f"'.lora_b'")
+        try:
+            peft_module_name(base)                       # refuses unmapped targets by name
+        except PeftAdapterError as e:
+            raise PeftAdapterError(f"{where}: {e}") from None
+        x = np.asarray(arr)
+        if not (np.issubdtype(x.dtype, np.floating) or np.issubdtype(x.dtype, np.integer)):
+            raise PeftAdapterError(f"{where}: tensor {name!r} has dtype {x.dtype}, not a number")
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        if not np.isfinite(x).all():
+            raise PeftAdapterError(f"{where}: tensor {name!r} holds NaN or Inf (a diverged "
+                                   f"run?); refusing to write it")
+        halves.setdefault(base, {})[which] = x
+    if not halves:
+        raise PeftAdapterError(f"{where}: no LoRA tensors")
+    out = {}
+    for base, h in sorted(halves.items()):
+        for w in "ab":
+            if w not in h:
+                raise PeftAdapterError(f"{where}: LoRA pair for {base!r} is missing "
+                                       f"{base + '.lora_' + w!r}")
+        a, b = h["a"], h["b"]
+        if a.ndim != 2 or b.ndim != 2 or a.shape[0] != rank or b.shape[1] != rank:
+            raise PeftAdapterError(
+                f"{where}: {base!r}: lora_a {tuple(a.shape)} and lora_b {tuple(b.shape)} must be "
+                f"A [r, n_in] and B [n_out, r] with r = {rank}")
+        out[base] = (a, b)
+    return out
+
+
+def _check_shapes(pairs: Mapping[str, tuple[np.ndarray, np.ndarray]], model_config: Any,
+                  where: str) -> None:
+    if model_config is None or not hasattr(model_config, "tensor_shapes"):
+        return
+    shapes = model_config.tensor_shapes()
+    for base, (a, b) in pairs.items():
+        if base not in shapes:
+            raise PeftAdapterError(f"{where}: LoRA tensor {base!r} does not exist in the base "
+                                   f"model (an adapter for a different model?)")
+        n_out, n_in = shapes[base]
+        if a.shape[1] != n_in or b.shape[0] != n_out:
+            raise PeftAdapterError(
+                f"{where}: {base!r} is ({n_out}, {n_in}) in the base model but the adapter has "
+                f"A {tuple(a.shape)} and B {tuple(b.shape)} (an adapter for a different model?)")
+
+
+# --------------------------------------------------------------------------- target_modules
+
+def _layer_kind(model_config: Any, layer: int) -> str | None:
+    rec = getattr(model_config, "recurrent", None) if model_config is not None else None
+    if rec is None or layer >= len(rec):
+        return None
+    return "linear" if rec[layer] else "attention"
+
+
+def _targets_for(bases: list[str], model_config: Any, layers_prefix: str) -> dict[str, Any]:
+    """``target_modules`` / ``layers_to_transform`` / ``layers_pattern`` selecting exactly the
+    adapted modules: short names × layers when that product (restricted to the modules each
+    layer has) is exactly the adapted set, else the full module names."""
+    adapted = {(int(m.group(1)), m.group(2)) for m in map(_GGUF_BASE.fullmatch, bases)}
+    layers = sorted({layer for layer, _ in adapted})
+    shorts = sorted({s for _, s in adapted})
+    exact = True
+    for layer in layers:
+        kind = _layer_kind(model_config, layer)
+        if kind is None:                                 # infer from what is adapted there
+            here = {s for lay, s in adapted if lay == layer}
+            if here & set(ATTENTION):
+                kind = "attention"
+            elif here & set(DELTANET):
+                kind = "linear"
+        for s in shorts:
+            if (layer, s) in adapted:
+                continue
+            absent = (s in ATTENTION and kind == "linear") or (s in DELTANET and kind == "attention")
+            if not absent:
+                exact = False
+    pattern = layers_prefix.rsplit(".", 1)[-1]
+    if exact:
+        return {"target_modules": sorted(GGUF_TO_HF[s].split(".")[1] for s in shorts),
+                "layers_to_transform": layers, "layers_pattern": pattern}
+    return {"target_modules": sorted(peft_module_name(b, layers_prefix) for b in bases),
+            "layers_to_transform": None, "layers_pattern": None}
+
+
+def peft_config_dict(bases: list[str], alpha: float, rank: int,
+                     base_model_name_or_path: str = "", model_config: Any = None,
+                     layers_prefix: str = DEFAULT_LAYERS_PREFIX) -> dict[str, Any]:
+    """The ``adapter_config.json`` contents for adapted GGUF tensors ``bases``: every key PEFT
+    0.21.2's ``LoraConfig.save_pretrained`` writes, with its default unless set here."""
+    alpha_json: int | float = int(alpha) if float(alpha).is_integer() else float(alpha)
+    cfg: dict[str, Any] = {
+        "alora_invocation_tokens": None,
+        "alpha_pattern": {},
+        "arrow_config": None,
+        "auto_mapping": None,
+        "base_model_name_or_path": base_model_name_or_path or None,
+        "bias": "none",
+        "corda_config": None,
+        "ensure_weight_tying": False,
+        "eva_config": None,
+        "exclude_modules": None,
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+        "init_lora_weights": True,
+        "kasa_config": None,
+        "layer_replication": None,
+        "layers_pattern": None,
+        "layers_to_transform": None,
+        "loftq_config": {},
+        "lora_alpha": alpha_json,
+        "lora_bias": False,
+        "lora_dropout": 0.0,
+        "lora_ga_config": None,
+        "megatron_config": None,
+        "megatron_core": "megatron.core",
+        "modules_to_save": None,
+        "monteclora_config": None,
+        "peft_type": "LORA",
+        "peft_version": PEFT_FORMAT_VERSION,
+        "qalora_group_size": 16,
+        "r": int(rank),
+        "rank_pattern": {},
+        "revision": None,
+        "target_modules": None,
+        "target_parameters": None,
+        "task_type": "CAUSAL_LM",
+        "trainable_token_indices": None,
+        "use_bdlora": None,
+        "use_dora": False,
+        "use_qalora": False,
+        "use_rslora": False,
+        "velora_config": None,
+    }
+    cfg.update(_targets_for(list(bases), model_config, layers_prefix))
+    return cfg
+
+
+def _peft_targets(config: Mapping[str, Any], module: str) -> bool:
+    """PEFT 0.21's ``check_target_module_exists`` for a plain LoRA config (no exclusions)."""
+    tm = config.get("target_modules")
+    if tm is None:
+        return False
+    if isinstance(tm, str):
+        if tm.lower() == "all-linear":
+            return True
+        return re.fullmatch(tm, module) is not None
+    tm = list(tm)
+    if module in tm:
+        return True
+    if not any(module.endswith("." + t) for t in tm):
+        return False
+    idx = config.get("layers_to_transform")
+    if idx is None or (isinstance(idx, list) and not idx):
+        return True
+    pats = config.get("layers_pattern")
+    match = None
+    if not pats:
+        match = re.match(r".*?\.[^.]*\.(?P<idx>\d+)\.", module)
+    else:
+        for p in [pats] if isinstance(pats, str) else pats:
+            match = re.match(rf"(?:^|.*?\.){p}\.(?P<idx>\d+)\.", module)
+            if match is not None:
+                break
+    if match is None:
+        return False
+    layer = int(match.group("idx"))
+    return layer == idx if isinstance(idx, int) else layer in idx
+
+
+def _excluded(config: Mapping[str, Any], module: str) -> bool:
+    ex = config.get("exclude_modules")
+    if not ex:
+        return False
+    if isinstance(ex, str):
+        return re.fullmatch(ex, module) is not None
+    return module in ex or any(module.endswith("." + e) for e in ex)
+
+
+# --------------------------------------------------------------------------- file I/O
+
+def _new_temp_file(p: Path) -> Path:
+    """An empty, exclusively created file next to ``p`` with the umask's permissions."""
+    for _ in range(100):
+        tmp = p.parent / f".{p.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+        try:
+            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+            return tmp
+        except FileExistsError:
+            continue
+    raise PeftAdapterError(f"{p}: cannot create a temporary file in {p.parent}")
+
+
+def _atomic_write(p: Path, data: bytes) -> None:
+    tmp = _new_temp_file(p)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, p)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _fsync_dir(d: Path) -> None:
+    try:
+        fd = os.open(d, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass                                   # some filesystems cannot fsync a directory
+
+
+def _safetensors_bytes(arrays: Mapping[str, np.ndarray], metadata: Mapping[str, str]) -> bytes:
+    from safetensors.numpy import save
+    return save(dict(arrays), metadata=dict(metadata))
+
+
+def _read_safetensors(p: Path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """Tensors (as float32) and ``__metadata__`` of a safetensors file.  Parsed here so that
+    bfloat16 files (PEFT's usual output for bf16 training) load without torch."""
+    try:
+        raw = p.read_bytes()
+    except OSError as e:
+        raise PeftAdapterError(f"{p}: cannot read: {e.strerror or e}") from None
+    if len(raw) < 8:
+        raise PeftAdapterError(f"{p}: not a safetensors file ({len(raw)} bytes)")
+    n = int.from_bytes(raw[:8], "little")
+    if n > len(raw) - 8 or n > 100_000_000:
+        raise PeftAdapterError(f"{p}: not a safetensors file (header length {n} for a "
+                               f"{len(raw)}-byte file)")
+    try:
+        header = json.loads(raw[8:8 + n])
+        assert isinstance(header, dict)
+    except (ValueError, AssertionError):
+        raise PeftAdapterError(f"{p}: not a safetensors file (unreadable JSON header)") from None
+    meta = header.pop("__metadata__", None) or {}
+    data = memoryview(raw)[8 + n:]
+    out: dict[str, np.ndarray] = {}
+    for name, info in header.items():
+        try:
+            dtype, shape, (start, end) = info["dtype"], list(info["shape"]), info["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise PeftAdapterError(f"{p}: tensor {name!r}: malformed header entry") from None
+        if dtype not in _ST_DTYPES:
+            raise PeftAdapterError(f"{p}: tensor {name!r} has dtype {dtype}; pytrain reads "
+                                   f"{', '.join(_ST_DTYPES)}")
+        np_dtype, size = _ST_DTYPES[dtype]
+        count = int(np.prod(shape, dtype=np.int64))
+        if not (0 <= start <= end <= len(data)) or end - start != count * size:
+            raise PeftAdapterError(f"{p}: tensor {name!r}: data offsets [{start}, {end}) do not "
+                                   f"fit shape {shape} {dtype} in the file (truncated?)")
+        x = np.frombuffer(data[start:end], dtype=np_dtype).reshape(shape)
+        if dtype == "BF16":
+            x = (x.astype(np.uint32) << 16).view(np.float32)
+        out[name] = np.array(x, dtype=np.float32)
+    return out, {str(k): str(v) for k, v in meta.items()}
+
+
+# --------------------------------------------------------------------------- writing
+
+def write_peft_adapter(folder: str | os.PathLike[str], tensors: Mapping[str, Any], alpha: float,
+                       rank: int, base_model_name_or_path: str = "",
+                       metadata: Mapping[str, Any] | None = None, *, model_config: Any = None,
+                       layers_prefix: str = DEFAULT_LAYERS_PREFIX) -> Path:
+    """Write a PEFT LoRA adapter folder that ``PeftModel.from_pretrained(hf_model, folder)``
+    loads; returns the folder.
+
+    ``tensors``: pytrain's GGUF-keyed pairs (:meth:`pytrain.lora.LoraAdapter.get`), every A of
+    rank ``rank``.  ``metadata``: extra ``__metadata__`` strings of the safetensors file
+    (non-strings are stored as JSON; ``format`` is the writer's).  ``model_config`` (the
+    model's ``Qwen35Config``) is required for DeltaNet targets, and when given also checks
+    every shape and decides ``target_modules`` from the model's layer kinds.  Everything is
+    validated before the disk is touched.
+    """
+    folder = Path(folder)
+    where = str(folder)
+    alpha = _check_alpha(alpha, where)
+    rank = _check_rank(rank, where)
+    if layers_prefix not in KNOWN_LAYERS_PREFIXES:
+        raise PeftAdapterError(f"{where}: layers_prefix must be one of "
+                               f"{', '.join(KNOWN_LAYERS_PREFIXES)}, got {layers_prefix!r}")
+    if not isinstance(base_model_name_or_path, str):
+        raise PeftAdapterError(f"{where}: base_model_name_or_path must be a string")
+    pairs = _gguf_pairs(tensors, rank, where)
+    _check_shapes(pairs, model_config, where)
+    st_meta = {"format": "pt"}
+    for k, v in (metadata or {}).items():
+        if not isinstance(k, str) or not k or k == "format":
+            raise PeftAdapterError(f"{where}: metadata key {k!r} is reserved or not a string")
+        st_meta[k] = v if isinstance(v, str) else json.dumps(v, sort_keys=True)
+    arrays: dict[str, np.ndarray] = {}
+    for base, (a, b) in pairs.items():
+        a, b = _convert_pair(base, a, b, model_config, where, to_hf=True)
+        key = KEY_PREFIX + peft_module_name(base, layers_prefix)
+        arrays[key + ".lora_A.weight"] = a
+        arrays[key + ".lora_B.weight"] = b
+    config = peft_config_dict(sorted(pairs), alpha, rank, base_model_name_or_path, model_config,
+                              layers_prefix)
+    blob = _safetensors_bytes(arrays, st_meta)
+    text = json.dumps(config, indent=2, sort_keys=True) + "\n"
+
+    if folder.exists() and not folder.is_dir():
+        raise PeftAdapterError(f"{where}: exists and is not a folder")
+    folder.mkdir(parents=True, exist_ok=True)
+    _atomic_write(folder / WEIGHTS_NAME, blob)
+    _atomic_write(folder / CONFIG_NAME, text.encode())
+    _fsync_dir(folder)
+    return folder
+
+
+# --------------------------------------------------------------------------- reading
+
+# config keys that change what a LoRA computes (value: what a plain LoRA has)
+_MUST_BE = {"fan_in_fan_out": False, "use_rslora": False, "use_dora": False, "lora_bias": False,
+            "use_qalora": False}
+_MUST_BE_EMPTY = ("rank_pattern", "alpha_pattern", "modules_to_save", "layer_replication",
+                  "trainable_token_indices", "target_parameters", "alora_invocation_tokens",
+                  "use_bdlora", "arrow_config", "kasa_config", "monteclora_config",
+                  "velora_config")
+
+
+def _check_config(cfg: Any, p: Path) -> tuple[float, int]:
+    if not isinstance(cfg, dict):
+        raise PeftAdapterError(f"{p}: not a PEFT adapter config (a JSON object is expected)")
+    pt = cfg.get("peft_type")
+    if pt != "LORA":
+        raise PeftAdapterError(f"{p}: peft_type is {pt!r}; pytrain reads only 'LORA' adapters")
+    bias = cfg.get("bias", "none")
+    if bias != "none":
+        raise PeftAdapterError(f"{p}: bias is {bias!r}; pytrain's LoRA has no bias terms "
+                               f"(only 'none' is supported)")
+    for k, plain in _MUST_BE.items():
+        if bool(cfg.get(k, plain)) != plain:
+            what = {"fan_in_fan_out": "fan_in_fan_out (transposed, Conv1D-style weights)",
+                    "use_rslora": "use_rslora (scale alpha/sqrt(r), not alpha/r)",
+                    "use_dora": "use_dora (DoRA magnitude vectors)",
+                    "lora_bias": "lora_bias (a bias on lora_B)",
+                    "use_qalora": "use_qalora"}[k]
+            raise PeftAdapterError(f"{p}: {what} is not supported by pytrain")
+    for k in _MUST_BE_EMPTY:
+        if cfg.get(k):
+            raise PeftAdapterError(f"{p}: {k} = {cfg[k]!r} is not supported by pytrain (only a "
+                                   f"plain LoRA with one rank and one alpha)")
+    if "r" not in cfg or "lora_alpha" not in cfg:
+        raise PeftAdapterError(f"{p}: 'r' and 'lora_alpha' are required")
+    return _check_alpha(cfg["lora_alpha"], str(p)), _check_rank(cfg["r"], str(p))
+
+
+def read_peft_adapter(folder: str | os.PathLike[str], model_config: Any = None
+                      ) -> tuple[dict[str, np.ndarray], float, int, dict[str, Any]]:
+    """``(tensors, alpha, rank, config)`` of a PEFT LoRA adapter folder.
+
+    ``tensors`` are pytrain's GGUF-keyed float32 pairs (``blk.N.<t>.weight.lora_a`` A [r, n_in],
+    ``.lora_b`` B [n_out, r]), ready for :meth:`pytrain.lora.LoraAdapter.set` or
+    :func:`pytrain.adapter_gguf.write_lora_gguf`; ``config`` is ``adapter_config.json`` as a
+    dict.  ``model_config`` is needed for DeltaNet modules and, when given, checks every shape.
+    Raises :class:`PeftAdapterError` naming the file.
+    """
+    folder = Path(folder)
+    cpath, wpath = folder / CONFIG_NAME, folder / WEIGHTS_NAME
+    if not folder.is_dir():
+        raise PeftAdapterError(f"{folder}: no such adapter folder")
+    if not cpath.is_file():
+        raise PeftAdapterError(f"{cpath}: missing (not a PEFT adapter folder?)")
+    if not wpath.is_file():
+        alt = folder / "adapter_model.bin"
+        hint = (f" ({alt.name} is present: pytrain reads only safetensors; re-save with "
+                f"safe_serialization=True)" if alt.exists() else "")
+        raise PeftAdapterError(f"{wpath}: missing{hint}")
+    try:
+        cfg = json.loads(cpath.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise PeftAdapterError(f"{cpath}: cannot read the adapter config: {e}") from None
+    alpha, rank = _check_config(cfg, cpath)
+
+    raw, _ = _read_safetensors(wpath)
+    halves: dict[str, dict[str, np.ndarray]] = {}
+    modules: dict[str, str] = {}
+    for key, arr in raw.items():
+        m = re.fullmatch(r"(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<w>[AB])\.weight", key)
+        if not m:
+            raise PeftAdapterError(f"{wpath}: tensor {key!r} is not a lora_A/lora_B weight "
+                                   f"(DoRA, embeddings, modules_to_save or biases are not "
+                                   f"supported)")
+        module = m.group("module")
+        try:
+            base = gguf_base_name(module)
+        except PeftAdapterError as e:
+            raise PeftAdapterError(f"{wpath}: tensor {key!r}: {e}") from None
+        if modules.setdefault(base, module) != module:
+            raise PeftAdapterError(f"{wpath}: {modules[base]!r} and {module!r} are the same "
+                                   f"layer module under two prefixes")
+        if not _peft_targets(cfg, module) or _excluded(cfg, module):
+            raise PeftAdapterError(
+                f"{wpath}: tensor {key!r} is for module {module!r}, which {CONFIG_NAME}'s "
+                f"target_modules/layers_to_transform do not select (PEFT would not load it)")
+        halves.setdefault(base, {})[m.group("w").lower()] = arr
+    if not halves:
+        raise PeftAdapterError(f"{wpath}: no LoRA tensors")
+    tensors: dict[str, np.ndarray] = {}
+    for base, h in sorted(halves.items()):
+        for w in "ab":
+            if w not in h:
+                raise PeftAdapterError(f"{wpath}: {modules[base]!r} has no "
+                                       f"lora_{w.upper()}.weight")
+        a, b = h["a"], h["b"]
+        if a.ndim != 2 or b.ndim != 2 or a.shape[0] != rank or b.shape[1] != rank:
+            raise PeftAdapterError(
+                f"{wpath}: {modules[base]!r}: lora_A {tuple(a.shape)} and lora_B "
+                f"{tuple(b.shape)} must be [r, n_in] and [n_out, r] with r = {rank} "
+                f"({CONFIG_NAME})")
+        if not (np.isfinite(a).all() and np.isfinite(b).all()):
+            raise PeftAdapterError(f"{wpath}: {modules[base]!r} holds NaN or Inf")
+        a, b = _convert_pair(base, a, b, model_config, str(wpath), to_hf=False)
+        tensors[base + ".lora_a"], tensors[base + ".lora_b"] = a, b
+    _check_shapes({k[:-7]: (tensors[k], tensors[k[:-7] + ".lora_b"])
+                   for k in tensors if k.endswith(".lora_a")}, model_config, str(wpath))
+    return tensors, alpha, rank, cfg
+
+
+def read_peft_metadata(folder: str | os.PathLike[str]) -> dict[str, str]:
+    """The ``__metadata__`` strings of ``adapter_model.safetensors`` (``format`` included)."""
+    p = Path(folder) / WEIGHTS_NAME
+    if not p.is_file():
+        raise PeftAdapterError(f"{p}: missing")
+    return _read_safetensors(p)[1]
