@@ -23,7 +23,11 @@ def _config(args: argparse.Namespace):
 def _train(args: argparse.Namespace) -> int:
     from pytrain import run
     cfg = _config(args)
-    res = run.train(cfg, progress=not args.no_progress)
+    try:
+        res = run.train(cfg, progress=not args.no_progress, resume=args.resume)
+    except run.RunError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 130 if "interrupted" in str(e) else 1
     print(f"adapter:  {res.adapter}")
     print(f"metrics:  {res.out_dir / 'metrics.jsonl'}")
     print(f"plot:     {res.out_dir / 'loss.png'}")
@@ -36,8 +40,15 @@ def _train(args: argparse.Namespace) -> int:
 
 def _load_adapter(model, path):
     from pytrain import lora
+    from pathlib import Path
+
     from pytrain.adapter_gguf import check_adapter_matches, read_lora_gguf
-    arch, alpha, tensors, _meta = read_lora_gguf(path, arch=model.metadata.get("general.architecture"))
+    if Path(path).is_dir():     # a PEFT adapter folder
+        from pytrain.adapter_peft import read_peft_adapter
+        tensors, alpha, rank, _cfg = read_peft_adapter(path, model.config)
+    else:
+        _arch, alpha, tensors, _meta = read_lora_gguf(
+            path, arch=model.metadata.get("general.architecture"))
     check_adapter_matches(model.config, tensors, source=str(path))
     names = sorted({k.rsplit(".", 1)[0] for k in tensors})
     rank = tensors[names[0] + ".lora_a"].shape[0]
@@ -106,6 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="LoRA fine-tune from a TOML config")
     config_args(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--resume", nargs="?", const=True, default=None, metavar="CHECKPOINT",
+                   help="continue from the newest checkpoint of the run folder, or from "
+                        "CHECKPOINT (a step-N folder or a checkpoints folder)")
     p.set_defaults(func=_train)
     p = sub.add_parser("eval", help="validation loss, token accuracy and perplexity over the "
                        "valid targets of the config's data")

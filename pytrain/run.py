@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from pytrain import checkpoint as ckpt
 from pytrain import lora as lora_mod
 from pytrain.adapter_gguf import write_lora_gguf
 from pytrain.config import Config
@@ -51,8 +52,16 @@ def output_dir(cfg: Config) -> Path:
     return out
 
 
-def save_adapter(model: Model, adapter, path: Path) -> Path:
-    return write_lora_gguf(path, "qwen35", adapter.alpha, adapter.get(),
+def save_adapter(model: Model, adapter, path: Path, formats=("gguf",)) -> Path:
+    """The adapter in each requested format: llama.cpp GGUF at ``path``, and a PEFT folder
+    (adapter_config.json + adapter_model.safetensors) beside it in ``peft/``."""
+    tensors = adapter.get()
+    if "peft" in formats:
+        from pytrain.adapter_peft import write_peft_adapter
+        write_peft_adapter(path.parent / "peft", tensors, adapter.alpha, adapter.rank,
+                           base_model_name_or_path=Path(model.path).name,
+                           model_config=model.config)
+    return write_lora_gguf(path, "qwen35", adapter.alpha, tensors,
                            base_metadata={"general.name": f"pytrain LoRA for {Path(model.path).name}"})
 
 
@@ -84,7 +93,34 @@ def plot_losses(metrics_path: Path, png: Path) -> None:
     plt.close(fig)
 
 
-def train(cfg: Config, progress: bool = True, log=print) -> RunResult:
+class Interrupt:
+    """First Ctrl-C / SIGTERM: finish the current step, write a checkpoint, stop.  Second:
+    stop at once (the previous checkpoint is intact: checkpoints are written atomically)."""
+
+    def __init__(self):
+        self.requested = None
+        self.old = {}
+
+    def __enter__(self):
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self.old[sig] = signal.signal(sig, self.handle)
+        return self
+
+    def handle(self, signum, frame):
+        if self.requested is not None:
+            self.__exit__()
+            raise KeyboardInterrupt
+        self.requested = signal.Signals(signum).name
+
+    def __exit__(self, *exc):
+        for sig, h in self.old.items():
+            signal.signal(sig, h)
+        self.old = {}
+
+
+def train(cfg: Config, progress: bool = True, log=print, resume: str | bool | None = None
+          ) -> RunResult:
+    """``resume``: True for the newest checkpoint of the run folder, or a checkpoint path."""
     if cfg.lora.dropout > 0:
         raise RunError("lora.dropout > 0 is not supported yet; set lora.dropout = 0")
     out = output_dir(cfg)
@@ -119,8 +155,23 @@ def train(cfg: Config, progress: bool = True, log=print) -> RunResult:
     first = epoch_steps(0)
     total = t.max_steps if t.max_steps else t.epochs * len(first)
     (out / "data_stats.json").write_text(json.dumps(stats, indent=2) + "\n")
+    fingerprint = ckpt.base_fingerprint(cfg.model.path)
+    ckpt_dir = out / "checkpoints"
+    step, epoch, position = 0, 0, 0
+    if resume:
+        where = ckpt.latest(ckpt_dir) if resume is True else Path(resume)
+        if where is not None and where.is_dir() and not (where / "state.json").exists():
+            where = ckpt.latest(where)
+        if where is None or not (where / "state.json").exists():
+            raise RunError(f"no checkpoint to resume from in {ckpt_dir if resume is True else resume}")
+        state, tensors, moments = ckpt.load(where, cfg.model.path)
+        adapter.set(tensors)
+        trainer.acc.set_moments(moments)
+        trainer.opt.t = state.adam_t
+        step, epoch, position = state.step, state.epoch, state.position
+        log(f"resuming from {where} at step {step}")
     metrics_path = out / "metrics.jsonl"
-    metrics = open(metrics_path, "w")
+    metrics = open(metrics_path, "a" if resume else "w")
     adapter_path = out / "adapter.gguf"
     bar = None
     if progress:
@@ -139,14 +190,25 @@ def train(cfg: Config, progress: bool = True, log=print) -> RunResult:
                       f"perplexity {ev['perplexity']:.2f}  ({ev['n_valid']} targets)")
         return ev
 
-    step, epoch, stopped, last_eval = 0, 0, None, None
-    validate(0)   # the base model's validation metrics: the "before" of the run
-    schedule_steps = first
+    def checkpoint(pos_epoch: int, pos: int) -> Path:
+        state = ckpt.TrainState(step, pos_epoch, pos, trainer.opt.t, fingerprint)
+        save_adapter(model, adapter, adapter_path, cfg.output.formats)
+        return ckpt.save(ckpt_dir, step, adapter, trainer.acc.moments(), state,
+                         keep=cfg.output.keep_checkpoints)
+
+    stopped, last_eval = None, None
+    if not resume:
+        validate(0)   # the base model's validation metrics: the "before" of the run
+    schedule_steps = first if epoch == 0 else epoch_steps(epoch)
+    if bar is not None:
+        bar.update(step)
     t_start = time.perf_counter()
     tokens_seen = 0
+    interrupt = Interrupt().__enter__()
     try:
         while step < total:
-            for micro in schedule_steps:
+            for pos in range(position, len(schedule_steps)):
+                micro = schedule_steps[pos]
                 if step >= total:
                     break
                 lr = schedule(t.schedule, step, total, t.lr, t.warmup)
@@ -172,23 +234,38 @@ def train(cfg: Config, progress: bool = True, log=print) -> RunResult:
                     bar.update(1)
                 if t.eval_every and step % t.eval_every == 0 and step < total:
                     last_eval = validate(step)
+                at_end_of_epoch = pos + 1 == len(schedule_steps)
+                nxt = (epoch + 1, 0) if at_end_of_epoch else (epoch, pos + 1)
                 if t.save_every and step % t.save_every == 0:
-                    save_adapter(model, adapter, adapter_path)
+                    checkpoint(*nxt)
+                if interrupt.requested:
+                    where = checkpoint(*nxt)
+                    raise RunError(f"interrupted by {interrupt.requested} after step {step}; "
+                                   f"checkpoint {where} (resume with --resume)")
             epoch += 1
+            position = 0
             if step < total:
                 schedule_steps = epoch_steps(epoch)
     except NonFiniteLoss:
-        save_adapter(model, adapter, adapter_path)   # parameters are still the last good ones
+        save_adapter(model, adapter, adapter_path, cfg.output.formats)   # still the last good ones
         metrics.write(json.dumps({"step": step + 1, "stopped": stopped}) + "\n")
         metrics.close()
         if bar is not None:
             bar.close()
         plot_losses(metrics_path, out / "loss.png")
         raise RunError(f"{stopped}: {adapter_path}")
+    except RunError:
+        metrics.close()
+        if bar is not None:
+            bar.close()
+        plot_losses(metrics_path, out / "loss.png")
+        raise
+    finally:
+        interrupt.__exit__()
     if bar is not None:
         bar.close()
     last_eval = validate(step)
-    save_adapter(model, adapter, adapter_path)
+    checkpoint(epoch, 0)
     metrics.close()
     plot_losses(metrics_path, out / "loss.png")
     trainer.close()

@@ -25,12 +25,13 @@ def write_data(folder: Path) -> None:
 def write_config(folder: Path, **train) -> Path:
     t = {"max_steps": 30, "batch_size": 8, "lr": 5e-3, "schedule": "constant", "eval_every": 10,
          **train}
+    formats = t.pop("formats", ["gguf", "peft"])
     body = "\n".join(f"{k} = {json.dumps(v)}" for k, v in t.items())
     cfg = folder / "run.toml"
     cfg.write_text(f'[model]\npath = "{FIX / "gqa-f32.gguf"}"\ndevice = "cpu"\nthreads = 2\n'
                    f'[data]\ntrain = "train.jsonl"\nvalidation = "valid.jsonl"\n'
                    f'[lora]\nrank = 8\nalpha = 16.0\n[train]\n{body}\n'
-                   f'[output]\ndir = "out"\n')
+                   f'[output]\ndir = "out"\nformats = {json.dumps(formats)}\n')
     return cfg
 
 
@@ -54,6 +55,11 @@ def test_train_writes_adapter_metrics_plot_and_lowers_validation_loss(tmp_path, 
     assert steps[-1]["drift"] > steps[0]["drift"] > 0
     arch, alpha, tensors, _ = read_lora_gguf(out / "adapter.gguf")
     assert arch == "qwen35" and alpha == 16.0 and "blk.1.attn_q.weight.lora_a" in tensors
+    from pytrain.adapter_peft import read_peft_adapter
+    peft, p_alpha, rank, _ = read_peft_adapter(out / "peft")
+    assert p_alpha == 16.0 and rank == 8
+    for k, v in tensors.items():
+        np.testing.assert_array_equal(peft[k], v)
     printed = capsys.readouterr().out
     assert "adapter:" in printed and "validation: loss" in printed
 
@@ -75,3 +81,55 @@ def test_unknown_config_key_is_one_line_error(tmp_path, capsys):
     assert main(["train", str(cfg)]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "train.learning_rate" in err[0] and "run.toml" in err[0]
+
+
+def adapter_of(out: Path):
+    return read_lora_gguf(out / "adapter.gguf")[2]
+
+
+def test_resume_ends_with_the_same_adapter(tmp_path, monkeypatch, capsys):
+    """10 steps straight vs a run that gets SIGINT during step 5 (it finishes the step, writes
+    a checkpoint, exits 130) and is resumed to step 10, crossing an epoch boundary (4 steps
+    per epoch): the same adapter to float error."""
+    import os
+    import signal
+    from pytrain.trainer import Trainer
+    write_data(tmp_path)
+    cfg = write_config(tmp_path, max_steps=10, eval_every=0, schedule="cosine", warmup=2)
+    assert main(["train", str(cfg), "--no-progress"]) == 0
+    straight = adapter_of(tmp_path / "out")
+    out2 = f"output.dir={tmp_path / 'out2'}"
+    real_step = Trainer.step
+    calls = []
+
+    def step_then_sigint(self, micro, lr):
+        calls.append(1)
+        if len(calls) == 5:
+            os.kill(os.getpid(), signal.SIGINT)
+        return real_step(self, micro, lr)
+    monkeypatch.setattr(Trainer, "step", step_then_sigint)
+    assert main(["train", str(cfg), "--no-progress", "--set", out2]) == 130
+    assert "interrupted by SIGINT after step 5" in capsys.readouterr().err
+    monkeypatch.setattr(Trainer, "step", real_step)
+    assert main(["train", str(cfg), "--no-progress", "--set", out2, "--resume"]) == 0
+    resumed = adapter_of(tmp_path / "out2")
+    for k, v in straight.items():
+        np.testing.assert_allclose(resumed[k], v, atol=1e-6, rtol=1e-5, err_msg=k)
+    steps = [r["step"] for r in records(tmp_path / "out2") if "loss" in r and "split" not in r]
+    assert steps == list(range(1, 11))
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_resume_refuses_a_changed_base_model(tmp_path, capsys):
+    import shutil
+    write_data(tmp_path)
+    base = tmp_path / "base.gguf"
+    shutil.copy(FIX / "gqa-f32.gguf", base)
+    cfg = write_config(tmp_path, max_steps=2, eval_every=0)
+    cfg.write_text(cfg.read_text().replace(str(FIX / "gqa-f32.gguf"), str(base)))
+    assert main(["train", str(cfg), "--no-progress"]) == 0
+    shutil.copy(FIX / "untied-f32.gguf", base)
+    capsys.readouterr()
+    assert main(["train", str(cfg), "--no-progress", "--resume"]) == 1
+    err = capsys.readouterr().err
+    assert "base model changed" in err and "refusing to resume" in err

@@ -1,0 +1,116 @@
+"""Checkpoints that survive being killed mid-write, and resume that continues exactly.
+
+A checkpoint is a folder ``checkpoints/step-NNNNNNN`` holding the adapter (llama.cpp GGUF),
+the AdamW moments and step count (``optimizer.npz``) and ``state.json`` (step, epoch, position
+in the epoch's batch order, the base model's fingerprint).  It is written into a temporary
+folder, every file fsync'ed, then renamed into place and the parent fsync'ed: a crash at any
+moment leaves either the old set of checkpoints or the new one, never a half-written one.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from pytrain.adapter_gguf import read_lora_gguf, write_lora_gguf
+
+FORMAT = 1
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used; the message names it and says why."""
+
+
+@dataclass
+class TrainState:
+    step: int            # optimizer steps done
+    epoch: int           # epoch of the next step
+    position: int        # index of the next step in that epoch's step order
+    adam_t: int          # AdamW's step counter (bias correction)
+    base_fingerprint: dict
+    format: int = FORMAT
+
+
+def base_fingerprint(path: str | os.PathLike) -> dict:
+    """Size plus sha256 of the header and tensor index: a changed or different base model is
+    caught without hashing gigabytes of weights."""
+    from pytrain.weights import open_reader
+    p = Path(path)
+    head = open_reader(p).data_offset
+    with open(p, "rb") as f:
+        digest = hashlib.sha256(f.read(head)).hexdigest()
+    return {"name": p.name, "size": p.stat().st_size, "header_sha256": digest}
+
+
+def _fsync_dir(folder: Path) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
+
+
+def save(folder: Path, step: int, adapter, moments: dict[str, np.ndarray], state: TrainState,
+         keep: int = 3) -> Path:
+    """Write checkpoint ``step`` under ``folder`` atomically; keep the newest ``keep`` (0: all)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    final = folder / f"step-{step:07d}"
+    tmp = Path(tempfile.mkdtemp(dir=folder, prefix=".tmp-"))
+    try:
+        write_lora_gguf(tmp / "adapter.gguf", "qwen35", adapter.alpha, adapter.get())
+        with open(tmp / "optimizer.npz", "wb") as f:
+            np.savez(f, **moments)
+            f.flush()
+            os.fsync(f.fileno())
+        with open(tmp / "state.json", "w") as f:
+            json.dump(asdict(state), f, indent=2)
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_dir(tmp)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync_dir(folder)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if keep:
+        for old in sorted(folder.glob("step-*"))[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def latest(folder: Path) -> Path | None:
+    done = sorted(p for p in folder.glob("step-*") if (p / "state.json").exists())
+    return done[-1] if done else None
+
+
+def load(path: Path, model_path: str) -> tuple[TrainState, dict, dict]:
+    """(state, adapter tensors, optimizer moments) of checkpoint ``path``, after checking it
+    was made from this base model."""
+    try:
+        state = TrainState(**json.loads((path / "state.json").read_text()))
+    except (OSError, ValueError, TypeError) as e:
+        raise CheckpointError(f"{path}: not a usable checkpoint ({e})") from e
+    if state.format != FORMAT:
+        raise CheckpointError(f"{path}: checkpoint format {state.format}, expected {FORMAT}")
+    now = base_fingerprint(model_path)
+    if now != state.base_fingerprint:
+        raise CheckpointError(
+            f"{path}: the base model changed since this checkpoint was made "
+            f"({state.base_fingerprint.get('name')}, {state.base_fingerprint.get('size')} bytes, "
+            f"header {state.base_fingerprint.get('header_sha256', '')[:12]} vs {model_path}, "
+            f"{now['size']} bytes, header {now['header_sha256'][:12]}); refusing to resume")
+    _arch, _alpha, tensors, _meta = read_lora_gguf(path / "adapter.gguf")
+    with np.load(path / "optimizer.npz") as z:
+        moments = {k: z[k] for k in z.files}
+    return state, tensors, moments
