@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 import os
-import secrets
+
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -35,6 +35,7 @@ import numpy as np
 from gguf import GGUFReader, GGUFValueType, GGUFWriter, GGMLQuantizationType
 from gguf.quants import dequantize
 
+from pytrain.atomic import replacing
 from pytrain.gguf_meta import GGUFError, metadata_from_reader, open_gguf
 
 SUFFIX_A = ".lora_a"
@@ -189,19 +190,6 @@ def _add_metadata(w: GGUFWriter, key: str, value: Any, where: str) -> None:
                            f"{type(value).__name__}")
 
 
-def _new_temp_file(p: Path) -> Path:
-    """An empty, exclusively created file next to ``p``.  Unlike ``mkstemp`` (mode 0600) it
-    gets the umask's permissions, so the renamed adapter is as readable as a plain write."""
-    for _ in range(100):
-        tmp = p.parent / f".{p.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
-        try:
-            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
-            return tmp
-        except FileExistsError:
-            continue
-    raise AdapterError(f"{p}: cannot create a temporary file in {p.parent}")
-
-
 def write_lora_gguf(path: str | os.PathLike[str], arch: str, alpha: float,
                     tensors: Mapping[str, np.ndarray],
                     base_metadata: Mapping[str, Any] | None = None) -> Path:
@@ -233,9 +221,7 @@ def write_lora_gguf(path: str | os.PathLike[str], arch: str, alpha: float,
         arrays[name] = a
     pairs = _pairs(arrays, str(p))
 
-    p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _new_temp_file(p)
-    try:
+    with replacing(p) as tmp:
         w = GGUFWriter(tmp, arch)          # writes general.architecture
         w.add_type("adapter")
         w.add_string(KEY_ADAPTER_TYPE, "lora")
@@ -250,20 +236,6 @@ def write_lora_gguf(path: str | os.PathLike[str], arch: str, alpha: float,
         w.write_kv_data_to_file()
         w.write_tensors_to_file()
         w.close()
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, p)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    try:                                   # make the rename itself durable
-        dfd = os.open(p.parent, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
-    except OSError:
-        pass                               # some filesystems cannot fsync a directory
     return p
 
 

@@ -51,11 +51,13 @@ import json
 import math
 import os
 import re
-import secrets
+
 from pathlib import Path
 from typing import Any, Mapping
 
 import numpy as np
+
+from pytrain.atomic import fsync_dir, write_bytes
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
@@ -377,42 +379,6 @@ def _excluded(config: Mapping[str, Any], module: str) -> bool:
 
 # --------------------------------------------------------------------------- file I/O
 
-def _new_temp_file(p: Path) -> Path:
-    """An empty, exclusively created file next to ``p`` with the umask's permissions."""
-    for _ in range(100):
-        tmp = p.parent / f".{p.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
-        try:
-            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
-            return tmp
-        except FileExistsError:
-            continue
-    raise PeftAdapterError(f"{p}: cannot create a temporary file in {p.parent}")
-
-
-def _atomic_write(p: Path, data: bytes) -> None:
-    tmp = _new_temp_file(p)
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, p)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
-def _fsync_dir(d: Path) -> None:
-    try:
-        fd = os.open(d, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except OSError:
-        pass                                   # some filesystems cannot fsync a directory
-
-
 def _safetensors_bytes(arrays: Mapping[str, np.ndarray], metadata: Mapping[str, str]) -> bytes:
     from safetensors.numpy import save
     return save(dict(arrays), metadata=dict(metadata))
@@ -505,9 +471,9 @@ def write_peft_adapter(folder: str | os.PathLike[str], tensors: Mapping[str, Any
     if folder.exists() and not folder.is_dir():
         raise PeftAdapterError(f"{where}: exists and is not a folder")
     folder.mkdir(parents=True, exist_ok=True)
-    _atomic_write(folder / WEIGHTS_NAME, blob)
-    _atomic_write(folder / CONFIG_NAME, text.encode())
-    _fsync_dir(folder)
+    write_bytes(folder / WEIGHTS_NAME, blob)
+    write_bytes(folder / CONFIG_NAME, text.encode())
+    fsync_dir(folder)
     return folder
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from pytrain.adapter_gguf import read_lora_gguf, write_lora_gguf
+from pytrain.atomic import fsync_dir
 
 FORMAT = 1
 
@@ -48,17 +49,6 @@ def base_fingerprint(path: str | os.PathLike) -> dict:
     return {"name": p.name, "size": p.stat().st_size, "header_sha256": digest}
 
 
-def _fsync_dir(folder: Path) -> None:
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except OSError:
-        pass
-
-
 def save(folder: Path, step: int, adapter, moments: dict[str, np.ndarray], state: TrainState,
          keep: int = 3) -> Path:
     """Write checkpoint ``step`` under ``folder`` atomically; keep the newest ``keep`` (0: all)."""
@@ -75,11 +65,11 @@ def save(folder: Path, step: int, adapter, moments: dict[str, np.ndarray], state
             json.dump(asdict(state), f, indent=2)
             f.flush()
             os.fsync(f.fileno())
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
-        _fsync_dir(folder)
+        fsync_dir(folder)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

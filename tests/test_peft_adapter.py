@@ -296,9 +296,9 @@ def test_failed_write_leaves_previous_adapter(tmp_path, rng, monkeypatch):
     real = os.fsync
     calls = []
 
-    def flaky(fd):
+    def flaky(fd):   # fsyncs: weights file, its folder, then the config file (fails)
         calls.append(fd)
-        if len(calls) == 2:
+        if len(calls) == 3:
             raise OSError(28, "No space left on device")
         return real(fd)
     monkeypatch.setattr(ap.os, "fsync", flaky)

@@ -1,0 +1,61 @@
+"""Writes that never leave a truncated file under the final name.
+
+Everything pytrain saves (adapters, PEFT folders, checkpoints, merged models) goes through
+here: a temporary file next to the target, fsync, rename, fsync of the folder.  A crash or a
+full disk at any moment leaves the previous file intact.
+"""
+from __future__ import annotations
+
+import os
+import secrets
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+
+def new_temp_file(p: Path) -> Path:
+    """An empty, exclusively created file next to ``p``.  Unlike ``mkstemp`` (mode 0600) it
+    gets the umask's permissions, so the renamed file is as readable as a plain write."""
+    for _ in range(100):
+        tmp = p.parent / f".{p.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+        try:
+            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+            return tmp
+        except FileExistsError:
+            continue
+    raise OSError(f"{p}: cannot create a temporary file in {p.parent}")
+
+
+def fsync_dir(d: Path) -> None:
+    """Make a rename in ``d`` durable (some filesystems cannot fsync a folder: ignored)."""
+    try:
+        fd = os.open(d, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
+
+
+@contextmanager
+def replacing(path: str | os.PathLike) -> Iterator[Path]:
+    """``with replacing(p) as tmp: write tmp`` — on success tmp is fsync'ed and renamed over
+    ``p``; on any exception it is removed and ``p`` is untouched."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = new_temp_file(p)
+    try:
+        yield tmp
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, p)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(p.parent)
+
+
+def write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    with replacing(path) as tmp:
+        tmp.write_bytes(data)
