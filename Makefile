@@ -23,7 +23,7 @@ test: build
 
 demo: build
 	$(PY) -m pytrain doctor
-	$(PY) scripts/demo_autodiff.py
+	$(PY) scripts/demo.py
 
 doctor: build
 	$(PY) -m pytrain doctor
