@@ -16,6 +16,18 @@ from pytrain.models import qwen35
 from pytrain.optimizer import Accumulators
 
 
+def pad_batch(B: int, T: int, tokens: np.ndarray, seg: np.ndarray, targets: np.ndarray,
+              pad_id: int, fill_target: int = loss_mod.IGNORE):
+    """Right-pad a [B0, T0] batch to a graph's [B, T] (padding: pad token, sample id -1,
+    ``fill_target``)."""
+    B0, T0 = tokens.shape
+    tok = np.full((B, T), pad_id, np.int64)
+    sg = np.full((B, T), -1, np.int64)
+    tg = np.full((B, T), fill_target, np.int64)
+    tok[:B0, :T0], sg[:B0, :T0], tg[:B0, :T0] = tokens, seg, targets
+    return tok, sg, tg
+
+
 class GradGraph:
     def __init__(self, model: Model, adapter: LoraAdapter, B: int, T: int,
                  acc: Accumulators | None = None, keep_logit_grad: bool = False):
@@ -47,21 +59,14 @@ class GradGraph:
             self.logit_grad = g
         lib.ggml_set_output(self.fwd.logits)
 
-    def pad(self, tokens: np.ndarray, seg: np.ndarray, targets: np.ndarray):
-        """Right-pad a [B, T0] batch to the graph's length (padding: seg -1, IGNORE)."""
-        B, T0 = tokens.shape
-        pad_tok = self.model.tokenizer.pad_id or 0
-        tok = np.full((self.B, self.T), pad_tok, np.int64)
-        sg = np.full((self.B, self.T), -1, np.int64)
-        tg = np.full((self.B, self.T), loss_mod.IGNORE, np.int64)
-        tok[:B, :T0], sg[:B, :T0], tg[:B, :T0] = tokens, seg, targets
-        return tok, sg, tg
-
     def accumulate(self, tokens: np.ndarray, seg: np.ndarray, targets: np.ndarray,
                    n_valid_step: int | None = None, buggy: bool = False) -> tuple[float, int]:
         """Forward + backward of one micro-batch, adding its gradients into the
         accumulators; returns (this micro-batch's share of the step loss, its valid count)."""
-        tok, sg, tg = self.pad(tokens, seg, targets)
+        pad = self.model.tokenizer.pad_id or 0
+        # the bug reproduction labels the graph's own padding with the pad token as well
+        tok, sg, tg = pad_batch(self.B, self.T, tokens, seg, targets, pad,
+                                pad if buggy else loss_mod.IGNORE)
         rt = self.model.runtime
         rt.alloc_graph(self.graph, self.ctx)
         qwen35.set_inputs(self.fwd, qwen35.input_values(self.model.config, tok, sg))

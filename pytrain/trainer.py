@@ -10,7 +10,7 @@ import numpy as np
 
 from pytrain import ggml, loss as loss_mod
 from pytrain.ggml import lib
-from pytrain.grad_graph import GradGraph
+from pytrain.grad_graph import GradGraph, pad_batch
 from pytrain.lora import LoraAdapter
 from pytrain.model import Model, graph_budget
 from pytrain.models import qwen35
@@ -141,12 +141,8 @@ class EvalGraph:
 
     def run(self, tokens, seg, targets) -> tuple[float, int]:
         """(sum of CE over valid targets, number of correct argmax predictions)."""
-        B0, T0 = tokens.shape
-        pad_tok = self.model.tokenizer.pad_id or 0
-        tok = np.full((self.B, self.T), pad_tok, np.int64)
-        sg = np.full((self.B, self.T), -1, np.int64)
-        tg = np.full((self.B, self.T), loss_mod.IGNORE, np.int64)
-        tok[:B0, :T0], sg[:B0, :T0], tg[:B0, :T0] = tokens, seg, targets
+        tok, sg, tg = pad_batch(self.B, self.T, tokens, seg, targets,
+                                self.model.tokenizer.pad_id or 0)
         rt = self.model.runtime
         rt.alloc_graph(self.graph, self.ctx)
         qwen35.set_inputs(self.fwd, qwen35.input_values(self.model.config, tok, sg))
