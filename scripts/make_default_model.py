@@ -129,7 +129,7 @@ def _reading_question(rng: random.Random) -> tuple[str, str]:
         return (f"{n} has a {c} {o}. {m} has a {c2} {o2}. What colour is the {o2}?", f"The {o2} is {c2}.")
     if kind == 5:
         return f"Which animal is in the {p}: the {an}?", f"The {an} is in the {p}."
-    s = ref.english_sentence(rng)
+    s = ref.english_sentence(rng, rich=True)
     return rng.choice([f"Repeat after me: {s}", f"Say this again: {s}", f"Copy this: {s}"]), s
 
 
@@ -413,7 +413,7 @@ def main() -> int:
 
     if a.fresh or not (tok_dir / "tokenizer.json").exists():
         rng = random.Random(11)
-        corpus = ref.english_corpus(seed=11, n_paragraphs=6000)
+        corpus = ref.english_corpus(seed=11, n_paragraphs=6000, rich=True)
         for _ in range(3000):
             corpus.append("\n".join(f"{m['role']}\n{m['content']}" for m in random_conversation(rng)))
             corpus.append(ref.english_story(rng) + f" Then {rng.choice(ref.NAMES)} heard a {rng.choice(SOUND_WORDS)}.")

@@ -205,7 +205,9 @@ NUMBER_WORDS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "
                 "eleven", "twelve"]
 
 
-def english_sentence(rng: random.Random) -> str:
+def english_sentence(rng: random.Random, rich: bool = False) -> str:
+    """One random sentence.  rich=True adds later forms (jobs, foods, activities); the default keeps
+    the exact random stream the committed fixtures were made from."""
     n, m = rng.sample(NAMES, 2)
     o, c, p, a, v, j = (rng.choice(OBJECTS), rng.choice(COLOURS), rng.choice(PLACES), rng.choice(ANIMALS),
                         rng.choice(VERBS_PAST), rng.choice(ADJ))
@@ -233,6 +235,10 @@ def english_sentence(rng: random.Random) -> str:
         f"\"Can I have the {o}?\" asked {n}. \"Yes, you can,\" said {m}.",
         f"The {a} and the {rng.choice(ANIMALS)} are friends.",
         f"{n}'s {o} isn't {c}, it's {rng.choice(COLOURS)}.",
+    ]
+    if not rich:
+        return rng.choice(forms)
+    forms += [
         f"{n} is a {rng.choice(JOBS)} and works in the {p}.",
         f"{rng.choice(TIMES).capitalize()}, {n} was {rng.choice(ACTIVITIES)} with {m}.",
         f"{n} likes {rng.choice(ACTIVITIES)} because it makes {n} feel {rng.choice(FEELINGS)}.",
@@ -244,8 +250,8 @@ def english_sentence(rng: random.Random) -> str:
     return rng.choice(forms)
 
 
-def english_paragraph(rng: random.Random, n_min: int = 2, n_max: int = 6) -> str:
-    return " ".join(english_sentence(rng) for _ in range(rng.randint(n_min, n_max)))
+def english_paragraph(rng: random.Random, n_min: int = 2, n_max: int = 6, rich: bool = False) -> str:
+    return " ".join(english_sentence(rng, rich) for _ in range(rng.randint(n_min, n_max)))
 
 
 def english_story(rng: random.Random, n_min: int = 3, n_max: int = 7) -> str:
@@ -277,9 +283,9 @@ def english_story(rng: random.Random, n_min: int = 3, n_max: int = 7) -> str:
     return " ".join([f"{n} has a {c} {o}."] + [rng.choice(forms)() for _ in range(rng.randint(n_min, n_max))])
 
 
-def english_corpus(seed: int, n_paragraphs: int) -> list[str]:
+def english_corpus(seed: int, n_paragraphs: int, rich: bool = False) -> list[str]:
     rng = random.Random(seed)
-    out = [english_paragraph(rng) for _ in range(n_paragraphs)]
+    out = [english_paragraph(rng, rich=rich) for _ in range(n_paragraphs)]
     # words of the chat markup, so the tokenizer has merges for them
     out += ["system\nuser\nassistant\nthink\n"] * 20
     return out
