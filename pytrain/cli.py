@@ -100,6 +100,24 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export(args: argparse.Namespace) -> int:
+    """Merge an adapter into its base model (``--merge``); the only export for now."""
+    from pathlib import Path
+
+    from pytrain.merge import merge_adapter, read_adapter
+    if not args.merge:
+        print("error: only `pytrain export MODEL --adapter ADAPTER --merge -o OUT.gguf` is "
+              "supported for now (merging the adapter into the base model); pass --merge",
+              file=sys.stderr)
+        return 2
+    tensors, alpha = read_adapter(args.adapter, args.model)
+    src = Path(args.adapter)
+    report = merge_adapter(args.model, tensors, alpha, args.output, args.merged_type,
+                           adapter_name=src.name or str(src), source=str(src))
+    print(report.summary())
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="pytrain", description=__doc__)
     sub = ap.add_subparsers(dest="command", required=True)
@@ -138,6 +156,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto")
     p.add_argument("--threads", type=int, default=None)
     p.set_defaults(func=_generate)
+    p = sub.add_parser("export", help="merge a LoRA adapter into its base model: one GGUF "
+                       "that needs no --lora (llama.cpp loads it as a plain model)")
+    p.add_argument("model", help="base model .gguf the adapter was trained on")
+    p.add_argument("--adapter", required=True,
+                   help="LoRA adapter: a GGUF file or a PEFT adapter folder")
+    p.add_argument("--merge", action="store_true",
+                   help="write W + (alpha/r)·B·A for every adapted tensor (required: the only "
+                        "export for now)")
+    p.add_argument("-o", "--output", required=True, metavar="OUT.gguf",
+                   help="merged model to write (atomically; never the base file itself)")
+    p.add_argument("--merged-type", choices=("keep", "f16", "f32"), default="keep",
+                   help="type of the adapted tensors: keep = the base tensor's type (quantized "
+                        "bases are requantized with ggml, error reported), or f16/f32; other "
+                        "tensors are copied unchanged (default: keep)")
+    p.set_defaults(func=_export)
     return ap
 
 

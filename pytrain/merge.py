@@ -1,0 +1,437 @@
+"""Merge a LoRA adapter into its base model: one GGUF that needs no ``--lora`` any more.
+
+For every adapted matrix ``W`` [n_out, n_in] (numpy order) the merged file holds
+
+    W' = W + (alpha / r) · B · A          A [r, n_in], B [n_out, r], r = B.shape[1] per pair
+
+which is what llama.cpp (``W·x + scale·B·(A·x)``) and :class:`pytrain.lora.LoraAdapter`
+compute with the adapter loaded separately.  The one embedding case llama.cpp defines,
+``token_embd.weight`` with A [n_vocab, r] and B [n_embd, r], merges as
+``W' = W + (alpha / r) · A · Bᵀ`` (llama.cpp: ``B·get_rows(A, tokens)``); it is refused for
+models with tied embeddings, where ``token_embd.weight`` is also the output head and the
+adapter would change the head too (llama.cpp itself cannot run that combination).
+
+What is copied.  Every key/value pair of the base is copied *byte for byte* from the base file
+(types, order and values untouched, ``general.name`` and ``general.file_type`` included); one
+key is added, ``pytrain.merged_adapters``: an array of strings, one JSON object per merge
+(adapter name, alpha, ranks, tensor count, merged type, sha256 of the adapter tensors),
+appended to when an already merged model is merged again.  llama.cpp ignores keys it does not
+know, so the file loads wherever the base did.  Every tensor that is not adapted is copied byte
+for byte, in the file's order; tensors are streamed from the base's memory map and adapted
+ones are processed in row chunks of a few MiB, so the model is never held twice in memory.
+
+Types.  ``merged_type`` says what the *adapted* tensors are written as:
+
+``keep`` (default)  the base tensor's own type.  Float bases (F32, F16, BF16): dequantize to
+    float32, add the update computed in float64, round once to float32, and encode back with
+    ggml's converters (F32 exactly; F16/BF16 by ggml's round-to-nearest-even).  Quantized
+    bases (Q8_0, Q4_K, ...): dequantize with ggml's ``to_float``, merge as above, and
+    *requantize to the same type* with ``ggml_quantize_chunk`` (no importance matrix).  The
+    requantization adds a second rounding of the same order as the base's own quantization
+    error; the report gives, per tensor, its RMS and max next to the RMS of the LoRA update,
+    so an update that drowns in quantization noise is visible.  Types whose quantizer needs an
+    importance matrix (IQ2_XXS, IQ2_XS, IQ1_S) or that ggml cannot quantize are refused with a
+    hint to use ``merged_type="f16"`` or ``"f32"``.
+``f16`` / ``f32``  the adapted tensors in that float type (exact merge of the dequantized base
+    for ``f32``); other tensors keep their types.  The file is then mixed-type, which GGUF and
+    llama.cpp allow; ``general.file_type`` is left as the base's (it is informational only).
+    ``f16`` refuses values beyond F16's range (65504) rather than writing Inf.
+
+Refusals, all before anything touches the disk: an adapter made for another base (names or
+shapes, via :func:`pytrain.adapter_gguf.check_adapter_matches`), LoRA on a tensor llama.cpp
+does not apply LoRA to as a matrix product (``ssm_conv1d.weight``), non-finite adapter
+values, an output path that is the base file itself.
+
+The write is atomic like the adapter writer's: a temporary file next to the destination is
+written, flushed and fsync'ed, then renamed over the final name (and the folder fsync'ed); a
+failure at any point removes the temporary file and leaves whatever was under the final name
+untouched.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import secrets
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+from gguf import GGUFEndian
+
+from pytrain import ggml
+from pytrain.adapter_gguf import (SUFFIX_A, SUFFIX_B, AdapterError, check_adapter_matches,
+                                  read_lora_gguf)
+from pytrain.ggml import ffi, lib
+from pytrain.gguf_meta import GGUFError
+from pytrain.model_file import open_model
+from pytrain.weights import is_elementwise, open_reader, type_name, type_supported
+
+MERGED_TYPES = ("keep", "f16", "f32")
+MERGE_KEY = "pytrain.merged_adapters"
+F32, F16, BF16 = lib.GGML_TYPE_F32, lib.GGML_TYPE_F16, lib.GGML_TYPE_BF16
+_FLOAT_TYPES = (F32, F16, BF16)
+# Types ggml_quantize_chunk has a quantizer for (its switch; anything else aborts the process).
+_QUANTIZABLE_NAMES = ("q1_0", "q2_0", "q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "mxfp4", "nvfp4",
+                      "q2_K", "q3_K", "q4_K", "q5_K", "q6_K", "tq1_0", "tq2_0", "iq2_xxs",
+                      "iq2_xs", "iq3_xxs", "iq3_s", "iq2_s", "iq1_s", "iq1_m", "iq4_nl",
+                      "iq4_xs")
+_QUANTIZABLE = frozenset(ggml.TYPES[n] for n in _QUANTIZABLE_NAMES if n in ggml.TYPES)
+_CHUNK_ELEMENTS = 1 << 21       # rows per chunk: ~8 MiB of float32 (16 MiB of float64) at most
+_F16_MAX = 65504.0
+_GGUF_MAGIC = b"GGUF"
+_ARRAY, _STRING = 9, 8          # GGUFValueType ids
+
+
+class MergeError(GGUFError):
+    """A merge pytrain refuses (wrong adapter, unsupported type, bad path); names the file."""
+
+
+@dataclass(frozen=True)
+class TensorMerge:
+    """What happened to one adapted tensor.
+
+    ``delta_rms``/``delta_max``: the LoRA update (alpha/r)·B·A.  ``round_rms``/``round_max``:
+    the stored tensor (decoded back to float32) minus the exact float32 merge, i.e. the error
+    of rounding back to F16/BF16 or of requantizing (0 for F32).
+    """
+    name: str
+    shape: tuple[int, ...]
+    base_type: str
+    out_type: str
+    rank: int
+    scale: float
+    delta_rms: float
+    delta_max: float
+    round_rms: float
+    round_max: float
+
+
+@dataclass
+class MergeReport:
+    base: str
+    out: str
+    merged_type: str
+    alpha: float
+    adapter_sha256: str
+    tensors: list[TensorMerge] = field(default_factory=list)
+    n_copied: int = 0
+    bytes_written: int = 0
+
+    def summary(self) -> str:
+        lines = [f"merged {len(self.tensors)} tensors into {self.out} "
+                 f"({self.n_copied} copied unchanged, {self.bytes_written / 2**20:.1f} MiB); "
+                 f"merged type: {self.merged_type}"]
+        for t in self.tensors:
+            conv = t.base_type if t.base_type == t.out_type else f"{t.base_type} -> {t.out_type}"
+            line = (f"  {t.name:<32} {conv:<12} r={t.rank:<3} update rms {t.delta_rms:.3g} "
+                    f"max {t.delta_max:.3g}")
+            if t.round_max > 0:
+                what = "requantization" if t.out_type not in ("F32", "F16", "BF16") \
+                    else "rounding"
+                line += f"; {what} error rms {t.round_rms:.3g} max {t.round_max:.3g}"
+            lines.append(line)
+        return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- adapters
+
+def read_adapter(path: str | os.PathLike[str], base_path: str | os.PathLike[str]
+                 ) -> tuple[dict[str, np.ndarray], float]:
+    """``(tensors, alpha)`` of a LoRA adapter GGUF or PEFT adapter folder, checked against
+    the base model at ``base_path`` (architecture, names and shapes)."""
+    arch, _meta, _infos, config = open_model(base_path)
+    p = Path(path)
+    if p.is_dir():
+        from pytrain.adapter_peft import read_peft_adapter
+        tensors, alpha, _rank, _cfg = read_peft_adapter(p, config)
+    else:
+        _arch, alpha, tensors, _m = read_lora_gguf(p, arch=arch)
+    _check_matches(config, tensors, str(p), base_path)
+    return tensors, float(alpha)
+
+
+def _check_matches(config, tensors: Mapping[str, np.ndarray], source: str, base) -> None:
+    try:
+        check_adapter_matches(config, tensors, source=source)
+    except AdapterError as e:
+        raise MergeError(f"{e} -- refusing to merge it into {base}") from e
+
+
+def _pairs(tensors: Mapping[str, np.ndarray], source: str
+           ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    out: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    for name in tensors:
+        if name.endswith(SUFFIX_A):
+            base = name[: -len(SUFFIX_A)]
+            a = np.asarray(tensors[name])
+            b = np.asarray(tensors[base + SUFFIX_B])
+            for which, arr in (("lora_a", a), ("lora_b", b)):
+                if not np.issubdtype(arr.dtype, np.number) or not np.isfinite(arr).all():
+                    raise MergeError(f"{source}: {base}.{which} holds NaN/Inf or is not "
+                                     f"numeric; refusing to merge it")
+            out[base] = (a.astype(np.float64), b.astype(np.float64))
+    return out
+
+
+def adapter_fingerprint(tensors: Mapping[str, np.ndarray], alpha: float) -> str:
+    """sha256 over alpha and the float32 bytes of every tensor, by sorted name."""
+    h = hashlib.sha256(struct.pack("<d", float(alpha)))
+    for name in sorted(tensors):
+        h.update(name.encode() + b"\0")
+        h.update(np.ascontiguousarray(tensors[name], dtype=np.float32).tobytes())
+    return h.hexdigest()
+
+
+# --------------------------------------------------------------------------- encoding
+
+def _decode(raw: np.ndarray, t: int, n: int) -> np.ndarray:
+    """float32 values of ``n`` elements of type ``t`` (ggml's ``to_float``)."""
+    if t == F32:
+        return raw.view(np.float32).copy()
+    out = np.empty(n, dtype=np.float32)
+    src = np.ascontiguousarray(raw)
+    lib.ggml_get_type_traits(t).to_float(ffi.cast("void *", ffi.from_buffer(src)),
+                                         ffi.cast("float *", ffi.from_buffer(out)), n)
+    return out
+
+
+def _encode(arr: np.ndarray, t: int, row_len: int) -> np.ndarray:
+    """Bytes of ``arr`` (float32) as type ``t``, with ggml's own converters/quantizers."""
+    src = np.ascontiguousarray(arr, dtype=np.float32).reshape(-1)
+    if t == F32:
+        return src.view(np.uint8)
+    if t == F16:
+        out = np.empty(src.size, dtype=np.uint16)
+        lib.ggml_fp32_to_fp16_row(ffi.cast("float *", ffi.from_buffer(src)),
+                                  ffi.cast("ggml_fp16_t *", ffi.from_buffer(out)), src.size)
+        return out.view(np.uint8)
+    return ggml.to_bytes(src, t, row_len)     # BF16 and the quantized types
+
+
+def requantize_problem(t: int) -> str | None:
+    """Why pytrain cannot write type ``t`` with ``ggml_quantize_chunk`` (None: it can).
+    Checked before calling ggml, which aborts the process on these."""
+    if t in _FLOAT_TYPES:
+        return None
+    if t not in _QUANTIZABLE:
+        return "ggml has no quantizer for it"
+    if lib.ggml_quantize_requires_imatrix(t):
+        return "its quantizer needs an importance matrix"
+    return None
+
+
+def _out_type(base_type: int, merged_type: str) -> int:
+    return {"keep": base_type, "f16": F16, "f32": F32}[merged_type]
+
+
+# --------------------------------------------------------------------------- GGUF writing
+
+def _gguf_string(s: str) -> bytes:
+    b = s.encode("utf-8")
+    return struct.pack("<Q", len(b)) + b
+
+
+def _merge_record_field(previous: list[str], record: str) -> bytes:
+    vals = list(previous) + [record]
+    out = _gguf_string(MERGE_KEY) + struct.pack("<IIQ", _ARRAY, _STRING, len(vals))
+    return out + b"".join(_gguf_string(v) for v in vals)
+
+
+def _pad(n: int, align: int) -> int:
+    return (align - n % align) % align
+
+
+def _new_temp_file(p: Path) -> Path:
+    """An empty, exclusively created file next to ``p`` with the umask's permissions."""
+    for _ in range(100):
+        tmp = p.parent / f".{p.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+        try:
+            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+            return tmp
+        except FileExistsError:
+            continue
+    raise MergeError(f"{p}: cannot create a temporary file in {p.parent}")
+
+
+def _fsync_dir(d: Path) -> None:
+    try:
+        dfd = os.open(d, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+    except OSError:
+        pass                               # some filesystems cannot fsync a directory
+
+
+# --------------------------------------------------------------------------- merge
+
+def merge_adapter(base_path: str | os.PathLike[str], adapter_tensors: Mapping[str, np.ndarray],
+                  alpha: float, out_path: str | os.PathLike[str], merged_type: str = "keep",
+                  adapter_name: str = "adapter", source: str | None = None) -> MergeReport:
+    """Write ``base_path`` with the LoRA adapter merged in to ``out_path``; see the module
+    docstring for the formula, types, metadata and refusals.
+
+    ``adapter_tensors``: ``{"<base>.lora_a": A [r, n_in], "<base>.lora_b": B [n_out, r]}``
+    (numpy order, as :func:`pytrain.adapter_gguf.read_lora_gguf` returns them); ``alpha``: the
+    adapter's alpha (scale alpha/r per pair).  ``adapter_name`` is recorded in the merged
+    file's ``pytrain.merged_adapters`` entry; ``source`` names the adapter in error messages.
+    Returns a :class:`MergeReport` (per adapted tensor: update size and rounding or
+    requantization error).
+    """
+    base, out = Path(base_path), Path(out_path)
+    source = source or adapter_name
+    if merged_type not in MERGED_TYPES:
+        raise MergeError(f"merged_type must be one of {', '.join(MERGED_TYPES)}, got "
+                         f"{merged_type!r}")
+    try:
+        alpha = float(alpha)
+    except (TypeError, ValueError):
+        raise MergeError(f"{source}: alpha must be a number, got {alpha!r}") from None
+    if not math.isfinite(alpha) or alpha == 0.0:
+        raise MergeError(f"{source}: alpha must be finite and non-zero, got {alpha!r}")
+
+    _arch, _meta, infos, config = open_model(base)
+    _check_matches(config, adapter_tensors, source, base)
+    pairs = _pairs(adapter_tensors, source)
+
+    plan: dict[str, tuple[int, np.ndarray, np.ndarray, float]] = {}
+    for name, (a, b) in pairs.items():
+        info = infos[name]
+        if name == "token_embd.weight" and config.tied_embeddings:
+            raise MergeError(f"{source}: LoRA on token_embd.weight, which in {base} is also the "
+                             f"output head (tied embeddings): merging would change the head "
+                             f"too, unlike the adapter")
+        if name != "token_embd.weight" and is_elementwise(name, info.shape):
+            raise MergeError(f"{source}: LoRA on {name!r}, which is not used as a matrix "
+                             f"product (llama.cpp ignores such an adapter tensor)")
+        if not type_supported(info.type):
+            raise MergeError(f"{base}: tensor {name!r} has type {info.type_name}, which ggml "
+                             f"cannot dequantize")
+        ot = _out_type(info.type, merged_type)
+        why = requantize_problem(ot)
+        if why:
+            raise MergeError(f"{base}: cannot requantize {name!r} to {info.type_name} ({why}); "
+                             f"use merged_type 'f16' or 'f32' (--merged-type)")
+        rank = int(b.shape[1])
+        plan[name] = (ot, a, b, alpha / rank)
+
+    reader = open_reader(base)
+    if reader.endianess != GGUFEndian.LITTLE:
+        raise MergeError(f"{base}: big-endian GGUF files are not supported")
+    if int(reader.fields["GGUF.version"].contents()) not in (2, 3):
+        raise MergeError(f"{base}: GGUF version "
+                         f"{reader.fields['GGUF.version'].contents()} is not supported")
+    if out.exists() and os.path.samefile(out, base):
+        raise MergeError(f"{out}: refusing to overwrite the base model with the merged one; "
+                         f"choose another output path")
+    align = int(reader.alignment)
+    sha = adapter_fingerprint(adapter_tensors, alpha)
+    ranks = sorted({int(b.shape[1]) for _a, b in pairs.values()})
+    record = json.dumps({"adapter": adapter_name, "alpha": alpha,
+                         "rank": ranks[0] if len(ranks) == 1 else ranks,
+                         "tensors": len(plan), "merged_type": merged_type,
+                         "sha256": sha}, separators=(",", ":"))
+    report = MergeReport(str(base), str(out), merged_type, alpha, sha)
+
+    # ---- header, key/values (copied raw), tensor index
+    data = reader.data
+    kv_blobs: list[bytes] = []
+    previous: list[str] = []
+    for key, f in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        if key == MERGE_KEY:
+            prev = f.contents()
+            previous = [str(v) for v in (prev if isinstance(prev, list) else [prev])]
+            continue
+        nbytes = sum(int(p.nbytes) for p in f.parts)
+        kv_blobs.append(bytes(data[f.offset: f.offset + nbytes]))
+    kv_blobs.append(_merge_record_field(previous, record))
+
+    layout = []                       # (tensor, out type, n_bytes, offset)
+    off = 0
+    for t in reader.tensors:
+        ot = plan[t.name][0] if t.name in plan else int(t.tensor_type)
+        ne = [int(d) for d in t.shape]
+        n_rows = int(np.prod(ne[1:], dtype=np.int64))
+        nb = int(t.n_bytes) if ot == int(t.tensor_type) else \
+            int(lib.ggml_row_size(ot, ne[0])) * n_rows
+        off += _pad(off, align)
+        layout.append((t, ot, nb, off))
+        off += nb
+    index = b"".join(
+        _gguf_string(t.name) + struct.pack("<I", len(t.shape))
+        + struct.pack(f"<{len(t.shape)}Q", *[int(d) for d in t.shape])
+        + struct.pack("<IQ", ot, o) for t, ot, _nb, o in layout)
+    version = int(reader.fields["GGUF.version"].contents())   # 2 and 3 share this layout
+    head = (_GGUF_MAGIC + struct.pack("<IQQ", version, len(reader.tensors), len(kv_blobs))
+            + b"".join(kv_blobs) + index)
+    head += b"\0" * _pad(len(head), align)
+
+    # ---- write
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _new_temp_file(out)
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(head)
+            pos = 0
+            for t, ot, nb, o in layout:
+                fh.write(b"\0" * (o - pos))
+                if t.name in plan:
+                    report.tensors.append(_write_merged(fh, data, t, infos[t.name], *plan[t.name]))
+                else:
+                    fh.write(data[t.data_offset: t.data_offset + t.n_bytes])
+                    report.n_copied += 1
+                pos = o + nb
+                if fh.tell() != len(head) + pos:
+                    raise MergeError(f"{out}: internal error: tensor {t.name!r} wrote "
+                                     f"{fh.tell() - len(head) - o} bytes, expected {nb}")
+            fh.flush()
+            os.fsync(fh.fileno())
+            report.bytes_written = fh.tell()
+        os.replace(tmp, out)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(out.parent)
+    return report
+
+
+def _write_merged(fh, data, t, info, ot: int, a: np.ndarray, b: np.ndarray, scale: float
+                  ) -> TensorMerge:
+    """Stream W + scale·B·A (or the embedding form) to ``fh`` in row chunks."""
+    n_rows, row_len = info.shape            # numpy [n_out, n_in] (embeddings: [n_vocab, n_embd])
+    raw = data[t.data_offset: t.data_offset + t.n_bytes]          # uint8 view of the memmap
+    src_row = int(lib.ggml_row_size(info.type, row_len))
+    embd = info.name == "token_embd.weight"
+    rows_per_chunk = max(1, _CHUNK_ELEMENTS // row_len)
+    d_sq = d_max = r_sq = r_max = 0.0
+    for r0 in range(0, n_rows, rows_per_chunk):
+        r1 = min(n_rows, r0 + rows_per_chunk)
+        w = _decode(raw[r0 * src_row: r1 * src_row], info.type, (r1 - r0) * row_len)
+        w = w.reshape(r1 - r0, row_len)
+        delta = scale * (a[r0:r1] @ b.T if embd else b[r0:r1] @ a)       # float64
+        merged = (w.astype(np.float64) + delta).astype(np.float32)
+        if not np.isfinite(merged).all():
+            raise MergeError(f"{info.name}: merged values overflow float32")
+        if ot == F16 and float(np.abs(merged).max()) > _F16_MAX:
+            raise MergeError(f"{info.name}: merged values beyond F16's range ({_F16_MAX}); use "
+                             f"merged_type 'f32'")
+        enc = _encode(merged, ot, row_len)
+        if ot != F32:
+            back = _decode(enc, ot, merged.size).reshape(merged.shape)
+            err = np.abs(back.astype(np.float64) - merged)
+            r_sq += float(np.square(err).sum())
+            r_max = max(r_max, float(err.max()))
+        d_sq += float(np.square(delta).sum())
+        d_max = max(d_max, float(np.abs(delta).max()))
+        fh.write(enc)
+    n = n_rows * row_len
+    return TensorMerge(info.name, tuple(info.shape), info.type_name, type_name(ot),
+                       int(b.shape[1]), float(scale), math.sqrt(d_sq / n), d_max,
+                       math.sqrt(r_sq / n), r_max)
