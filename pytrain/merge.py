@@ -53,7 +53,6 @@ import hashlib
 import json
 import math
 import os
-import secrets
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -65,6 +64,7 @@ from gguf import GGUFEndian
 from pytrain import ggml
 from pytrain.adapter_gguf import (SUFFIX_A, SUFFIX_B, AdapterError, check_adapter_matches,
                                   read_lora_gguf)
+from pytrain.atomic import replacing
 from pytrain.ggml import ffi, lib
 from pytrain.gguf_meta import GGUFError
 from pytrain.model_file import open_model
@@ -245,29 +245,6 @@ def _pad(n: int, align: int) -> int:
     return (align - n % align) % align
 
 
-def _new_temp_file(p: Path) -> Path:
-    """An empty, exclusively created file next to ``p`` with the umask's permissions."""
-    for _ in range(100):
-        tmp = p.parent / f".{p.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
-        try:
-            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
-            return tmp
-        except FileExistsError:
-            continue
-    raise MergeError(f"{p}: cannot create a temporary file in {p.parent}")
-
-
-def _fsync_dir(d: Path) -> None:
-    try:
-        dfd = os.open(d, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
-    except OSError:
-        pass                               # some filesystems cannot fsync a directory
-
-
 # --------------------------------------------------------------------------- merge
 
 def merge_adapter(base_path: str | os.PathLike[str], adapter_tensors: Mapping[str, np.ndarray],
@@ -374,31 +351,21 @@ def merge_adapter(base_path: str | os.PathLike[str], adapter_tensors: Mapping[st
     head += b"\0" * _pad(len(head), align)
 
     # ---- write
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _new_temp_file(out)
-    try:
-        with open(tmp, "wb") as fh:
-            fh.write(head)
-            pos = 0
-            for t, ot, nb, o in layout:
-                fh.write(b"\0" * (o - pos))
-                if t.name in plan:
-                    report.tensors.append(_write_merged(fh, data, t, infos[t.name], *plan[t.name]))
-                else:
-                    fh.write(data[t.data_offset: t.data_offset + t.n_bytes])
-                    report.n_copied += 1
-                pos = o + nb
-                if fh.tell() != len(head) + pos:
-                    raise MergeError(f"{out}: internal error: tensor {t.name!r} wrote "
-                                     f"{fh.tell() - len(head) - o} bytes, expected {nb}")
-            fh.flush()
-            os.fsync(fh.fileno())
-            report.bytes_written = fh.tell()
-        os.replace(tmp, out)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_dir(out.parent)
+    with replacing(out) as tmp, open(tmp, "wb") as fh:
+        fh.write(head)
+        pos = 0
+        for t, ot, nb, o in layout:
+            fh.write(b"\0" * (o - pos))
+            if t.name in plan:
+                report.tensors.append(_write_merged(fh, data, t, infos[t.name], *plan[t.name]))
+            else:
+                fh.write(data[t.data_offset: t.data_offset + t.n_bytes])
+                report.n_copied += 1
+            pos = o + nb
+            if fh.tell() != len(head) + pos:
+                raise MergeError(f"{out}: internal error: tensor {t.name!r} wrote "
+                                 f"{fh.tell() - len(head) - o} bytes, expected {nb}")
+        report.bytes_written = fh.tell()
     return report
 
 

@@ -14,7 +14,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 
 from pytrain import checkpoint as ckpt
 from pytrain import lora as lora_mod

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pytrain.ggml import ffi, lib
+from pytrain.ggml import lib
 
 CHUNK = 64
 
