@@ -35,7 +35,11 @@ def answers(model, convs, lora=None) -> list[str]:
 
 
 def main() -> int:
-    cfg = load_config(ROOT / "config" / "demo.toml", sys.argv[1:])
+    import argparse
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                    help="override a key of config/demo.toml (repeatable)")
+    cfg = load_config(ROOT / "config" / "demo.toml", ap.parse_args().set)
     convs = questions(Path(cfg.data.validation))
     base = load_model(cfg.model.path, "cpu", cfg.model.threads)
     before = answers(base, convs)
