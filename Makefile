@@ -25,6 +25,12 @@ demo: build
 	$(PY) -m pytrain doctor
 	$(PY) scripts/demo.py
 
+# the masking experiments (README "Masking experiments"): runs in experiments/, tables, plots
+# and JSON copied to experiments_results/
+.PHONY: experiments
+experiments: build
+	$(PY) scripts/masking_experiments.py --out experiments --results experiments_results
+
 doctor: build
 	$(PY) -m pytrain doctor
 
