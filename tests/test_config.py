@@ -216,7 +216,7 @@ def test_example_configs_load(name):
     assert cfg.lora.targets == list(DEFAULT_TARGETS)
     if name == "demo.toml":
         assert cfg.model.path == str(ROOT / "pytrain" / "data" / "default-model.gguf")
-        assert (cfg.lora.rank, cfg.lora.alpha, cfg.train.lr) == (8, 16.0, 1e-3)
+        assert (cfg.lora.rank, cfg.lora.alpha, cfg.train.lr) == (16, 32.0, 3e-3)
         assert cfg.train.schedule == "cosine" and cfg.train.eval_every == 25
     else:
         assert (cfg.lora.rank, cfg.lora.alpha, cfg.train.lr, cfg.train.epochs) == \
