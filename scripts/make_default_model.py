@@ -27,8 +27,8 @@ only; by default config/demo.toml's settings: r 8, alpha 16, lr 1e-3, cosine, wa
 150 steps of 8; --demo-* options change them) and prints losses, greedy generations before and
 after, and how many of the 8 animals it gets right (0/8 before; 7/8 after the settings above;
 1/8 with config/demo.toml's, where every animal "says moo").  Deterministic: fixed seeds, torch on
-1 thread, a fixed number of steps (a --fresh rerun gave the same pretraining losses at every
-logged step; conversion and demo data from the cached checkpoint reproduce byte for byte).
+1 thread, a fixed number of steps (a --fresh rerun logged the same pretraining losses through step 450 of 600, where it was
+stopped; conversion and demo data from the cached checkpoint reproduce byte for byte).
 """
 from __future__ import annotations
 
