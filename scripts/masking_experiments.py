@@ -203,7 +203,11 @@ def arithmetic_task(op: str = "+", lo: int = 0, hi: int = 99):
     return (lambda a, b: f"What is {a}{op}{b}?"), fn, lo, hi
 
 
-def seed003_data(folder: Path, n_train: int, n_test: int, op: str, lo: int, hi: int, seed: int):
+def seed003_data(folder: Path, n_train: int, n_test: int, op: str, lo: int, hi: int, seed: int,
+                 context: tuple[int, int] = (0, 0)):
+    """train.jsonl / test.jsonl: held-out operand pairs for the test set.  ``context`` (min, max)
+    > 0 puts that many random words before each question ("<words>. What is 3+4?"): an
+    unpredictable prompt, as real user turns are, that the answer does not depend on."""
     question, answer, lo, hi = arithmetic_task(op, lo, hi)
     n_test = min(n_test, (hi - lo + 1) ** 2 // 3)
     rng = np.random.default_rng(seed)
@@ -212,8 +216,13 @@ def seed003_data(folder: Path, n_train: int, n_test: int, op: str, lo: int, hi: 
     test = [pairs[i] for i in order[:n_test]]
     rest = [pairs[i] for i in order[n_test:]]
     train = [rest[i] for i in rng.choice(len(rest), n_train, replace=n_train > len(rest))]
-    tr = write_jsonl(folder / "train.jsonl", [chat(question(a, b), answer(a, b)) for a, b in train])
-    te = write_jsonl(folder / "test.jsonl", [chat(question(a, b), answer(a, b)) for a, b in test])
+
+    def q(a, b):
+        k = int(rng.integers(context[0], context[1] + 1)) if context[1] > 0 else 0
+        words = " ".join(rng.choice(WORDS, k)) if k else ""
+        return (f"{words[0].upper()}{words[1:]}. " if words else "") + question(a, b)
+    tr = write_jsonl(folder / "train.jsonl", [chat(q(a, b), answer(a, b)) for a, b in train])
+    te = write_jsonl(folder / "test.jsonl", [chat(q(a, b), answer(a, b)) for a, b in test])
     return tr, te
 
 
@@ -266,23 +275,27 @@ def question_share(model, op: str, n: int, max_new: int, seed: int, lora=None) -
         outs = sample(model, prompt, n, max_new, 1.0, seed + i, lora)
         texts = [tok.decode(o).split("<|im_end|>")[0] for o in outs]
         hits = [bool(pat.search(t)) for t in texts]
-        res[name] = {"share": sum(hits) / n, "examples": texts[:4]}
+        res[name] = {"share": sum(hits) / n, "user_turn": sum(t.startswith("user\n") for t in texts) / n,
+                     "examples": texts[:4]}
     res["all"] = float(np.mean([res[k]["share"] for k in free_prompts(tok)]))
     return res
 
 
 def run_seed003(out: Path, overrides=(), *, n_train: int = 4000, n_test: int = 200,
-                op: str = "+", lo: int = 0, hi: int = 99, n_free: int = 32, max_new: int = 16,
-                seed: int = 0, plot: bool = True) -> dict:
+                op: str = "+", lo: int = 0, hi: int = 20, context: tuple[int, int] = (0, 0),
+                n_free: int = 32, max_new: int = 16, seed: int = 0, plot: bool = True) -> dict:
     """Two SFT runs of config seed003_sft.toml, data.mask assistant_only vs all; exact accuracy on
     held-out pairs at every checkpoint; free-generation question share at the end."""
     from pytrain import run
     folder = out / "seed003"
-    tr, te = seed003_data(folder, n_train, n_test, op, lo, hi, seed)
-    res = {"task": f"What is a{op}b? ({OPS[op][1]}) for a, b in [{lo}, {hi}]", "n_train": n_train,
+    tr, te = seed003_data(folder, n_train, n_test, op, lo, hi, seed, context)
+    res = {"task": f"What is a{op}b? ({OPS[op][1]}) for a, b in [{lo}, {hi}]"
+                   + (f", after {context[0]}-{context[1]} random words" if context[1] else ""),
+           "n_train": n_train,
            "n_test": n_test, "runs": {}}
     model = ad = None
     for mask in ("assistant_only", "all"):
+        shutil.rmtree(folder / f"run-{mask}", ignore_errors=True)   # no stale checkpoints
         cfg = config("seed003", overrides, data__train=str(tr), data__validation=str(te),
                      data__mask=mask, output__dir=str(folder / f"run-{mask}"))
         cfg.model.path = model_path(cfg)
@@ -318,14 +331,17 @@ def seed003_markdown(res: dict) -> str:
     runs = res["runs"]
     steps = [c[0] for c in runs["assistant_only"]["curve"]]
     head = ["loss over", *[f"acc@{s}" for s in steps], "answer loss (end)",
-            "question share: `<|im_start|>`", "question share: system turn"]
+            "question share: `<|im_start|>`", "question share: system turn",
+            "opens a user turn (both prompts)"]
+
+    def q(r):
+        return [r["empty"]["share"], r["system"]["share"],
+                (r["empty"]["user_turn"] + r["system"]["user_turn"]) / 2]
     rows = [["— (base model)", *[res["base"]["accuracy"]] + [""] * (len(steps) - 1),
-             res["base"]["answer_loss"], res["base"]["questions"]["empty"]["share"],
-             res["base"]["questions"]["system"]["share"]]]
+             res["base"]["answer_loss"], *q(res["base"]["questions"])]]
     names = {"assistant_only": "assistant only (masked)", "all": "the full sequence"}
     for k, r in runs.items():
-        rows.append([names[k], *[c[1] for c in r["curve"]], r["curve"][-1][2],
-                     r["questions"]["empty"]["share"], r["questions"]["system"]["share"]])
+        rows.append([names[k], *[c[1] for c in r["curve"]], r["curve"][-1][2], *q(r["questions"])])
     ex = runs["all"]["questions"]["empty"]["examples"][:2]
     return (f"Task: {res['task']}; {res['n_train']} training chats, {res['n_test']} held-out "
             f"pairs; model `{res['model']}`, {res['steps']} steps per run, same seed.  "
@@ -363,33 +379,46 @@ def seed003_plot(res: dict, png: Path) -> None:
 # ============================================================================ (b) seed 000
 WORDS = ("the cat sat on a red mat and the dog ran to the big green tree while a small bird "
          "sang in the warm sun near the old house by the river").split()
-ANIMALS = [("cow", "moo"), ("dog", "woof"), ("cat", "meow"), ("duck", "quack"), ("sheep", "baa"),
-           ("pig", "oink"), ("owl", "hoot"), ("frog", "ribbit"), ("horse", "neigh"), ("bee", "buzz")]
+FACTS = [("What colour is the sky?", "The sky is blue."), ("What colour is grass?", "Grass is green."),
+         ("What colour is snow?", "Snow is white."), ("How many days are in a week?",
+         "There are seven days in a week."), ("How many legs does a dog have?", "A dog has four legs."),
+         ("What do bees make?", "Bees make honey."), ("Where do fish live?", "Fish live in water."),
+         ("Is ice hot or cold?", "Ice is cold."), ("Hello!", "Hello! How can I help you today?"),
+         ("Thank you!", "You are welcome."), ("How are you?", "I am fine, thank you.")]
+DAYS = "Monday Tuesday Wednesday Thursday Friday Saturday Sunday".split()
+SYSTEMS = ["You are a helpful assistant.", "Be brief.", "Answer the question."]
 
 
-def varied_exchange(rng: np.random.Generator, long: bool) -> tuple[str, str]:
-    kind = rng.integers(3)
-    if long or kind == 0:
-        k = int(rng.integers(12, 40)) if long else int(rng.integers(3, 8))
-        s = " ".join(rng.choice(WORDS, k))
-        return f"Repeat after me: {s}.", f"{s[0].upper()}{s[1:]}."
+def known_exchange(rng: np.random.Generator, long: bool) -> tuple[str, str]:
+    """An exchange of the kinds the embedded model was pretrained on (simple facts, small sums,
+    counting, days), so the base model is already fair at them; ``long``: a long count."""
+    if long:
+        k = int(rng.integers(12, 31))
+        return f"Count from 1 to {k}.", ", ".join(str(i) for i in range(1, k + 1)) + "."
+    kind = rng.integers(4)
+    if kind == 0:
+        return FACTS[rng.integers(len(FACTS))]
     if kind == 1:
-        a, s = ANIMALS[rng.integers(len(ANIMALS))]
-        return f"What does the {a} say?", f"The {a} says {s}."
-    a, b = rng.integers(0, 10, 2)
-    return f"What is {a}+{b}?", str(a + b)
+        a, b = (int(x) for x in rng.integers(0, 10, 2))
+        return f"What is {a}+{b}?", str(a + b)
+    if kind == 2:
+        k = int(rng.integers(2, 8))
+        return f"Count to {k}.", ", ".join(str(i) for i in range(1, k + 1)) + "."
+    i = int(rng.integers(7))
+    return f"What day comes after {DAYS[i]}?", f"{DAYS[(i + 1) % 7]} comes after {DAYS[i]}."
 
 
-def varied_chats(n: int, seed: int, p_long: float = 0.3, max_turns: int = 6) -> list[dict]:
-    """Chats whose lengths vary ~10x: half are one short exchange, the others 2..max_turns
-    exchanges, each long (a 12-40 word repeat) with probability ``p_long``."""
+def varied_chats(n: int, seed: int, p_long: float = 0.2, max_turns: int = 8) -> list[dict]:
+    """Chats whose lengths vary ~10x: half are one exchange, the others 2..max_turns exchanges,
+    each a long count with probability ``p_long``; a third have a system turn."""
     rng = np.random.default_rng(seed)
     recs = []
     for _ in range(n):
         turns = 1 if rng.random() < 0.5 or max_turns < 2 else int(rng.integers(2, max_turns + 1))
-        msgs = []
+        msgs = [{"role": "system", "content": SYSTEMS[rng.integers(len(SYSTEMS))]}] \
+            if rng.random() < 0.33 else []
         for _t in range(turns):
-            q, a = varied_exchange(rng, rng.random() < p_long)
+            q, a = known_exchange(rng, rng.random() < p_long)
             msgs += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
         recs.append({"messages": msgs})
     return recs
@@ -412,7 +441,7 @@ def buggy_eval(model, batches, lora=None) -> float:
 
 
 def run_seed000(out: Path, overrides=(), *, n_train: int = 192, n_valid: int = 16,
-                p_long: float = 0.3, max_turns: int = 6, seed: int = 0, plot: bool = True) -> dict:
+                p_long: float = 0.2, max_turns: int = 8, seed: int = 0, plot: bool = True) -> dict:
     from pytrain import run
     from pytrain.data import load_data
     folder = out / "seed000"
@@ -421,6 +450,7 @@ def run_seed000(out: Path, overrides=(), *, n_train: int = 192, n_valid: int = 1
     res = {"runs": {}}
     model = ad = None
     for bug in (True, False):
+        shutil.rmtree(folder / ("run-bug" if bug else "run-fix"), ignore_errors=True)
         cfg = config("seed000", overrides, data__train=str(tr), data__validation=str(va),
                      output__dir=str(folder / ("run-bug" if bug else "run-fix")),
                      train__loss_bug_repro=bug)
@@ -520,7 +550,7 @@ def seed000_plot(res: dict, png: Path) -> None:
 
 # ============================================================================ (c) shared data
 def c_examples(name: str, out: Path, overrides, n: int, seed: int, p_long: float = 0.2,
-               max_turns: int = 6, **cfg_values):
+               max_turns: int = 8, **cfg_values):
     """Config, loaded model and chat examples for the part-c experiments (no training)."""
     folder = out / name
     data = write_jsonl(folder / "data.jsonl", varied_chats(n, seed, p_long, max_turns))
@@ -546,7 +576,7 @@ def grad_run(model, ad, tokens, seg, targets, n_valid_step=None, buggy=False, T=
 
 # ============================================================================ (c-i) width
 def run_padwidth(out: Path, overrides=(), *, n_examples: int = 4, widths=None, b_std: float = 0.02,
-                 max_turns: int = 6, seed: int = 0, plot: bool = True) -> dict:
+                 max_turns: int = 8, seed: int = 0, plot: bool = True) -> dict:
     """One batch of ``n_examples`` chats of similar length (fixed content), right-padded to
     growing widths."""
     folder, cfg, model, ex = c_examples("padwidth", out, overrides, 64, seed, max_turns=max_turns)
@@ -608,7 +638,7 @@ def run_padwidth(out: Path, overrides=(), *, n_examples: int = 4, widths=None, b
 
 # ============================================================================ (c-ii) accumulation
 def run_accum(out: Path, overrides=(), *, n_pairs: int = 6, b_std: float = 0.02, n_data: int = 256,
-              max_turns: int = 6, seed: int = 0, plot: bool = True) -> dict:
+              max_turns: int = 8, seed: int = 0, plot: bool = True) -> dict:
     """Two micro-batches per step (config: train.grad_accum = 2 of train.batch_size examples):
     the first holds long chats (many targets), the second chats with fewer and fewer targets."""
     from pytrain.grad_graph import GradGraph
@@ -683,7 +713,7 @@ def run_accum(out: Path, overrides=(), *, n_pairs: int = 6, b_std: float = 0.02,
 
 # ============================================================================ (c-iii) packing
 def run_packing(out: Path, overrides=(), *, n_rows: int | None = None, b_std: float = 0.02,
-                max_turns: int = 6, seed: int = 0, masks=("all", "assistant_only"),
+                max_turns: int = 8, seed: int = 0, masks=("all", "assistant_only"),
                 plot: bool = True) -> dict:
     """Packed rows (pytrain's first-fit packing of the config's row length) with their sample
     ids, with one shared id and proper targets (leak only), and with one shared id and the
@@ -775,6 +805,8 @@ def main(argv=None) -> int:
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                     help="override a key of every experiment config (repeatable)")
     ap.add_argument("--results", help="also copy each results.md/.json/.png here (committed)")
+    ap.add_argument("--seed003-context", metavar="MIN,MAX",
+                    help="seed003 variant: MIN-MAX random words before each question")
     args = ap.parse_args(argv)
     out = Path(args.out)
     names = [n.strip() for n in args.only.split(",") if n.strip()]
@@ -785,7 +817,10 @@ def main(argv=None) -> int:
     for n in names:
         print(f"== {TITLES[n]}", flush=True)
         t0 = time.perf_counter()
-        res = RUNNERS[n](out, args.set)
+        kw = {}
+        if n == "seed003" and args.seed003_context:
+            kw["context"] = tuple(int(x) for x in args.seed003_context.split(","))
+        res = RUNNERS[n](out, args.set, **kw)
         print(res["markdown"], f"\n({time.perf_counter() - t0:.0f} s)\n", flush=True)
         summary.append(f"### {TITLES[n]}\n\n{res['markdown']}\n\n![{n}]({n}.png)\n")
         if args.results:
