@@ -1,0 +1,1010 @@
+"""Benchmark: LoRA training tokens/s and peak memory of pytrain against HF transformers + PEFT
+on CPU, plus the cost of the masked loss's host work at Qwen3.5's real vocabulary (248320).
+
+Why: pytrain's training step should cost no more than the reference stack's on the same model,
+the same batch and the same thread count; and the masked loss's safety read (one strided read
+of the label tensor's pad-token column per micro-batch, ``pytrain/loss.py: read_column`` inside
+``set_labels``) must stay a negligible share of a step.  A benchmark, not a test: nothing is
+asserted about speed.  Writes a markdown table to ``bench_results/train.md``.
+
+Models (``--models``, comma-separated, default ``default,mid,mid-v248k``):
+    default    the embedded ``pytrain/data/default-model.gguf`` (``--default-gguf``; skipped with a
+               message when absent); HF runs only when its HF checkpoint (``--default-hf``, default
+               /tmp/pytrain-default-model/hf, left by scripts/make_default_model.py) exists
+    mid        DESIGN.md's CPU benchmark shape (hidden 512, 8 layers with full attention at 3 and 7,
+               8/2 heads x 64, FFN 1536, DeltaNet 4/4 x 64, vocab 151936, tied; random weights, F32),
+               made and cached by scripts/bench_forward.py's code (same cache folder)
+    mid-v248k  the same shape with Qwen3.5's real vocabulary, 248320 (made the same way here)
+
+The training step, the same on both sides: batch 2 x 256 random token ids over the whole
+vocabulary, every token real (no padding), the first half of each row a "prompt" whose labels
+are masked (HF: label -100; pytrain: ``train_mask`` False), so 2 x 128 = 256 target tokens;
+LoRA r=16, alpha=32, dropout 0, on q/k/v/o of the full-attention layers (pytrain:
+``select_targets`` default = attn_q/attn_k/attn_v/attn_output of the attention layers; PEFT:
+``target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]``, which only the attention layers
+have); AdamW (lr 1e-4, betas 0.9/0.999, eps 1e-8, weight decay 0) with global-norm clipping at
+1.0; float32 everywhere.
+    pytrain: ``Trainer(m, lora.create(...), AdamW(...)).step([batch], lr)`` (forward + masked CE +
+             backward graph, grad-norm graph, AdamW graph, host-side input/label upload)
+    HF:      ``Qwen3_5ForCausalLM`` (sdpa attention, torch DeltaNet fallback: no
+             flash-linear-attention on CPU) wrapped by ``peft.get_peft_model``, ``model.train()``,
+             ``loss = model(input_ids, labels=labels, use_cache=False).loss; loss.backward();
+             clip_grad_norm_(1.0); opt.step(); opt.zero_grad(set_to_none=True)``
+Both sides start from B = 0 adapters, so the first step's loss is the base model's masked loss on
+the batch: the table shows both, a check that the two sides train the same model on the same
+targets.
+
+Timing: each side runs in its own subprocess (peak RSS = that process's VmHWM: imports, weights,
+graphs, optimizer state, everything).  ``--warmup`` steps (default 2), then timed steps until
+``--steps`` (default 5) *clean* ones are in (other processes kept < 0.3 cores busy during the
+step; this machine is shared) or 3x that many were run; tokens/s = tokens / median clean step
+time.  "tokens" = all real tokens of the batch (B*T); "target tokens" = tokens with a label.
+pytrain's steps are split into phases by wrapping pytrain functions at runtime (no pytrain code
+changes): host input upload (``qwen35.input_values``/``set_inputs``), ``loss.set_labels``, graph
+allocation (``Runtime.alloc_graph``), compute of the forward+backward graph, compute of the
+optimizer graphs, and the rest.
+
+Profile (``--profile``, default on): one extra pytrain step in its own process with a ggml
+scheduler eval callback that computes the graph node by node and times each node (adds per-node
+dispatch overhead, so the total is larger than a real step; shares are what matter), summed by
+op and by part of the model (LM head + CE over the vocabulary, attention layers, DeltaNet
+layers, FFN, LoRA); and one HF step under torch.profiler (top ops by self CPU time).
+
+Pad-column read (``--padread``, default on): a real backend F32 label tensor [248320, N] for
+N = B*T = 512 and 2048 (``pytrain.ggml``), filled by ``loss.set_labels`` with half the rows
+masked; times ``loss.read_column`` cold (right after the label upload, as inside set_labels) and
+warm (repeated), and the whole ``set_labels`` split into the one-hot build (``label_rows``), the
+upload (``from_numpy``) and the rest; shares are taken against the measured mid-v248k step (N =
+512) and that step scaled linearly by tokens (N = 2048, said so in the table).
+
+How (from the repo root, with the project's python, the native library built and the reference
+stack of scripts/requirements-reference.txt in /opt/refenv):
+
+    python3 scripts/bench_train.py                            # -> bench_results/train.md
+    python3 scripts/bench_train.py --models mid --steps 3 --no-profile --out /tmp/train.md
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPTS = REPO / "scripts"
+sys.path.insert(0, str(SCRIPTS))
+import bench_forward as bf  # noqa: E402  (model specs, generation, cache, machine info, load probes)
+
+# Qwen3.5's real vocabulary on the mid shape: the LM head and the CE dominate there.
+bf.SPECS.setdefault("mid-v248k", dict(
+    bf.SPECS["mid"], config=dict(bf.SPECS["mid"]["config"], vocab_size=248320),
+    seed=513, desc="the mid shape with vocab 248320 (Qwen3.5's)"))
+
+RANK, ALPHA, LR, MAX_NORM = 16, 32.0, 1e-4, 1.0
+BATCH = (2, 256)
+V_REAL = 248320
+
+
+# --------------------------------------------------------------------------------------------
+# the batch (both sides)
+# --------------------------------------------------------------------------------------------
+
+def make_batch(vocab: int, B: int, T: int, seed: int):
+    """tokens [B, T] int64, train_mask [B, T] bool (second half of each row), seg [B, T] (0)."""
+    import numpy as np
+    tokens = np.random.default_rng(seed).integers(0, vocab, size=(B, T)).astype(np.int64)
+    train = np.zeros((B, T), bool)
+    train[:, T // 2:] = True
+    return tokens, train, np.zeros((B, T), np.int64)
+
+
+def n_targets(train) -> int:
+    """Targets after the shift: position t predicts t+1 when t+1 is trained."""
+    return int(train[:, 1:].sum())
+
+
+def _clean_loop(step, runs: int, threads: int):
+    """Timed steps until `runs` clean ones are in or 3x runs were run (see bench_forward).  A step
+    is clean when other processes kept fewer than CLEAN_OTHERS cores busy beyond the cores this
+    side leaves free (a 1-thread run on 2 cores does not mind one busy core)."""
+    hz = os.sysconf("SC_CLK_TCK")
+    limit = bf.CLEAN_OTHERS + max(0, len(os.sched_getaffinity(0)) - threads)
+    times, others, own, extra = [], [], [], []
+    while sum(o < limit for o in others) < runs and len(times) < 3 * runs:
+        j0, t0 = bf._cpu_jiffies(), time.perf_counter()
+        e = step()
+        j1, t1 = bf._cpu_jiffies(), time.perf_counter()
+        times.append(t1 - t0)
+        others.append(max(0.0, ((j1[0] - j0[0]) - (j1[1] - j0[1])) / hz / (t1 - t0)))
+        own.append((j1[1] - j0[1]) / hz / (t1 - t0))
+        extra.append(e)
+    clean = [i for i, o in enumerate(others) if o < limit]
+    use = clean or list(range(len(times)))
+    return dict(times=times, others=others, n_clean=len(clean),
+                median_s=statistics.median(times[i] for i in use), best_s=min(times),
+                others_cores=statistics.mean(others), own_cores=statistics.mean(own)), extra, use
+
+
+# --------------------------------------------------------------------------------------------
+# pytrain worker
+# --------------------------------------------------------------------------------------------
+
+class _Phases:
+    """Wraps pytrain functions at runtime to split a step's wall time into phases."""
+
+    def __init__(self, trainer):
+        import pytrain.loss as L
+        from pytrain import ggml
+        from pytrain.models import qwen35
+        self.t: dict[str, float] = {}
+        self.tr = trainer
+        me = self
+
+        def timed(key_fn, fn):
+            def w(*a, **k):
+                t0 = time.perf_counter()
+                try:
+                    return fn(*a, **k)
+                finally:
+                    key = key_fn(*a, **k)
+                    me.t[key] = me.t.get(key, 0.0) + time.perf_counter() - t0
+            return w
+
+        grad_graphs = lambda: {ggml.address(g.graph) for g in trainer.graphs.values()}  # noqa: E731
+        inside = {"set_labels": False}
+        set_labels0 = L.set_labels
+
+        def set_labels(*a, **k):
+            inside["set_labels"] = True
+            try:
+                return set_labels0(*a, **k)
+            finally:
+                inside["set_labels"] = False
+
+        # sub-phases of set_labels (keys with a dot are not added into the step's sum)
+        L.set_labels = timed(lambda *a, **k: "set_labels", set_labels)
+        L.label_rows = timed(lambda *a, **k: "set_labels.label_rows", L.label_rows)
+        L.read_column = timed(lambda *a, **k: "set_labels.read_column", L.read_column)
+        ggml.from_numpy = timed(lambda *a, **k: "set_labels.upload" if inside["set_labels"] else "from_numpy.other",
+                                ggml.from_numpy)
+        qwen35.input_values = timed(lambda *a, **k: "inputs", qwen35.input_values)
+        qwen35.set_inputs = timed(lambda *a, **k: "inputs", qwen35.set_inputs)
+        ggml.Runtime.alloc_graph = timed(lambda *a, **k: "alloc_graph", ggml.Runtime.alloc_graph)
+        ggml.Runtime.compute = timed(
+            lambda self_, graph, *a, **k: ("compute fwd+bwd" if ggml.address(graph) in grad_graphs()
+                                           else "compute optimizer"), ggml.Runtime.compute)
+
+    def take(self) -> dict:
+        out, self.t = self.t, {}
+        return out
+
+
+def pytrain_worker(a) -> None:
+    sys.path.insert(0, str(REPO))
+    import pytrain
+    from pytrain import lora
+    from pytrain.lora_targets import lora_param_count, select_targets
+    from pytrain.optimizer import AdamW
+    from pytrain.trainer import Trainer
+
+    B, T = a.batch
+    t0 = time.perf_counter()
+    m = pytrain.load_model(a.gguf, device="cpu", threads=int(a.threads))
+    names = select_targets(m.config)
+    ad = lora.create(m.runtime, m.config, names, RANK, ALPHA, seed=0)
+    tr = Trainer(m, ad, AdamW(lr=LR, max_grad_norm=MAX_NORM))
+    load_s = time.perf_counter() - t0
+    after_load = bf._proc_status()
+    tokens, train, seg = make_batch(a.vocab, B, T, a.seed)
+    batch = SimpleNamespace(tokens=tokens, seg=seg, train_mask=train)
+    ph = _Phases(tr)
+    losses, warm = [], []
+    for _ in range(a.warmup):
+        t1 = time.perf_counter()
+        r = tr.step([batch], LR)
+        warm.append(time.perf_counter() - t1)
+        losses.append(r.loss)
+    ph.take()
+    results = []
+
+    def step():
+        r = tr.step([batch], LR)
+        results.append(r)
+        p = ph.take()
+        p["rest"] = r.seconds - sum(v for k, v in p.items() if "." not in k)
+        return p
+
+    if a.profile:
+        res = dict(side="pytrain", profile=profile_pytrain(tr, batch, m.config))
+        print("RESULT " + json.dumps(res), flush=True)
+        return
+    stats, phases, use = _clean_loop(step, a.runs, int(a.threads))
+    st = bf._proc_status()
+    r0 = results[0]
+    keys = sorted({k for p in phases for k in p})
+    phase_med = {k: statistics.median(phases[i].get(k, 0.0) for i in use) for k in keys}
+    step_med = statistics.median(results[i].seconds for i in use)
+    res = dict(side="pytrain", load_s=load_s, warmup_s=warm, first_loss=losses[0] if losses else r0.loss,
+               losses=losses + [r.loss for r in results], tokens=r0.tokens, n_targets=r0.n_valid,
+               lora_params=lora_param_count(m.config, names, RANK), lora_names=len(names),
+               phases=phase_med, step_seconds=step_med, pad_id=m.tokenizer.pad_id,
+               peak_rss=st["VmHWM"], rss_after_load=after_load["VmRSS"], rss_end_anon=st["RssAnon"],
+               rss_end_file=st["RssFile"], graph_nodes=_graph_nodes(tr), batch=[B, T], **stats)
+    res["tokens_per_s"] = B * T / res["median_s"]
+    res["target_tokens_per_s"] = res["n_targets"] / res["median_s"]
+    print("RESULT " + json.dumps(res), flush=True)
+
+
+def _graph_nodes(tr) -> int:
+    from pytrain.ggml import lib
+    return sum(int(lib.ggml_graph_n_nodes(g.graph)) for g in tr.graphs.values())
+
+
+def label_graph(graph, loss, config) -> dict[int, str]:
+    """Part of the model each node of a forward+backward graph belongs to (address -> label).
+
+    Forward nodes (up to the loss): by the weights they read (blk.N.ffn_* / post_attention_norm
+    -> FFN, other blk.N weights -> the layer's mixer: attention or DeltaNet, LoRA A/B -> LoRA,
+    token_embd/output as the head -> LM head + CE, as get_rows -> embedding), else inherited from
+    the latest-computed source (LoRA and inputs only when nothing else is there).  Backward
+    nodes: the label of the forward node whose gradient they are (ggml_graph_get_grad);
+    temporaries take the label of the next registered gradient after them."""
+    from pytrain import ggml
+    from pytrain.ggml import ffi, lib
+    n = int(lib.ggml_graph_n_nodes(graph))
+    nodes = [lib.ggml_graph_node(graph, i) for i in range(n)]
+    index = {ggml.address(t): i for i, t in enumerate(nodes)}
+    loss_i = index[ggml.address(loss)]
+    kind = {i: ("DeltaNet" if r else "attention") for i, r in enumerate(config.recurrent)}
+    HEAD, LORA, INPUTS = "LM head + CE", "LoRA", "inputs"
+    label: dict[int, str] = {}
+
+    def weight_label(t, op):
+        nm = ggml.name(t)
+        if nm.startswith("blk."):
+            parts = nm.split(".")
+            if ".lora_" in nm:
+                return LORA
+            il, w = int(parts[1]), parts[2]
+            return "FFN" if (w.startswith("ffn_") or w == "post_attention_norm") else kind.get(il, "layers")
+        if nm in ("token_embd.weight", "output.weight"):
+            return "embedding" if op == "GET_ROWS" else HEAD
+        if nm == "output_norm.weight":
+            return HEAD
+        return None
+
+    for i in range(loss_i + 1):
+        t = nodes[i]
+        op = ggml.op_name(t)
+        if op.startswith("CROSS_ENTROPY"):
+            label[ggml.address(t)] = HEAD
+            continue
+        if op == "NONE":   # a parameter (LoRA A/B) or an input
+            label[ggml.address(t)] = weight_label(t, op) or INPUTS
+            continue
+        found, best, best_i, low = None, None, -1, None
+        for j in range(10):
+            s = t.src[j]
+            if s == ffi.NULL:
+                continue
+            w = weight_label(s if s.view_src == ffi.NULL else s.view_src, op)
+            a = ggml.address(s)
+            if w is not None:
+                if found is None or found == LORA:
+                    found = w
+            elif a in label:
+                lab = label[a]
+                if lab in (LORA, INPUTS):
+                    low = LORA if LORA in (low, lab) else lab
+                elif index[a] > best_i:
+                    best, best_i = lab, index[a]
+        label[ggml.address(t)] = found or best or low or INPUTS
+    grads = {}
+    for i in range(loss_i + 1):
+        g = lib.ggml_graph_get_grad(graph, nodes[i])
+        if g != ffi.NULL:
+            grads[ggml.address(g)] = label[ggml.address(nodes[i])]
+    carry = HEAD
+    for i in range(n - 1, loss_i, -1):
+        a = ggml.address(nodes[i])
+        carry = grads.get(a, carry)
+        label[a] = carry + " (bwd)" if not carry.endswith("(bwd)") else carry
+    return label
+
+
+def profile_pytrain(tr, batch, config) -> dict:
+    """One step computed node by node (ggml sched eval callback), time summed by part and op.
+    No-op nodes (views, reshapes, permutes) are left out; the median of their times (the per-node
+    dispatch overhead) is subtracted from every other node."""
+    from pytrain import ggml
+    from pytrain.ggml import ffi, lib
+    rt = tr.model.runtime
+    (g,) = tr.graphs.values()
+    labels = label_graph(g.graph, g.ce.loss, config)
+    noop = {"NONE", "VIEW", "RESHAPE", "PERMUTE", "TRANSPOSE"}
+    recs: list[tuple[str, str, float]] = []
+    state = {"t": 0.0}
+
+    @ffi.callback("bool(struct ggml_tensor *, bool, void *)")
+    def cb(t, ask, _ud):
+        now = time.perf_counter()
+        if ask:
+            state["t"] = now
+            return True
+        recs.append((labels.get(ggml.address(t), "optimizer"), ggml.op_name(t), now - state["t"]))
+        return True
+
+    lib.ggml_backend_sched_set_eval_callback(rt.sched, cb, ffi.NULL)
+    t0 = time.perf_counter()
+    try:
+        tr.step([batch], LR)
+    finally:
+        lib.ggml_backend_sched_set_eval_callback(rt.sched, ffi.cast("ggml_backend_sched_eval_callback", 0),
+                                                 ffi.NULL)
+    wall = time.perf_counter() - t0
+    over = statistics.median([dt for _, op, dt in recs if op in noop] or [0.0])
+    by_op: dict[str, float] = {}
+    by_part: dict[str, float] = {}
+    by_part_op: dict[str, float] = {}
+    for part, op, dt in recs:
+        if op in noop:
+            continue
+        dt = max(0.0, dt - over)
+        by_op[op] = by_op.get(op, 0.0) + dt
+        by_part[part] = by_part.get(part, 0.0) + dt
+        by_part_op[f"{part}: {op}"] = by_part_op.get(f"{part}: {op}", 0.0) + dt
+    return dict(wall=wall, overhead=over, n_nodes=len(recs), by_op=by_op, by_part=by_part,
+                by_part_op=by_part_op)
+
+
+# --------------------------------------------------------------------------------------------
+# HF worker
+# --------------------------------------------------------------------------------------------
+
+def hf_worker(a) -> None:
+    import torch
+    import transformers
+    import peft
+    from peft import LoraConfig, get_peft_model
+    from transformers.models.qwen3_5 import Qwen3_5ForCausalLM
+    torch.set_num_threads(int(a.threads))
+    B, T = a.batch
+    t0 = time.perf_counter()
+    model = Qwen3_5ForCausalLM.from_pretrained(a.hf, dtype=torch.float32, attn_implementation=a.hf_attn)
+    pm = get_peft_model(model, LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0, bias="none",
+                                          target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+                                          task_type="CAUSAL_LM"))
+    pm.train()
+    params = [p for p in pm.parameters() if p.requires_grad]
+    n_lora = sum(p.numel() for p in params)
+    lora_mods = sum(1 for n, _ in pm.named_modules() if n.endswith(".lora_A.default"))
+    opt = torch.optim.AdamW(params, lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+    load_s = time.perf_counter() - t0
+    after_load = bf._proc_status()
+    tokens, train, _seg = make_batch(a.vocab, B, T, a.seed)
+    ids = torch.from_numpy(tokens)
+    labels = ids.clone()
+    labels[torch.from_numpy(~train)] = -100
+
+    def one():
+        loss = pm(input_ids=ids, labels=labels, use_cache=False).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, MAX_NORM)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return float(loss.detach())
+
+    losses, warm = [], []
+    for _ in range(a.warmup):
+        t1 = time.perf_counter()
+        losses.append(one())
+        warm.append(time.perf_counter() - t1)
+    if a.profile:
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            t1 = time.perf_counter()
+            one()
+            wall = time.perf_counter() - t1
+        ka = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+        top = [(e.key, e.self_cpu_time_total / 1e6) for e in ka[:12]]
+        print("RESULT " + json.dumps(dict(side="hf", profile=dict(wall=wall, top=top))), flush=True)
+        return
+    stats, _, _ = _clean_loop(lambda: losses.append(one()), a.runs, int(a.threads))
+    st = bf._proc_status()
+    res = dict(side="hf", load_s=load_s, warmup_s=warm, first_loss=losses[0], losses=losses,
+               tokens=B * T, n_targets=int((labels[:, 1:] != -100).sum()), lora_params=n_lora,
+               lora_names=lora_mods, peak_rss=st["VmHWM"], rss_after_load=after_load["VmRSS"],
+               rss_end_anon=st["RssAnon"], rss_end_file=st["RssFile"], torch=torch.__version__,
+               transformers=transformers.__version__, peft=peft.__version__,
+               attn=model.config._attn_implementation, **stats)
+    res["tokens_per_s"] = B * T / res["median_s"]
+    res["target_tokens_per_s"] = res["n_targets"] / res["median_s"]
+    print("RESULT " + json.dumps(res), flush=True)
+
+
+# --------------------------------------------------------------------------------------------
+# pad-column read and set_labels at vocab 248320
+# --------------------------------------------------------------------------------------------
+
+def padread_worker(a) -> None:
+    sys.path.insert(0, str(REPO))
+    import numpy as np
+    from pytrain import ggml, loss as L
+    from pytrain.ggml import lib
+    rt = ggml.Runtime("cpu", threads=int(a.threads))
+    V = a.vocab
+    pad_id = a.pad_id
+    rng = np.random.default_rng(7)
+    out = {}
+    for N in a.rows:
+        ctx = ggml.Context(n_tensors=3)
+        inp = L.LossInputs(labels=lib.ggml_new_tensor_2d(ctx.ptr, lib.GGML_TYPE_F32, V, N),
+                           row_mask=lib.ggml_new_tensor_2d(ctx.ptr, lib.GGML_TYPE_F32, 1, N),
+                           loss_scale=lib.ggml_new_tensor_1d(ctx.ptr, lib.GGML_TYPE_F32, 1))
+        buf = rt.alloc(ctx)
+        ce = L.MaskedCE(loss=None, inputs=inp, n_rows=N)
+        tg = rng.integers(0, V, N).astype(np.int64)
+        tg[rng.permutation(N)[: N // 2]] = L.IGNORE          # half the rows masked
+        tg[tg == pad_id] = pad_id + 1
+        L.set_labels(ce, tg, V, pad_id)                       # touch every page once
+        reps = a.reps
+        total, rows_t, up_t, cold, warm = [], [], [], [], []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            rows = L.label_rows(tg, V)
+            t1 = time.perf_counter()
+            ggml.from_numpy(inp.labels, rows)
+            t2 = time.perf_counter()
+            col = L.read_column(inp.labels, pad_id)           # cold: right after the upload
+            t3 = time.perf_counter()
+            for _ in range(20):
+                L.read_column(inp.labels, pad_id)
+            t4 = time.perf_counter()
+            del rows
+            rows_t.append(t1 - t0)
+            up_t.append(t2 - t1)
+            cold.append(t3 - t2)
+            warm.append((t4 - t3) / 20)
+            assert col.shape == (N,) and not col.any()
+            t5 = time.perf_counter()
+            L.set_labels(ce, tg, V, pad_id)
+            total.append(time.perf_counter() - t5)
+        med = statistics.median
+        out[str(N)] = dict(label_bytes=int(lib.ggml_nbytes(inp.labels)), read_cold=med(cold),
+                           read_warm=med(warm), label_rows=med(rows_t), upload=med(up_t),
+                           set_labels=med(total), reps=reps)
+        rt.free(buf)
+        ctx.close()
+    st = bf._proc_status()
+    print("RESULT " + json.dumps(dict(side="padread", vocab=V, pad_id=pad_id, rows=out,
+                                      peak_rss=st["VmHWM"])), flush=True)
+
+
+def headbwd_worker(a) -> None:
+    """The LM head's backward product for the hidden states, in the ways ggml can compute it."""
+    sys.path.insert(0, str(REPO))
+    import numpy as np
+    from pytrain import ggml
+    from pytrain.ggml import lib
+    E, N, threads = 512, a.batch[0] * a.batch[1], int(a.threads)
+    rt = ggml.Runtime("cpu", threads=threads)
+    rng = np.random.default_rng(0)
+    out = {}
+    for V in a.rows:
+        f32 = lib.GGML_TYPE_F32
+        data = ggml.Context(n_tensors=4)
+        W = lib.ggml_new_tensor_2d(data.ptr, f32, E, V)       # the head weight (token_embd), ne [E, V]
+        Wt = lib.ggml_new_tensor_2d(data.ptr, f32, V, E)      # its transpose, ne [V, E]
+        dL = lib.ggml_new_tensor_2d(data.ptr, f32, V, N)      # dLoss/dLogits, ne [V, N]
+        X = lib.ggml_new_tensor_2d(data.ptr, f32, E, N)       # hidden states, ne [E, N]
+        buf = rt.alloc(data)
+        w = rng.standard_normal((V, E), dtype=np.float32) * 0.02
+        g = rng.standard_normal((N, V), dtype=np.float32) * 1e-4
+        ggml.from_numpy(W, w)
+        ggml.from_numpy(Wt, np.ascontiguousarray(w.T))
+        ggml.from_numpy(dL, g)
+        ggml.from_numpy(X, rng.standard_normal((N, E), dtype=np.float32))
+        variants = {
+            "fwd_mul_mat": lambda c: lib.ggml_mul_mat(c, W, X),
+            "out_prod": lambda c: lib.ggml_out_prod(c, W, lib.ggml_transpose(c, dL)),
+            "mul_mat_t": lambda c: lib.ggml_mul_mat(c, Wt, dL),
+            "cont_mul_mat": lambda c: lib.ggml_mul_mat(c, lib.ggml_cont(c, lib.ggml_transpose(c, W)), dL),
+        }
+        res, ref = {}, None
+        for k, make in variants.items():
+            ctx = ggml.Context(n_tensors=16, graph_size=64)
+            t = make(ctx.ptr)
+            lib.ggml_set_output(t)
+            gr = ggml.new_graph(ctx, 64)
+            lib.ggml_build_forward_expand(gr, t)
+            rt.alloc_graph(gr, ctx)
+            times = []
+            for _ in range(a.reps + 1):
+                t0 = time.perf_counter()
+                rt.compute(gr)
+                times.append(time.perf_counter() - t0)
+            res[k] = statistics.median(times[1:])
+            if k != "fwd_mul_mat":   # the three dX products must agree
+                v = ggml.to_numpy(t).astype(np.float64)
+                if ref is None:
+                    ref = v
+                else:
+                    assert np.allclose(v, ref, rtol=1e-3, atol=1e-6), k
+            rt.forget_graph()
+            ctx.close()
+        times = []
+        for _ in range(a.reps + 1):   # numpy (BLAS, OPENBLAS/OMP_NUM_THREADS = threads): dX = dL @ W
+            t0 = time.perf_counter()
+            dx = g @ w
+            times.append(time.perf_counter() - t0)
+        res["numpy"] = statistics.median(times[1:])
+        assert np.allclose(dx, ref.reshape(dx.shape), rtol=1e-3, atol=1e-6)
+        out[str(V)] = res
+        rt.free(buf)
+        data.close()
+    print("RESULT " + json.dumps(dict(side="headbwd", E=E, N=N, threads=threads, reps=a.reps, rows=out)),
+          flush=True)
+
+
+# --------------------------------------------------------------------------------------------
+# orchestration
+# --------------------------------------------------------------------------------------------
+
+def prepare(name: str, a) -> dict | None:
+    """Model record {name, gguf, hf, vocab, desc, weights, n_params} or None (skipped)."""
+    if name == "default":
+        if not a.default_gguf.exists():
+            print(f"[default] skipped: {a.default_gguf} is absent", flush=True)
+            return None
+        sys.path.insert(0, str(REPO))
+        from pytrain.model_file import open_model
+        _arch, _meta, _infos, cfg = open_model(a.default_gguf)
+        hf = a.default_hf if (a.default_hf / "model.safetensors").exists() else None
+        if hf is None:
+            print(f"[default] HF side skipped: no HF checkpoint at {a.default_hf}", flush=True)
+        return dict(name="default", gguf=a.default_gguf, hf=hf, vocab=int(cfg.n_vocab),
+                    desc=f"embedded default model: hidden {cfg.n_embd}, {cfg.n_layer} layers, "
+                         f"vocab {cfg.n_vocab}", weights="F32 / f32", n_params=None)
+    if name not in bf.SPECS:
+        print(f"[{name}] unknown model", flush=True)
+        return None
+    spec = bf.SPECS[name]
+    d = bf.spec_dir(a.cache, name)
+    if not (d / "done.json").exists():
+        a.cache.mkdir(parents=True, exist_ok=True)
+        print(f"[{name}] generating into {d} ...", flush=True)
+        r = subprocess.run([a.ref_python, str(Path(__file__).resolve()), "--make", name, "--into", str(d)],
+                           cwd=str(REPO))
+        if r.returncode != 0:
+            print(f"[{name}] skipped: generation failed (exit {r.returncode})", flush=True)
+            return None
+    done = json.loads((d / "done.json").read_text())
+    return dict(name=name, gguf=d / done["gguf"], hf=d / "hf", vocab=spec["config"]["vocab_size"],
+                desc=spec["desc"], n_params=done["n_params"], weights=f"{spec['outtype'].upper()} / f32")
+
+
+def run_worker(python: str, side: str, model: dict, a, threads: int, profile: bool = False,
+               extra=(), batch=BATCH) -> dict | None:
+    cmd = [python, str(Path(__file__).resolve()), "--worker", side, "--threads", str(threads),
+           "--runs", str(a.steps), "--warmup", str(a.warmup), "--batch", str(batch[0]), str(batch[1]),
+           "--vocab", str(model["vocab"]), "--hf-attn", a.hf_attn, "--nice", str(a.nice), *extra]
+    if profile:
+        cmd += ["--profile", "--warmup", "1"]
+    if side == "pytrain":
+        cmd += ["--gguf", str(model["gguf"])]
+    elif side == "hf":
+        cmd += ["--hf", str(model["hf"])]
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
+               OPENBLAS_NUM_THREADS=str(threads),
+               TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", TRANSFORMERS_NO_ADVISORY_WARNINGS="1")
+    busy = bf.wait_quiet(a.quiet_wait) if a.quiet_wait else bf.machine_busy()
+    what = f"{side}{' profile' if profile else ''}, {threads} thread{'s' if threads > 1 else ''}"
+    print(f"  [{model['name']}] {what} ... (machine busy {busy:.2f} cores before; load average "
+          f"{os.getloadavg()[0]:.2f})", flush=True)
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=str(REPO), start_new_session=bool(a.nice))
+    for line in r.stdout.splitlines():
+        if line.startswith("RESULT "):
+            res = json.loads(line[7:])
+            res["busy_before"] = busy
+            res["threads"] = threads
+            res["loadavg_before"] = os.getloadavg()
+            if "tokens_per_s" in res:
+                print(f"  [{model['name']}] {what}: {res['tokens_per_s']:.1f} tokens/s "
+                      f"({res['target_tokens_per_s']:.1f} target tokens/s; {res['n_clean']} clean of "
+                      f"{len(res['times'])}: " + ", ".join(f"{t:.3f} s ({o:.2f})" for t, o in
+                                                          zip(res["times"], res["others"]))
+                      + f"), first loss {res['first_loss']:.5f}, peak RSS {res['peak_rss'] / 2**30:.2f} GiB",
+                      flush=True)
+            return res
+    sys.stderr.write(r.stdout[-3000:] + r.stderr[-6000:])
+    print(f"  [{model['name']}] {what} FAILED (exit {r.returncode})", flush=True)
+    return None
+
+
+def machine_info(a) -> list[str]:
+    """Machine, versions and how the workers ran (the report's header lines)."""
+    import platform
+    cpu, mem = platform.processor() or "?", "?"
+    try:
+        for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
+            if line.startswith("Model name:"):
+                cpu = line.split(":", 1)[1].strip()
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                mem = f"{int(line.split()[1]) / 2**20:.1f} GiB"
+    except OSError:
+        pass
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=str(REPO)).stdout.strip() or "?"
+    ggml_v = "?"
+    bi = REPO / "pytrain" / "_native" / "build_info.json"
+    if bi.exists():
+        j = json.loads(bi.read_text())
+        ggml_v = f"{j.get('ggml_version')} ({j.get('archive_project')}, cuda={j.get('cuda')})"
+        src = Path(j.get("source", "/nonexistent"))   # build options from native/build.py's CMake cache
+        cache = src.parent.parent / "build" / f"{src.name}-{'cuda' if j.get('cuda') else 'cpu'}" / "CMakeCache.txt"
+        if cache.exists():
+            opts = [f"{line.split(':', 1)[0]}={line.split('=', 1)[1]}"
+                    for line in cache.read_text().splitlines()
+                    if line.startswith(("GGML_NATIVE:", "GGML_LLAMAFILE:", "GGML_OPENMP:", "GGML_BLAS:"))]
+            ggml_v += ", " + ", ".join(sorted(opts))
+    th = ", ".join(map(str, a.thread_list))
+    return [f"- date: {time.strftime('%Y-%m-%d %H:%M %Z')}; pytrain commit {commit}",
+            f"- CPU: {cpu}, {os.cpu_count()} cores visible, {mem} RAM; threads per side: **{th}** "
+            f"(pytrain `threads=N`, torch `set_num_threads(N)`, OMP/MKL_NUM_THREADS=N)",
+            f"- ggml {ggml_v}",
+            f"- python {platform.python_version()} (pytrain side); worker processes at niceness {a.nice:+d}"
+            + (" in a session (scheduler autogroup) of their own, so that other jobs on this shared "
+               "machine yield the cores while they run" if a.nice < 0 else "")]
+
+
+def _renice(nice: int) -> None:
+    """Niceness only weighs within a scheduler autogroup (one per session): the worker runs in a
+    session of its own (the orchestrator starts it so) and sets that autogroup's niceness too."""
+    if nice:
+        os.nice(nice)
+        try:
+            Path("/proc/self/autogroup").write_text(str(nice))
+        except OSError:
+            pass
+
+
+def fmt_gib(b) -> str:
+    return f"{b / 2**30:.2f} GiB" if b is not None else "-"
+
+
+def _ms(s: float) -> str:
+    return f"{s * 1e3:.3f} ms" if s < 0.01 else f"{s * 1e3:.1f} ms"
+
+
+def report(rows: list[dict], pad: dict | None, a, loads: list, info: list[str] | None = None,
+           extra_steps: list | None = None, heads: dict | None = None) -> str:
+    extra_steps = extra_steps or []
+    hf = next((r["hf"] for r in rows if r.get("hf")), None)
+    la = ", ".join(f"{x:.2f}" for x in loads[0]) if loads else "?"
+    lb = ", ".join(f"{x:.2f}" for x in loads[-1]) if loads else "?"
+    lines = ["# LoRA training throughput: pytrain vs HF transformers + PEFT (CPU)", "",
+             "Made by `python3 scripts/bench_train.py` (see its docstring for the exact step on each "
+             "side). Tokens/s = tokens / median wall time of one optimizer step (forward, masked CE, "
+             "backward, grad norm + clipping, AdamW) after warm-up, over the *clean* timed steps (other "
+             "processes kept < 0.3 cores busy beyond the cores a side leaves free; the machine is shared; when no step was clean, over all "
+             "of them), and from the fastest step (contention only adds time). Steps = clean / all timed. "
+             "Each side runs in its own process; peak RSS = VmHWM of that process. Own CPU-s per step = "
+             "CPU time the process used per step (mean cores used x median step; includes the spin-waiting "
+             "of both sides' thread pools).", ""]
+    lines += info or machine_info(a)
+    one = [x[0] for x in loads] + [y["loadavg_before"][0] for r in rows for y in (r.get("pytrain"), r.get("hf"))
+                                   if y and "loadavg_before" in y]
+    rng_ = f"; 1-min load average over the run {min(one):.2f} to {max(one):.2f}" if one else ""
+    lines.append(f"- load average (1, 5, 15 min) at start: {la}; at end: {lb}{rng_} (2 cores: a load "
+                 f"above 2 means other processes were running)")
+    if hf:
+        lines.append(f"- HF: torch {hf['torch']}, transformers {hf['transformers']}, peft {hf['peft']}, "
+                     f"attn_implementation={hf['attn']}, float32, train mode; torch DeltaNet fallback "
+                     f"(no flash-linear-attention)")
+    lines.append(f"- LoRA r={RANK}, alpha={ALPHA:g}, dropout 0, q/k/v/o of the full-attention layers; "
+                 f"AdamW lr {LR:g}, wd 0, clip {MAX_NORM:g}; batch {BATCH[0]} x {BATCH[1]}, no padding, "
+                 f"first half of each row masked ({BATCH[0] * (BATCH[1] // 2)} target tokens)")
+    lines += ["", "| model | threads | batch | tokens (targets) | steps pytrain / HF | pytrain tokens/s (targets/s) | "
+              "HF tokens/s (targets/s) | ratio pytrain/HF | best-step tokens/s pytrain / HF (ratio) | pytrain peak RSS | HF peak RSS | "
+              "own CPU-s per step pytrain / HF | first-step loss pytrain / HF | LoRA params pytrain / HF | other load (cores) pytrain / HF |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        p, h = r.get("pytrain"), r.get("hf")
+        bt = [BATCH[0] * BATCH[1] / y["best_s"] if y else None for y in (p, h)]
+        best = " / ".join(f"{v:.1f}" if v else "-" for v in bt) + (f" ({bt[0] / bt[1]:.2f})" if p and h else "")
+        ratio = f"**{p['tokens_per_s'] / h['tokens_per_s']:.2f}**" if p and h else "-"
+        nsteps = " / ".join(f"{x['n_clean']}/{len(x['times'])}" if x else "-" for x in (p, h))
+        x = p or h
+        cells = [r["name"], str(r.get("threads", "?")), f"{BATCH[0]} x {BATCH[1]}", f"{x['tokens']} ({x['n_targets']})" if x else "-",
+                 nsteps,
+                 f"{p['tokens_per_s']:.1f} ({p['target_tokens_per_s']:.1f})" if p else "-",
+                 f"{h['tokens_per_s']:.1f} ({h['target_tokens_per_s']:.1f})" if h else "-", ratio, best,
+                 fmt_gib(p["peak_rss"]) if p else "-", fmt_gib(h["peak_rss"]) if h else "-",
+                 " / ".join(f"{y['own_cores'] * y['median_s']:.2f}" if y else "-" for y in (p, h)),
+                 " / ".join(f"{y['first_loss']:.5f}" if y else "-" for y in (p, h)),
+                 " / ".join(f"{y['lora_params']:,} ({y['lora_names']})" if y else "-" for y in (p, h)),
+                 " / ".join(f"{y['others_cores']:.2f}" if y else "-" for y in (p, h))]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "Shapes:", ""]
+    seen = set()
+    for r in rows:
+        if r["name"] in seen:
+            continue
+        seen.add(r["name"])
+        n = f"; {r['n_params'] / 1e6:.1f} M parameters" if r.get("n_params") else ""
+        hfnote = "" if r.get("hf") else " (HF side not run: no HF checkpoint)"
+        lines.append(f"- **{r['name']}**: {r['desc']}{n}; weights {r['weights']}{hfnote}")
+
+    lines += ["", "## Where a pytrain step goes (median per step)", "",
+              "Host phases are timed by wrapping pytrain functions at runtime; `set_labels` is split into the "
+              "one-hot `label_rows` (numpy), the upload into the backend label tensor and the pad-column "
+              "`read_column` measured inside the real step.", "",
+              "| model | threads | batch | step (s) | compute fwd+bwd | compute optimizer | alloc_graph | inputs | "
+              "set_labels | of which label_rows / upload / pad-column read | rest |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows + [x for x in extra_steps if x.get("pytrain")]:
+        p = r.get("pytrain")
+        if not p:
+            continue
+        ph = p["phases"]
+        st = p["step_seconds"]
+        cells = [r["name"], str(r.get("threads", "?")), "x".join(map(str, p.get("batch", BATCH))), f"{st:.3f}"]
+        for k in ("compute fwd+bwd", "compute optimizer", "alloc_graph", "inputs", "set_labels"):
+            v = ph.get(k, 0.0)
+            cells.append(f"{_ms(v)} ({100 * v / st:.1f}%)")
+        cells.append(" / ".join(f"{_ms(ph.get('set_labels.' + k, 0.0))}" for k in ("label_rows", "upload"))
+                     + f" / {_ms(ph.get('set_labels.read_column', 0.0))} "
+                       f"({100 * ph.get('set_labels.read_column', 0.0) / st:.4f}%)")
+        v = ph.get("rest", 0.0)
+        cells.append(f"{_ms(v)} ({100 * v / st:.1f}%)")
+        lines.append("| " + " | ".join(cells) + " |")
+
+    profs = [(f"{r['name']} ({r.get('threads')} threads)", r.get("pytrain_profile"), r.get("hf_profile"))
+             for r in rows
+             if r.get("pytrain_profile") or r.get("hf_profile")]
+    if profs:
+        lines += ["", "## Profile of one step", "",
+                  "pytrain: one step computed node by node under a ggml scheduler eval callback, each node "
+                  "timed and summed by part of the model (forward, and (bwd) for the backward nodes that "
+                  "compute that part's gradients) and by op; compare the profiled step with the unprofiled "
+                  "one above for the dispatch overhead. HF: torch.profiler, top ops by self CPU time.", ""]
+        for name, pp, hp in profs:
+            if pp:
+                tot = sum(pp["by_op"].values())
+                parts = ", ".join(f"{k} {v:.3f} s ({100 * v / tot:.0f}%)" for k, v in
+                                  sorted(pp["by_part"].items(), key=lambda kv: -kv[1]))
+                ops = ", ".join(f"{k} {v:.3f} s ({100 * v / tot:.0f}%)" for k, v in
+                                sorted(pp["by_op"].items(), key=lambda kv: -kv[1])[:10])
+                pops = ", ".join(f"{k} {v:.3f} s ({100 * v / tot:.0f}%)" for k, v in
+                                 sorted(pp["by_part_op"].items(), key=lambda kv: -kv[1])[:12])
+                lines += [f"- **{name}** pytrain (profiled step {pp['wall']:.2f} s, {pp['n_nodes']} nodes "
+                          f"computed, node times sum {tot:.2f} s): by part: {parts}", f"  - top ops: {ops}",
+                          f"  - top part x op: {pops}"]
+            if hp:
+                top = ", ".join(f"{k} {v:.3f} s" for k, v in hp["top"][:10])
+                lines.append(f"- **{name}** HF (profiled step {hp['wall']:.2f} s): top self-CPU ops: {top}")
+
+    if pad:
+        V = pad["vocab"]
+        big = next((r for r in rows if r["name"] == "mid-v248k" and r.get("pytrain")
+                    and r.get("threads") == a.thread_list[0]), None)
+        step512 = big["pytrain"]["median_s"] if big else None
+        measured = {int(x["pytrain"]["tokens"]): x["pytrain"]["median_s"] for x in extra_steps
+                    if x.get("pytrain") and x["name"] == "mid-v248k"}
+        if step512:
+            measured.setdefault(512, step512)
+        lines += ["", f"## Masked-loss host work at vocab {V}", "",
+                  f"A real backend F32 label tensor [{V}, N] (`pytrain.ggml`), half its rows masked, pad id "
+                  f"{pad['pad_id']}. `read_column` = the ONE strided read of the pad-token column per "
+                  f"micro-batch (cold: right after the label upload, as inside `set_labels`; warm: "
+                  f"repeated). `set_labels` = the whole call: one-hot `label_rows` (numpy, N x V float32) + "
+                  f"upload (`from_numpy` into the backend tensor) + the read + row mask / scale. "
+                  f"Step = the measured pytrain step of **mid-v248k** (batch 2 x 256, N = 512)"
+                  + ("" if step512 else " (not measured in this run)")
+                  + "; for N = 2048 the measured pytrain step of batch 8 x 256 on the same model when it ran "
+                    "(`--big-step`), else the N = 512 step scaled x4 by tokens (said so in the row).", "",
+                  "| N = B*T | label tensor | read_column cold | read_column warm | share of step (cold read) | "
+                  "set_labels | of which label_rows | of which upload | set_labels share of step | step (s) |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        for N, d in pad["rows"].items():
+            scaled = int(N) not in measured
+            step = measured.get(int(N)) or (step512 * int(N) / 512 if step512 else None)
+            sc = f"{100 * d['read_cold'] / step:.4f}%" if step else "-"
+            ss = f"{100 * d['set_labels'] / step:.1f}%" if step else "-"
+            lines.append(f"| {N} | {d['label_bytes'] / 2**20:.0f} MiB | {_ms(d['read_cold'])} | "
+                         f"{_ms(d['read_warm'])} | {sc} | {_ms(d['set_labels'])} | {_ms(d['label_rows'])} | "
+                         f"{_ms(d['upload'])} | {ss} | "
+                         + (f"{step:.2f}{' (scaled from N = 512)' if scaled else ' (measured)'}" if step else "-")
+                         + " |")
+
+    if heads:
+        lines += ["", "## LM-head backward alternatives (vocab-sized matmuls alone)", "",
+                  f"The head's gradient with respect to the hidden states, dX = W^T-side product of the frozen "
+                  f"head weight W (ggml ne [E={heads['E']}, V]) and dLogits (ne [V, N={heads['N']}]), timed alone "
+                  f"with pytrain.ggml on the CPU backend ({heads['threads']} threads, median of {heads['reps']}): "
+                  f"`OUT_PROD(W, transpose(dL))` is what ggml's autodiff emits for MUL_MAT's src1 today; "
+                  f"`MUL_MAT(Wt, dL)` is the same product from a persistent transposed copy Wt (ne [V, E]); "
+                  f"`CONT(TRANSPOSE(W))` + MUL_MAT makes that copy every step; the forward head MUL_MAT(W, X) and "
+                  f"numpy's BLAS matmul of the same shapes are references.", "",
+                  "| vocab | forward MUL_MAT(W, X) | OUT_PROD(W, dL^T) (today) | MUL_MAT(Wt, dL) | "
+                  "CONT(W^T) + MUL_MAT | numpy (BLAS) dX | GFLOP per product |",
+                  "|---|---|---|---|---|---|---|"]
+        for V, d in heads["rows"].items():
+            gf = 2 * heads["E"] * int(V) * heads["N"] / 1e9
+            cell = lambda k: (f"{d[k]:.3f} s ({gf / d[k]:.0f} GFLOP/s)" if d.get(k) else "-")  # noqa: E731
+            lines.append(f"| {V} | {cell('fwd_mul_mat')} | {cell('out_prod')} | {cell('mul_mat_t')} | "
+                         f"{cell('cont_mul_mat')} | {cell('numpy')} | {gf:.1f} |")
+
+    lines += ["", "Details:", ""]
+    for r in rows:
+        for side in ("pytrain", "hf"):
+            x = r.get(side)
+            if x:
+                lines.append(f"- {r['name']} {side}, {r.get('threads')} threads: load {x['load_s']:.2f} s, warm-up "
+                             f"{', '.join(f'{t:.3f}' for t in x['warmup_s'])} s, steps "
+                             f"{', '.join(f'{t:.3f} ({o:.2f})' for t, o in zip(x['times'], x['others']))} s "
+                             f"(other cores in brackets); losses {', '.join(f'{v:.4f}' for v in x['losses'])}; "
+                             f"RSS after load {fmt_gib(x['rss_after_load'])}, at end anon "
+                             f"{fmt_gib(x['rss_end_anon'])} + file {fmt_gib(x['rss_end_file'])}; cores used "
+                             f"{x['own_cores']:.2f}; machine busy {x['busy_before']:.2f} cores before"
+                             + (f"; {x['graph_nodes']} graph nodes; pad id {x['pad_id']}" if side == "pytrain"
+                                else ""))
+    if a.notes:
+        lines += ["", "Notes:", ""] + [f"- {n}" for n in a.notes]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="default,mid,mid-v248k")
+    ap.add_argument("--threads", default="2",
+                    help="thread counts, comma-separated (e.g. 2,1); profile and pad-read use the first")
+    ap.add_argument("--steps", type=int, default=5, help="clean timed steps wanted per side")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "pytrain" / "bench")
+    ap.add_argument("--ref-python", default="/opt/refenv/bin/python")
+    ap.add_argument("--pytrain-python", default=sys.executable)
+    ap.add_argument("--default-gguf", type=Path, default=bf.DEFAULT_GGUF)
+    ap.add_argument("--default-hf", type=Path, default=Path("/tmp/pytrain-default-model/hf"))
+    ap.add_argument("--hf-attn", default="sdpa")
+    ap.add_argument("--nice", type=int, default=0,
+                    help="niceness of the worker processes; on a shared machine -20 (root) gives them the "
+                         "cores while they run (each in its own session / autogroup)")
+    ap.add_argument("--no-profile", dest="do_profile", action="store_false")
+    ap.add_argument("--no-padread", dest="do_padread", action="store_false")
+    ap.add_argument("--no-big-step", dest="big_step", action="store_false",
+                    help="skip the pytrain step of batch 8 x 256 (N = 2048) on mid-v248k")
+    ap.add_argument("--no-head", dest="do_head", action="store_false",
+                    help="skip the LM-head backward alternatives")
+    ap.add_argument("--pad-rows", default="512,2048")
+    ap.add_argument("--quiet-wait", type=float, default=120.0,
+                    help="before each process, wait up to this many seconds for other processes to "
+                         "use < 0.3 cores (0: do not wait)")
+    ap.add_argument("--out", type=Path, default=REPO / "bench_results" / "train.md")
+    ap.add_argument("--note", dest="notes", action="append", default=[])
+    ap.add_argument("--json", type=Path, default=None, help="also save the raw results here")
+    ap.add_argument("--report-from", type=Path, nargs="+", default=None,
+                    help="only rewrite the markdown from a --json file of an earlier run")
+    # internal
+    ap.add_argument("--make", choices=sorted(bf.SPECS), help=argparse.SUPPRESS)
+    ap.add_argument("--into", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--worker", choices=["pytrain", "hf", "padread", "headbwd"], help=argparse.SUPPRESS)
+    ap.add_argument("--profile", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--runs", type=int, default=5, help=argparse.SUPPRESS)
+    ap.add_argument("--gguf", help=argparse.SUPPRESS)
+    ap.add_argument("--hf", help=argparse.SUPPRESS)
+    ap.add_argument("--batch", type=int, nargs=2, help=argparse.SUPPRESS)
+    ap.add_argument("--vocab", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--pad-id", type=int, default=248044, help=argparse.SUPPRESS)
+    ap.add_argument("--rows", type=int, nargs="*", help=argparse.SUPPRESS)
+    ap.add_argument("--reps", type=int, default=5, help=argparse.SUPPRESS)
+    ap.add_argument("--seed", type=int, default=1234, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+
+    if a.make:
+        bf.make_model(a.make, a.into)
+        return 0
+    if a.worker:
+        _renice(a.nice)
+    if a.worker == "pytrain":
+        pytrain_worker(a)
+        return 0
+    if a.worker == "hf":
+        hf_worker(a)
+        return 0
+    if a.worker == "headbwd":
+        headbwd_worker(a)
+        return 0
+    if a.worker == "padread":
+        padread_worker(a)
+        return 0
+
+    a.thread_list = [int(t) for t in str(a.threads).split(",") if t.strip()]
+    if a.report_from:   # merge earlier runs: rows in order, the first pad-read found, all loads
+        js = [json.loads(f.read_text()) for f in a.report_from]
+        a.notes = a.notes or [n for j in js for n in j.get("notes", [])]
+        pad = next((j["pad"] for j in js if j.get("pad")), None)
+        md = report([r for j in js for r in j["rows"]], pad, a, [x for j in js for x in j["loads"]],
+                    js[0].get("info"), [x for j in js for x in j.get("extra_steps") or []],
+                    next((j["heads"] for j in js if j.get("heads")), None))
+        print(md)
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(md)
+        print(f"wrote {a.out}")
+        return 0
+    loads = [os.getloadavg()]
+    rows = []
+    for name in [m.strip() for m in a.models.split(",") if m.strip()]:
+        model = prepare(name, a)
+        if model is None:
+            continue
+        for ti, threads in enumerate(a.thread_list):
+            print(f"[{name}] batch {BATCH[0]} x {BATCH[1]}, {a.warmup} warm-up + {a.steps} clean steps, "
+                  f"{threads} threads", flush=True)
+            row = dict(model, threads=threads)
+            row["pytrain"] = run_worker(a.pytrain_python, "pytrain", model, a, threads)
+            row["hf"] = run_worker(a.ref_python, "hf", model, a, threads) if model["hf"] else None
+            if row["pytrain"] and row["hf"]:
+                print(f"  [{name}] pytrain/HF = "
+                      f"{row['pytrain']['tokens_per_s'] / row['hf']['tokens_per_s']:.2f}", flush=True)
+            if a.do_profile and ti == 0:
+                pp = run_worker(a.pytrain_python, "pytrain", model, a, threads, profile=True)
+                row["pytrain_profile"] = pp and pp["profile"]
+                if model["hf"]:
+                    hp = run_worker(a.ref_python, "hf", model, a, threads, profile=True)
+                    row["hf_profile"] = hp and hp["profile"]
+            rows.append(row)
+            loads.append(os.getloadavg())
+    extra_steps = []
+    big = next((m for m in (prepare(n, a) for n in ["mid-v248k"]) if m), None) if a.big_step else None
+    if big:
+        print(f"[mid-v248k] pytrain, batch 8 x 256 (N = 2048), {a.thread_list[0]} threads", flush=True)
+        keep = (a.steps, a.warmup)
+        a.steps, a.warmup = 3, 1
+        x = run_worker(a.pytrain_python, "pytrain", big, a, a.thread_list[0], batch=(8, 256))
+        a.steps, a.warmup = keep
+        extra_steps.append(dict(name="mid-v248k", threads=a.thread_list[0], pytrain=x))
+    heads = None
+    if a.do_head:
+        heads = run_worker(a.pytrain_python, "headbwd", dict(name="head", vocab=V_REAL), a, a.thread_list[0],
+                           extra=["--rows", "151936", "248320", "--reps", "3"])
+        if heads:
+            for V, d in heads["rows"].items():
+                print(f"  [head] V={V}: " + ", ".join(f"{k} {v:.3f} s" for k, v in d.items()), flush=True)
+    pad = None
+    if a.do_padread:
+        rec = dict(name="padread", vocab=V_REAL)
+        extra = ["--rows", *a.pad_rows.split(","), "--pad-id", "248044"]
+        pad = run_worker(a.pytrain_python, "padread", rec, a, a.thread_list[0], extra=extra)
+        if pad:
+            for N, d in pad["rows"].items():
+                print(f"  [padread] N={N}: read_column cold {_ms(d['read_cold'])}, warm {_ms(d['read_warm'])}; "
+                      f"set_labels {_ms(d['set_labels'])} (label_rows {_ms(d['label_rows'])}, upload "
+                      f"{_ms(d['upload'])})", flush=True)
+    loads.append(os.getloadavg())
+    if not rows and not pad and not heads:
+        print("nothing was benchmarked")
+        return 1
+    info = machine_info(a)
+    if a.json:
+        a.json.write_text(json.dumps(dict(rows=rows, pad=pad, loads=loads, info=info, notes=a.notes,
+                                          extra_steps=extra_steps, heads=heads),
+                                     default=str, indent=1))
+        print(f"raw results in {a.json}")
+    md = report(rows, pad, a, loads, info, extra_steps, heads)
+    print()
+    print(md)
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(md)
+    print(f"wrote {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
