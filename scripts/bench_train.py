@@ -35,33 +35,52 @@ the batch: the table shows both, a check that the two sides train the same model
 targets.
 
 Timing: each side runs in its own subprocess (peak RSS = that process's VmHWM: imports, weights,
-graphs, optimizer state, everything).  ``--warmup`` steps (default 2), then timed steps until
-``--steps`` (default 5) *clean* ones are in (other processes kept < 0.3 cores busy during the
-step; this machine is shared) or 3x that many were run; tokens/s = tokens / median clean step
-time.  "tokens" = all real tokens of the batch (B*T); "target tokens" = tokens with a label.
+graphs, optimizer state, everything), once per thread count of ``--threads`` (default 2; e.g.
+``2,1``).  ``--warmup`` steps (default 2), then timed steps until ``--steps`` (default 5) *clean*
+ones are in (other processes kept < 0.3 cores busy beyond the cores the side leaves free) or 3x
+that many were run; tokens/s = tokens / median clean step time (and from the fastest step).
+On a shared machine ``--nice -20`` (root) runs each worker in its own session (scheduler
+autogroup) at niceness -20, so that other jobs yield the cores while it runs; without it, ggml's
+spinning thread pool loses far more than torch whenever another process takes a core.  "tokens" = all real tokens of the batch (B*T); "target tokens" = tokens with a label.
 pytrain's steps are split into phases by wrapping pytrain functions at runtime (no pytrain code
 changes): host input upload (``qwen35.input_values``/``set_inputs``), ``loss.set_labels``, graph
 allocation (``Runtime.alloc_graph``), compute of the forward+backward graph, compute of the
 optimizer graphs, and the rest.
 
-Profile (``--profile``, default on): one extra pytrain step in its own process with a ggml
+Profile (``--no-profile`` skips): one extra pytrain step in its own process with a ggml
 scheduler eval callback that computes the graph node by node and times each node (adds per-node
 dispatch overhead, so the total is larger than a real step; shares are what matter), summed by
 op and by part of the model (LM head + CE over the vocabulary, attention layers, DeltaNet
 layers, FFN, LoRA); and one HF step under torch.profiler (top ops by self CPU time).
 
-Pad-column read (``--padread``, default on): a real backend F32 label tensor [248320, N] for
+Pad-column read (``--no-padread`` skips): a real backend F32 label tensor [248320, N] for
 N = B*T = 512 and 2048 (``pytrain.ggml``), filled by ``loss.set_labels`` with half the rows
 masked; times ``loss.read_column`` cold (right after the label upload, as inside set_labels) and
 warm (repeated), and the whole ``set_labels`` split into the one-hot build (``label_rows``), the
 upload (``from_numpy``) and the rest; shares are taken against the measured mid-v248k step (N =
-512) and that step scaled linearly by tokens (N = 2048, said so in the table).
+512) and a measured pytrain step of batch 8 x 256 on the same model (N = 2048; ``--no-big-step``
+skips it and the N = 512 step is scaled x4 instead, said so in the table).  The pytrain workers
+also time ``set_labels``' parts (and the pad-column read) inside the real training step.
+
+LM-head backward alternatives (``--no-head`` skips): the head's dX product at E = 512, N = 512,
+V = 151936 and 248320, computed alone as ggml's autodiff emits it (OUT_PROD with a transposed
+gradient), as MUL_MAT from a transposed copy of the weight, and with numpy's BLAS for reference.
 
 How (from the repo root, with the project's python, the native library built and the reference
 stack of scripts/requirements-reference.txt in /opt/refenv):
 
     python3 scripts/bench_train.py                            # -> bench_results/train.md
     python3 scripts/bench_train.py --models mid --steps 3 --no-profile --out /tmp/train.md
+
+bench_results/train.md was made on a shared 2-core machine with
+
+    python3 scripts/bench_train.py --threads 2,1 --nice -20 --quiet-wait 0 \
+        --default-hf <HF checkpoint of the default model> --json /tmp/train.json
+    python3 scripts/bench_train.py --report-from /tmp/train.json --threads 2,1 --note "..."
+
+(``--json`` keeps the raw results; ``--report-from`` rewrites the markdown from one or more of
+them, adding ``--note`` lines).  The whole run takes ~20 minutes on 2 cores; the mid-v248k model
+is generated on first use (~30 s, ~0.6 GB under the cache).
 """
 from __future__ import annotations
 
