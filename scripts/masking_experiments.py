@@ -287,7 +287,9 @@ def run_seed003(out: Path, overrides=(), *, n_train: int = 4000, n_test: int = 2
     """Two SFT runs of config seed003_sft.toml, data.mask assistant_only vs all; exact accuracy on
     held-out pairs at every checkpoint; free-generation question share at the end."""
     from pytrain import run
-    folder = out / "seed003"
+    name = "seed003_context" if context[1] else "seed003"
+    max_new += 2 * context[1]          # room to write the random words before the question
+    folder = out / name
     tr, te = seed003_data(folder, n_train, n_test, op, lo, hi, seed, context)
     res = {"task": f"What is a{op}b? ({OPS[op][1]}) for a, b in [{lo}, {hi}]"
                    + (f", after {context[0]}-{context[1]} random words" if context[1] else ""),
@@ -306,6 +308,7 @@ def run_seed003(out: Path, overrides=(), *, n_train: int = 4000, n_test: int = 2
             model = load_model(cfg.model.path, "cpu", cfg.model.threads)
             test, _ = load_examples(te, model.tokenizer, format="chat", mask="assistant_only",
                                     max_seq_len=cfg.data.max_seq_len)
+            res["n_test"] = len(test)
             base_acc, base_loss = exact_accuracy(model, test)
             res["base"] = {"accuracy": base_acc, "answer_loss": base_loss,
                            "questions": question_share(model, op, n_free, max_new, seed)}
@@ -320,10 +323,11 @@ def run_seed003(out: Path, overrides=(), *, n_train: int = 4000, n_test: int = 2
                              "train_loss": [m["loss"] for m in metrics(r.out_dir)
                                             if "loss" in m and m.get("split") != "valid"]}
     model.close()
+    res["name"] = name
     res["markdown"] = seed003_markdown(res)
-    save_results(folder, "seed003", res, res["markdown"])
+    save_results(folder, name, res, res["markdown"])
     if plot:
-        seed003_plot(res, folder / "seed003.png")
+        seed003_plot(res, folder / f"{name}.png")
     return res
 
 
@@ -649,9 +653,17 @@ def run_accum(out: Path, overrides=(), *, n_pairs: int = 6, b_std: float = 0.02,
     bs, k = cfg.train.batch_size, cfg.train.grad_accum
     by_targets = sorted(ex, key=lambda e: e.n_targets)
     big = by_targets[-bs:]                                   # the chats with most targets
-    # second micro-batches: the same chats (equal counts), then windows of fewer and fewer
-    starts = np.unique(np.geomspace(1, len(by_targets) - 2 * bs + 1, n_pairs).astype(int)) - 1
-    smalls = [big] + [by_targets[s:s + bs] for s in starts[::-1]]
+    # second micro-batches: the same chats (equal counts), then windows of chats whose target
+    # count is nearest n_big / ratio for ratios spaced geometrically up to the largest possible
+    n_big = sum(e.n_targets for e in big)
+    wins = [by_targets[i:i + bs] for i in range(len(by_targets) - 2 * bs + 1)]
+    counts = np.array([sum(e.n_targets for e in w) for w in wins])
+    smalls, seen = [big], {n_big}
+    for r in np.geomspace(1.5, n_big / counts.min(), max(n_pairs - 1, 1)):
+        i = int(np.argmin(np.abs(np.log(counts * r / n_big))))
+        if counts[i] not in seen:
+            seen.add(int(counts[i]))
+            smalls.append(wins[i])
     rows = []
     for small in smalls:
         micro = [big] + [small] * (k - 1)
@@ -822,13 +834,14 @@ def main(argv=None) -> int:
             kw["context"] = tuple(int(x) for x in args.seed003_context.split(","))
         res = RUNNERS[n](out, args.set, **kw)
         print(res["markdown"], f"\n({time.perf_counter() - t0:.0f} s)\n", flush=True)
-        summary.append(f"### {TITLES[n]}\n\n{res['markdown']}\n\n![{n}]({n}.png)\n")
+        name = res.get("name", n)
+        summary.append(f"### {TITLES[n]}\n\n{res['markdown']}\n\n![{name}]({name}/{name}.png)\n")
         if args.results:
             dst = Path(args.results)
             dst.mkdir(parents=True, exist_ok=True)
-            shutil.copy(out / n / "results.md", dst / f"{n}.md")
-            shutil.copy(out / n / "results.json", dst / f"{n}.json")
-            shutil.copy(out / n / f"{n}.png", dst / f"{n}.png")
+            shutil.copy(out / name / "results.md", dst / f"{name}.md")
+            shutil.copy(out / name / "results.json", dst / f"{name}.json")
+            shutil.copy(out / name / f"{name}.png", dst / f"{name}.png")
     (out / "results.md").write_text("\n".join(summary))
     return 0
 
