@@ -34,7 +34,7 @@ What:
     kept byte for byte, so the test also imports folders PEFT itself wrote;
   * HF float32 logits (eager attention, each sequence alone, no padding) on sequences 2 and 4
     of gqa.npz (33 random ids over the whole vocabulary, specials included; 100-token chat +
-    English, longer than pytrain's 64-token DeltaNet chunk) with each adapter (the base logits
+    English, longer than pytrain's 32-token DeltaNet chunk) with each adapter (the base logits
     are gqa.npz's business; only the largest change each adapter makes is kept).
 
 Output keys (tokens: gqa.npz's first 100 columns; per adapter set S in {all, sparse}):

@@ -102,7 +102,7 @@ def test_padding_width_does_not_change_loss_or_lora_gradients(setup):
     tokens, seg = batch([11, 6], 11, seed=3)
     tgt = L.shift_targets(tokens, np.ones_like(tokens), seg)
     outs = []
-    for width in (11, 37, 90):   # 90 pads to 128: two DeltaNet chunks
+    for width in (11, 37, 90):   # 37 and 90 pad to 64 and 96: 2 and 3 DeltaNet chunks of 32
         g = GradGraph(m, ad, B=2, T=width)
         outs.append(g.run(tokens, seg, tgt))
         g.close()
