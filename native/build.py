@@ -196,14 +196,20 @@ def _find_cublas() -> bool:
     return "libcublas.so" in r.stdout
 
 
+# ggml's own CMake defaults leave GGML_LLAMAFILE off when ggml is built alone (llama.cpp's
+# CMake turns it on): its tinyBLAS F32/F16/BF16 matmul made pytrain's forward 1.6-2.4x faster
+# on this project's machines (bench_results/forward.md).
+GGML_OPTIONS = ["-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=ON", "-DGGML_NATIVE=ON",
+                "-DGGML_LLAMAFILE=ON", "-DGGML_BUILD_TESTS=OFF", "-DGGML_BUILD_EXAMPLES=OFF",
+                "-DGGML_CCACHE=OFF"]
+
+
 def cmake_build(cuda: bool, jobs: int) -> Path:
     """Configure and build ggml as shared libraries; returns an install prefix."""
     variant = "cuda" if cuda else "cpu"
     bdir = cache_dir() / "build" / f"{SRC_DIRNAME}-{variant}"
     prefix = cache_dir() / "install" / f"{SRC_DIRNAME}-{variant}"
-    args = ["-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=ON", "-DGGML_NATIVE=ON",
-            "-DGGML_BUILD_TESTS=OFF", "-DGGML_BUILD_EXAMPLES=OFF", "-DGGML_CCACHE=OFF",
-            f"-DCMAKE_INSTALL_PREFIX={prefix}", "-DCMAKE_INSTALL_LIBDIR=lib"]
+    args = GGML_OPTIONS + [f"-DCMAKE_INSTALL_PREFIX={prefix}", "-DCMAKE_INSTALL_LIBDIR=lib"]
     if cuda:
         args += ["-DGGML_CUDA=ON", "-DGGML_CUDA_FA=OFF", "-DGGML_CUDA_NCCL=OFF",
                  f"-DCMAKE_CUDA_ARCHITECTURES={os.environ.get('PYTRAIN_CUDA_ARCH', 'native')}"]
@@ -249,7 +255,8 @@ def build(cuda: bool = False, jobs: int | None = None, force: bool = False,
     if stamp.exists() and not force:
         info = json.loads(stamp.read_text())
         if (info.get("cuda") == cuda and info.get("archive_sha256") == ARCHIVE_SHA256
-                and info.get("patches_sha256") == patches_digest()):
+                and info.get("patches_sha256") == patches_digest()
+                and info.get("options") == GGML_OPTIONS):
             log(f"ggml already built ({'cuda' if cuda else 'cpu'}); --force rebuilds")
             return info
     stamp.unlink(missing_ok=True)  # from here on, an interrupted build is visibly incomplete
@@ -271,6 +278,7 @@ def build(cuda: bool = False, jobs: int | None = None, force: bool = False,
         "patches_sha256": patches_digest(),
         "source": str(source_root()),
         "cuda": cuda,
+        "options": GGML_OPTIONS,
         "libs": libs,
         "module": module,
     }
