@@ -5,7 +5,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 CUDA   ?= 0
 
-.PHONY: all build test test-all demo doctor clean distclean
+.PHONY: all build llama-cpp test demo doctor clean distclean
 
 all: build
 
@@ -18,7 +18,12 @@ build: $(VENV)/.deps
 	PYTRAIN_CUDA=$(CUDA) $(PY) native/build.py
 	$(PY) -m pip install -q --no-build-isolation -e '.[test]'
 
-test: build
+# llama.cpp's libllama from the same pinned source (cached; ~2 min once): the adapter and
+# merge cross-check tests run llama.cpp itself and skip without it
+llama-cpp: build
+	$(PY) scripts/build_llama_cpp.py
+
+test: build llama-cpp
 	$(PY) -m pytest -q
 
 demo: build
