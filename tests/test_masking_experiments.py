@@ -2,7 +2,8 @@
 asserting the direction and size of each effect: seed 003 on the embedded default model (32
 steps), the rest on the converter-made gqa fixture (random weights, vocab 512).  The tests
 run seed 0; margins were chosen after running seeds 0-4 (data, adapter init and batch order
-all follow the seed), and each docstring says what those seeds gave.  About 30 s on this
+all follow the seed), and each docstring says what those seeds gave (re-measured on the build
+with DeltaNet chunks of 32).  About 30 s on this
 project's 2-core machine (one ggml thread), longer when other jobs share the cores."""
 import importlib.util
 import sys
@@ -30,8 +31,8 @@ def X():
 
 def test_seed003_full_sequence_loss_teaches_the_model_to_write_questions(X, tmp_path):
     """Embedded model (it knows the chat format, so 32 steps suffice), a+b for a, b <= 20.
-    Seeds 0-4: question share full 0.53-0.84, masked 0-0.03, base 0-0.06 (16 samples per
-    prompt); answer-token loss after 32 steps masked 1.07-1.62, full 1.09-1.42 (no consistent
+    Seeds 0-4: question share full 0.59-0.91, masked 0-0.03, base 0-0.06 (16 samples per
+    prompt); answer-token loss after 32 steps masked 1.14-1.30, full 1.04-1.32 (no consistent
     order at this size, so not asserted), base 2.46-3.05."""
     res = X.run_seed003(tmp_path, [f"model.path={DEFAULT}", "train.max_steps=32",
                                    "train.save_every=32", "train.eval_every=0",
@@ -49,16 +50,16 @@ def test_seed003_full_sequence_loss_teaches_the_model_to_write_questions(X, tmp_
 
 def test_seed000_training_on_padding_misleads_and_hurts(X, tmp_path):
     """Fixture model, 16 chats of 1-3 exchanges, batch 8, 3 epochs of 2 steps, lr 1e-2.
-    Seeds 0-4: validation padding 0.26-0.63; masked validation loss after 3 epochs fix
-    4.29-5.36, bug 6.82-7.94 (gap 1.7-2.6); the buggy metric of the bug run 2.6-5.2, i.e.
-    2.1-4.8 below that run's masked loss."""
+    Seeds 0-4 (DeltaNet chunks of 32): validation padding 0.26-0.63; masked validation loss
+    after 3 epochs fix 4.24-5.36, bug 6.05-7.41 (gap 0.94-2.24); the buggy metric of the bug
+    run 2.4-4.9, i.e. 2.2-4.5 below that run's masked loss."""
     res = X.run_seed000(tmp_path, BASE + ["train.batch_size=8", "train.lr=1e-2"],
                         n_train=16, n_valid=8, p_long=0.25, max_turns=3, seed=SEED, plot=False)
     bug, fix = res["runs"]["bug"]["epochs"], res["runs"]["fix"]["epochs"]
     assert res["valid_padding"] >= 0.2
     # the correct (masked) validation loss: the fix learns the answers, the bug learns less
     assert fix[-1]["valid_loss"] < fix[0]["valid_loss"]
-    assert fix[-1]["valid_loss"] < bug[-1]["valid_loss"] - 1.0
+    assert fix[-1]["valid_loss"] < bug[-1]["valid_loss"] - 0.5
     # what the bug reports is not the masked loss: far lower, dominated by easy pad targets
     assert bug[-1]["valid_bug_metric"] < bug[-1]["valid_loss"] - 1.0
 
@@ -81,8 +82,8 @@ def test_padding_width_moves_only_the_buggy_loss(X, tmp_path):
 
 
 def test_mean_of_means_departs_from_the_token_mean_as_valid_counts_diverge(X, tmp_path):
-    """Seeds 0-4: pytrain's accumulation vs one batch <= 5.2e-7 (gradient, relative) and
-    <= 7e-6 (loss); mean of means vs token mean: 0 at equal counts, 0.05-0.09 at a count
+    """Seeds 0-4: pytrain's accumulation vs one batch <= 5.1e-7 (gradient, relative) and
+    <= 6.7e-6 (loss); mean of means vs token mean: 0 at equal counts, 0.05-0.09 at a count
     ratio of ~1.5, 1.3-2.3 at ratios 52-78."""
     res = X.run_accum(tmp_path, BASE, n_pairs=3, n_data=48, max_turns=3, seed=SEED, plot=False)
     rows = res["rows"]
@@ -96,8 +97,8 @@ def test_mean_of_means_departs_from_the_token_mean_as_valid_counts_diverge(X, tm
 
 
 def test_packing_without_sample_ids_leaks_and_trains_boundaries(X, tmp_path):
-    """Seeds 0-4: with sample ids the packed rows match the samples alone to <= 3e-6 (loss)
-    and 7e-6 (gradient, relative); with one shared id the gradient is 0.37-0.57 off and one
+    """Seeds 0-4: with sample ids the packed rows match the samples alone to <= 1e-6 (loss)
+    and 3e-6 (gradient, relative); with one shared id the gradient is 0.37-0.57 off and one
     extra target per boundary is trained."""
     res = X.run_packing(tmp_path, BASE, max_turns=2, seed=SEED, masks=("all",), plot=False)
     r = res["rows"]["all"]
