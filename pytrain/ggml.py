@@ -11,7 +11,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -74,6 +74,13 @@ class Context:
         self.ptr = lib.ggml_init(params[0])
         if self.ptr == ffi.NULL:
             raise MemoryError(f"ggml_init failed for a {mem_size}-byte context")
+
+    def tensors(self) -> Iterator:
+        """Every tensor made in this context, in creation order."""
+        t = lib.ggml_get_first_tensor(self.ptr)
+        while t != ffi.NULL:
+            yield t
+            t = lib.ggml_get_next_tensor(self.ptr, t)
 
     def close(self) -> None:
         if self.ptr is not None and self.ptr != ffi.NULL:
@@ -297,17 +304,21 @@ class Runtime:
         A graph that is still the allocated one is left as it is.  Any other graph may hold
         data pointers into compute buffers the scheduler has since reused or freed (ggml-alloc
         treats a tensor with data as already placed), so those pointers are cleared first —
-        what ggml-opt does by duplicating its static graphs before each allocation."""
+        what ggml-opt does by duplicating its static graphs before each allocation.  Which
+        tensors to clear is decided by ownership, never by comparing a tensor's buffer pointer
+        with the live buffers: a freed compute buffer's address can come back as a new weight
+        or seed buffer (malloc reuses it), and such a stale tensor then looked static, kept
+        its dangling data pointer and crashed, or wrote into freed memory."""
         if self._current == address(graph):
             return
-        static = {address(b) for b in self._buffers}
-        t = lib.ggml_get_first_tensor(ctx.ptr)
-        while t != ffi.NULL:
-            own = t.view_src.buffer if t.view_src != ffi.NULL else t.buffer
-            if own == ffi.NULL or address(own) not in static:
+        own = list(ctx.tensors())
+        mine = {address(t) for t in own}
+        for t in own:
+            # the ctx's own tensors and views of them live in compute buffers; a view of a
+            # tensor from another (persistent) context keeps pointing into that tensor
+            if t.view_src == ffi.NULL or address(t.view_src) in mine:
                 t.data = ffi.NULL
                 t.buffer = ffi.NULL
-            t = lib.ggml_get_next_tensor(ctx.ptr, t)
         # nodes + leafs of the graph, plus the copies the scheduler adds between backends
         self._ensure_sched(2 * int(lib.ggml_graph_size(graph)) + 1024)
         lib.ggml_backend_sched_reset(self.sched)
