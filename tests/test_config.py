@@ -216,8 +216,8 @@ def test_example_configs_load(name):
     assert cfg.lora.targets == list(DEFAULT_TARGETS)
     if name == "demo.toml":
         assert cfg.model.path == str(ROOT / "pytrain" / "data" / "default-model.gguf")
-        assert (cfg.lora.rank, cfg.lora.alpha, cfg.train.lr) == (16, 32.0, 3e-3)
-        assert cfg.train.schedule == "cosine" and cfg.train.eval_every == 50
+        assert (cfg.lora.rank, cfg.lora.alpha, cfg.train.lr) == (16, 32.0, 5e-3)
+        assert cfg.train.schedule == "constant" and cfg.train.eval_every == 50
     else:
         assert (cfg.lora.rank, cfg.lora.alpha, cfg.train.lr, cfg.train.epochs) == \
             (16, 32.0, 1e-6, 3)

@@ -144,5 +144,6 @@ def test_a_few_demo_steps_lower_the_validation_loss(tmp_path):
                  "--set", "model.device=cpu"]) == 0
     valid = [r for r in records(tmp_path / "demo") if r.get("split") == "valid"]
     assert [r["step"] for r in valid] == [0, 12]
-    # measured: 3.28 -> 2.99 (accuracy 0.525 -> 0.548); margin half the drop
-    assert valid[1]["loss"] < valid[0]["loss"] - 0.15, valid
+    # measured (lr 5e-3 constant, seeds 0-3): 3.28 -> 0.74-0.79 (accuracy 0.525 -> 0.78);
+    # margin half the smallest drop
+    assert valid[1]["loss"] < valid[0]["loss"] - 1.2, valid
