@@ -16,7 +16,7 @@ from pytrain.gguf_meta import GGUFError
 from pytrain.lora_targets import (DEFAULT_TARGETS, VALID_TARGETS, LoraTargetError,
                                   lora_param_count, select_targets)
 from pytrain.model_file import open_model
-from pytrain.weights import load_type, type_name
+from pytrain.weights import load_type
 
 LORA_RANK = 16
 

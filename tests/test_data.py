@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from pytrain.config import load_config
-from pytrain.data import (Batch, DataError, DataStats, Example, load_data, load_examples,
+from pytrain.data import (DataError, DataStats, Example, load_data, load_examples,
                           make_batches, pad_token_id, split_examples)
 from pytrain.tokenizer import Tokenizer
 
@@ -344,7 +344,7 @@ def test_shift_targets_sees_exactly_the_expected_targets(packing):
 def test_from_files_through_config(tmp_path, tok):
     from pytrain.loss import IGNORE, shift_targets
 
-    train = jsonl(tmp_path, *([CHAT, MULTI] * 5), name="train.jsonl")
+    jsonl(tmp_path, *([CHAT, MULTI] * 5), name="train.jsonl")
     valid = jsonl(tmp_path, MULTI, name="valid.jsonl")
     cfg_path = tmp_path / "c.toml"
     cfg_path.write_text(f'[model]\npath = "{GGUF}"\n[data]\ntrain = "train.jsonl"\n'

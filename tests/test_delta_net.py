@@ -31,7 +31,6 @@ def f32(a):
 
 def build_ours(C, B, seg):
     """Our chunked rule on inputs given in ggml's layouts (numpy [B, T, H, S] = ne [S, H, T, B])."""
-    Tp = seg.shape[1]
     vals = dn.chunk_input_values(seg, C)
 
     def build(ctx, t):

@@ -23,13 +23,12 @@ logits of magnitude ~10, adapter A and B ~ N(0, 0.3):
 still four orders of magnitude below the change the adapter makes; an adapter llama.cpp
 applied with a different scale, orientation or target would miss it by far.
 """
-import importlib.util
-import shutil
 import subprocess
 from pathlib import Path
 
 import numpy as np
 import pytest
+from llama_cpp_check import llama_cpp_compatible, run_llama
 
 import pytrain
 from pytrain import lora
@@ -40,55 +39,6 @@ ROOT = Path(__file__).resolve().parent.parent
 FIX = ROOT / "tests" / "fixtures" / "qwen35"
 ATOL = 1e-3          # max |Δ logits| allowed between llama.cpp and pytrain (see docstring)
 MIN_EFFECT = 0.05    # the adapter must move llama.cpp's logits at least this much
-
-
-def _build_script():
-    spec = importlib.util.spec_from_file_location("build_llama_cpp",
-                                                  ROOT / "scripts" / "build_llama_cpp.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-@pytest.fixture(scope="module")
-def llama_logits_exe():
-    exe = _build_script().built_binary()
-    if exe is None:
-        pytest.skip("llama.cpp cross-check not built: run `python scripts/build_llama_cpp.py` "
-                    "(a few minutes, CPU only)")
-    return exe
-
-
-def run_llama(exe, model: Path, adapter: Path | None, tokens, out: Path, n_vocab: int):
-    cmd = [str(exe), str(model), str(adapter) if adapter else "-",
-           ",".join(str(int(t)) for t in tokens), str(out), "2"]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, f"llama_logits failed ({r.returncode}):\n{r.stderr[-3000:]}"
-    return np.fromfile(out, dtype=np.float32).reshape(len(tokens), n_vocab)
-
-
-def llama_cpp_compatible(fixture: Path, tmp_path: Path) -> Path:
-    """A copy of ``fixture`` whose ``rope.dimension_sections`` fit its tiny heads.
-
-    The fixtures carry HF's default MRoPE sections [11, 11, 10, 0] (sum 32) with head_dim 16
-    and 4 rotated dims; llama.cpp's CPU rope aborts (``GGML_ASSERT(sect_dims <= ne0)``) on
-    that.  The real Qwen3.5 has sum(sections) = n_rot / 2 (32 of 64); [1, 1, 0, 0] is the same
-    ratio here.  For text every section sees the same position, so the sections do not change
-    the function (pytrain uses plain NEOX rope and ignores them): both sides run this copy.
-    """
-    from gguf import GGUFReader
-    out = tmp_path / fixture.name
-    shutil.copyfile(fixture, out)
-    r = GGUFReader(out, "r+")
-    f = r.fields["qwen35.rope.dimension_sections"]
-    n_rot = int(r.fields["qwen35.rope.dimension_count"].contents())
-    new = [n_rot // 4, n_rot // 2 - n_rot // 4, 0, 0]
-    assert len(f.data) == 4 and sum(new) == n_rot // 2
-    for j, idx in enumerate(f.data):
-        f.parts[idx][0] = new[j]
-    r.data.flush()
-    del r
-    return out
 
 
 def tokens_for(n_vocab: int, T: int = 40, seed: int = 7) -> np.ndarray:

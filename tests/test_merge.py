@@ -27,7 +27,6 @@ an adapter merged with the wrong scale or orientation gives a ratio ≥ 0.5.  Ex
 checked at the tensor level instead: merged F32 = float32(W + (alpha/r)·B·A) to 1 ulp, merged
 BF16/Q8_0 bytes = ggml's conversion/quantization of the exact float32 merge.
 """
-import importlib.util
 import json
 import os
 import shutil
@@ -37,13 +36,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from llama_cpp_check import llama_cpp_compatible, run_llama
 from gguf import GGUFReader
 
 import pytrain
 from pytrain import cli, ggml, lora
 from pytrain import merge as merge_mod
 from pytrain.adapter_gguf import write_lora_gguf
-from pytrain.ggml import lib
 from pytrain.lora_targets import select_targets
 from pytrain.merge import MERGE_KEY, MergeError, merge_adapter
 from pytrain.model_file import open_model
@@ -459,48 +458,6 @@ def test_cli_subprocess(tmp_path):
 
 
 # --------------------------------------------------------------------------- llama.cpp
-
-def _build_script():
-    spec = importlib.util.spec_from_file_location("build_llama_cpp",
-                                                  ROOT / "scripts" / "build_llama_cpp.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-@pytest.fixture(scope="module")
-def llama_logits_exe():
-    exe = _build_script().built_binary()
-    if exe is None:
-        pytest.skip("llama.cpp cross-check not built: run `python scripts/build_llama_cpp.py` "
-                    "(a few minutes, CPU only)")
-    return exe
-
-
-def run_llama(exe, model: Path, adapter: Path | None, toks, out: Path, n_vocab: int):
-    cmd = [str(exe), str(model), str(adapter) if adapter else "-",
-           ",".join(str(int(t)) for t in toks), str(out), "2"]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, f"llama_logits failed ({r.returncode}):\n{r.stderr[-3000:]}"
-    return np.fromfile(out, dtype=np.float32).reshape(len(toks), n_vocab)
-
-
-def llama_cpp_compatible(fixture: Path, tmp_path: Path) -> Path:
-    """A copy whose ``rope.dimension_sections`` fit the tiny heads (llama.cpp's CPU rope
-    asserts on HF's default [11, 11, 10, 0] with 4 rotated dims; see
-    test_llama_cpp_adapter.py): [1, 1, 0, 0], the real model's ratio; pytrain ignores them."""
-    out = tmp_path / ("compat-" + fixture.name)
-    shutil.copyfile(fixture, out)
-    r = GGUFReader(out, "r+")
-    f = r.fields["qwen35.rope.dimension_sections"]
-    n_rot = int(r.fields["qwen35.rope.dimension_count"].contents())
-    new = [n_rot // 4, n_rot // 2 - n_rot // 4, 0, 0]
-    for j, idx in enumerate(f.data):
-        f.parts[idx][0] = new[j]
-    r.data.flush()
-    del r
-    return out
-
 
 # (max |Δ|, rms ratio) allowed between llama.cpp on the merged file and llama.cpp on the base
 # with the adapter (--lora): the merge's own rounding, as in pytrain (module docstring).

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from pytrain import ggml
-from pytrain.ggml import ffi, lib
+from pytrain.ggml import lib
 
 E, V, T = 64, 100, 7          # V = 3 unrolled blocks of 32 + a scalar remainder of 4
 

@@ -4,7 +4,6 @@ import json
 from pathlib import Path
 
 import numpy as np
-import pytest
 
 from pytrain.adapter_gguf import read_lora_gguf
 from pytrain.cli import main

@@ -1,0 +1,52 @@
+"""Running llama.cpp itself on pytrain's files, for the cross-check tests
+(test_llama_cpp_adapter.py, test_merge.py).  ``scripts/llama_logits`` is built from the pinned
+source by ``scripts/build_llama_cpp.py`` (``make test`` does it); without it those tests skip."""
+import importlib.util
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def built_binary() -> Path | None:
+    spec = importlib.util.spec_from_file_location("build_llama_cpp",
+                                                  ROOT / "scripts" / "build_llama_cpp.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.built_binary()
+
+
+def run_llama(exe, model: Path, adapter: Path | None, tokens, out: Path, n_vocab: int):
+    """llama.cpp's logits [len(tokens), n_vocab] for ``model`` (with ``--lora adapter``)."""
+    cmd = [str(exe), str(model), str(adapter) if adapter else "-",
+           ",".join(str(int(t)) for t in tokens), str(out), "2"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, f"llama_logits failed ({r.returncode}):\n{r.stderr[-3000:]}"
+    return np.fromfile(out, dtype=np.float32).reshape(len(tokens), n_vocab)
+
+
+def llama_cpp_compatible(fixture: Path, tmp_path: Path) -> Path:
+    """A copy of ``fixture`` whose ``rope.dimension_sections`` fit its tiny heads.
+
+    The fixtures carry HF's default MRoPE sections [11, 11, 10, 0] (sum 32) with head_dim 16
+    and 4 rotated dims; llama.cpp's CPU rope aborts (``GGML_ASSERT(sect_dims <= ne0)``) on
+    that.  The real Qwen3.5 has sum(sections) = n_rot / 2 (32 of 64); [1, 1, 0, 0] is the same
+    ratio here.  For text every section sees the same position, so the sections do not change
+    the function (pytrain uses plain NEOX rope and ignores them): both sides run this copy.
+    """
+    from gguf import GGUFReader
+    out = tmp_path / ("compat-" + fixture.name)
+    shutil.copyfile(fixture, out)
+    r = GGUFReader(out, "r+")
+    f = r.fields["qwen35.rope.dimension_sections"]
+    n_rot = int(r.fields["qwen35.rope.dimension_count"].contents())
+    new = [n_rot // 4, n_rot // 2 - n_rot // 4, 0, 0]
+    assert len(f.data) == 4 and sum(new) == n_rot // 2
+    for j, idx in enumerate(f.data):
+        f.parts[idx][0] = new[j]
+    r.data.flush()
+    del r
+    return out
