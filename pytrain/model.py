@@ -38,8 +38,11 @@ class Model:
     def graph(self) -> qwen35.Qwen35Graph:
         return qwen35.Qwen35Graph(self.config, self.weights.tensors)
 
-    def logits(self, tokens, seg: np.ndarray | None = None, lora=None) -> np.ndarray:
-        """Log-its of every position; right padding (or packing via ``seg``) is the caller's."""
+    def logits(self, tokens, seg: np.ndarray | None = None, lora=None,
+               last_only: bool = False) -> np.ndarray:
+        """Log-its of every position ([B, T, V], or [T, V] for one sequence); right padding (or
+        packing via ``seg``) is the caller's.  ``last_only``: of position T-1 only ([B, V] or
+        [V]), skipping the LM head everywhere else."""
         arr = np.asarray(tokens)
         single = arr.ndim == 1
         arr = np.atleast_2d(arr).astype(np.int64)
@@ -56,14 +59,15 @@ class Model:
         size = graph_budget(self.config, Tp)
         ctx = ggml.Context(n_tensors=size, graph_size=size)
         try:
-            fwd = self.graph.build(ctx.ptr, B, Tp, lora)
+            fwd = self.graph.build(ctx.ptr, B, Tp, lora, at=T - 1 if last_only else None)
             lib.ggml_set_output(fwd.logits)
             gf = ggml.new_graph(ctx, size)
             lib.ggml_build_forward_expand(gf, fwd.logits)
             self.runtime.alloc_graph(gf, ctx)
             qwen35.set_inputs(fwd, qwen35.input_values(self.config, tok_p, seg_p))
             self.runtime.compute(gf)
-            out = ggml.to_numpy(fwd.logits).reshape(B, Tp, -1)[:, :T].copy()
+            out = ggml.to_numpy(fwd.logits).reshape(B, -1, self.config.n_vocab)
+            out = out[:, 0].copy() if last_only else out[:, :T].copy()
         finally:
             self.runtime.forget_graph()
             ctx.close()
@@ -79,7 +83,7 @@ class Model:
         toks = list(prompt_tokens)
         out: list[int] = []
         for _ in range(max_new_tokens):
-            last = self.logits(np.array(toks), lora=lora)[-1].astype(np.float64)
+            last = self.logits(np.array(toks), lora=lora, last_only=True).astype(np.float64)
             if temperature <= 0:
                 nxt = int(last.argmax())
             else:

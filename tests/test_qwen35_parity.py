@@ -114,3 +114,17 @@ def test_generate_is_greedy_and_stops(models):
     for t in out:
         assert int(m.logits(np.array(toks))[-1].argmax()) == t
         toks.append(t)
+
+
+def test_last_only_logits_are_the_last_row_of_the_full_logits(models):
+    """What generation asks for: the head on one position (T-1, inside the padded length)."""
+    m = models("untied-f32")
+    g = np.load(FIX / "untied.npz")
+    for T in (1, 37, 64):
+        rows = g["tokens"][3:5, :T]
+        full = m.logits(rows)
+        last = m.logits(rows, last_only=True)
+        assert last.shape == (2, m.config.n_vocab)
+        np.testing.assert_allclose(last, full[:, -1], atol=1e-5, rtol=0)
+        np.testing.assert_allclose(m.logits(rows[0], last_only=True), full[0, -1],
+                                   atol=1e-5, rtol=0)

@@ -145,8 +145,11 @@ class Qwen35Graph:
         return self.mm(ctx, p + "ffn_down.weight", lib.ggml_mul(ctx, lib.ggml_silu(ctx, gate), up), lora)
 
     # -- the whole model -------------------------------------------------------------
-    def build(self, ctx, B: int, T: int, lora: LoraFn | None = None) -> Forward:
-        """The forward graph for B rows of T tokens (T already padded: see padded_length)."""
+    def build(self, ctx, B: int, T: int, lora: LoraFn | None = None,
+              at: int | None = None) -> Forward:
+        """The forward graph for B rows of T tokens (T already padded: see padded_length).
+        With ``at``, logits of that position of each row only ([V, 1, B]): generation needs
+        one row, and the head is the largest matmul of a small model."""
         c = self.c
         C = dn.chunk_size(T)
         assert T % C == 0, f"T={T} is not a multiple of the chunk size {C}"
@@ -176,9 +179,15 @@ class Qwen35Graph:
             x = lib.ggml_add(ctx, x, h)
             x = lib.ggml_add(ctx, x, self.ffn(ctx, il, self.norm(ctx, x, p + "post_attention_norm.weight"), lora))
         x = self.norm(ctx, x, "output_norm.weight")
+        if at is not None:                                                 # [E, B]: token `at`
+            x = lib.ggml_cont(ctx, lib.ggml_view_2d(ctx, x, c.n_embd, B, T * x.nb[1],
+                                                    at * x.nb[1]))
+            T_out = 1
+        else:
+            T_out = T
         head = "token_embd.weight" if c.tied_embeddings else "output.weight"
-        logits = lib.ggml_mul_mat(ctx, self.w[head], x)                   # [V, T·B]
-        logits = lib.ggml_reshape_3d(ctx, logits, c.n_vocab, T, B)
+        logits = lib.ggml_mul_mat(ctx, self.w[head], x)                   # [V, T_out·B]
+        logits = lib.ggml_reshape_3d(ctx, logits, c.n_vocab, T_out, B)
         return Forward(logits, inp, B, T)
 
 
