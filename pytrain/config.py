@@ -119,7 +119,8 @@ class LoraConfig:
     rank: int = _opt(16, "adapter rank r", check=_positive)
     alpha: float = _opt(32.0, "scale numerator: the update is (alpha / rank) * B A",
                         check=_positive)
-    dropout: float = _opt(0.0, "dropout on the adapter input (0: none)", check=_unit_interval)
+    dropout: float = _opt(0.0, "dropout on the adapter input; only 0 for now (ggml has no "
+                          "random op to draw masks in the graph)", check=_unit_interval)
     targets: list[str] = _opt(help="short tensor names to adapt (attn_q, attn_k, attn_v, "
                               "attn_output, ffn_*, ...)", factory=lambda: list(DEFAULT_TARGETS))
     skip_ssm: bool = _opt(True, "never adapt the DeltaNet (linear-attention) layers; adapting "

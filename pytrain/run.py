@@ -121,7 +121,8 @@ def train(cfg: Config, progress: bool = True, log=print, resume: str | bool | No
           ) -> RunResult:
     """``resume``: True for the newest checkpoint of the run folder, or a checkpoint path."""
     if cfg.lora.dropout > 0:
-        raise RunError("lora.dropout > 0 is not supported yet; set lora.dropout = 0")
+        raise RunError("lora.dropout > 0 is not supported yet (ggml has no random op to draw "
+                       "dropout masks inside the graph); set lora.dropout = 0")
     out = output_dir(cfg)
     (out / "config.toml").write_text(cfg.to_toml())
     model = load_model(cfg.model.path, cfg.model.device, cfg.model.threads, cfg.model.type_policy)

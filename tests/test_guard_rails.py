@@ -102,3 +102,13 @@ def test_adapter_for_another_base_is_refused(tmp_path, capsys):
     cfg.write_text(cfg.read_text().replace("gqa-f32.gguf", "untied-f32.gguf"))
     assert main(["eval", str(cfg), "--adapter", str(path)]) == 1
     assert "does not exist in the base model" in capsys.readouterr().err
+
+
+def test_lora_dropout_is_refused_naming_the_key(tmp_path, capsys):
+    """Dropout on the adapter input is not implemented (no random op in ggml): a config that
+    asks for it must stop with the key named, not train silently without it."""
+    cfg = write_run(tmp_path, str(tmp_path / "run"))
+    assert main(["train", str(cfg), "--no-progress", "--set", "lora.dropout=0.1"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "lora.dropout" in err[0]
+    assert not (tmp_path / "run" / "adapter.gguf").exists()
