@@ -30,7 +30,13 @@ def pad_batch(B: int, T: int, tokens: np.ndarray, seg: np.ndarray, targets: np.n
 
 class GradGraph:
     def __init__(self, model: Model, adapter: LoraAdapter, B: int, T: int,
-                 acc: Accumulators | None = None, keep_logit_grad: bool = False):
+                 acc: Accumulators | None = None, keep_logit_grad: bool = False,
+                 rows: int | None = None):
+        """``rows``: run the LM head and the loss on that many positions, the micro-batch's
+        targets (loss.select_rows), instead of all B·T; None: on all of them (needed by the
+        bug reproduction, which trains every row, and by ``keep_logit_grad``)."""
+        assert rows is None or not keep_logit_grad, "logit gradients are kept for all rows only"
+        self.rows = rows
         self.model, self.adapter = model, adapter
         self.acc = acc or Accumulators(model.runtime, adapter.params())
         self.own_acc = acc is None
@@ -38,9 +44,9 @@ class GradGraph:
         size = graph_budget(model.config, self.T)
         self.ctx = ggml.Context(n_tensors=size * 2, graph_size=size * 2, grads=True)
         c = self.ctx.ptr
-        self.fwd = model.graph.build(c, B, self.T, adapter.hook)
+        self.fwd = model.graph.build(c, B, self.T, adapter.hook, rows=rows)
         V = model.config.n_vocab
-        self.ce = loss_mod.build(c, self.fwd.logits, V, self.T * B)
+        self.ce = loss_mod.build(c, self.fwd.logits, V, rows or self.T * B)
         gf = ggml.new_graph(self.ctx, size * 2, grads=True)
         lib.ggml_build_forward_expand(gf, self.ce.loss)
         # d(loss)/d(loss) = 1 lives in its own small static buffer
@@ -70,6 +76,11 @@ class GradGraph:
         rt = self.model.runtime
         rt.alloc_graph(self.graph, self.ctx)
         qwen35.set_inputs(self.fwd, qwen35.input_values(self.model.config, tok, sg))
+        if self.rows is not None:
+            if buggy:
+                raise ValueError("the bug reproduction trains every row: build with rows=None")
+            sel, tg = loss_mod.select_rows(tg, self.rows)
+            ggml.from_numpy(self.fwd.inputs.rows, sel)
         n_valid = loss_mod.set_labels(self.ce, tg, self.model.config.n_vocab,
                                       self.model.tokenizer.pad_id, n_valid_step, buggy)
         rt.compute(self.graph)

@@ -47,6 +47,29 @@ def buggy_targets(tokens: np.ndarray, seg: np.ndarray, pad_id: int) -> np.ndarra
     return tgt
 
 
+def rows_bucket(n_targets: int, n_rows: int) -> int:
+    """How many rows a graph's LM head and loss run on for ``n_targets`` targets among
+    ``n_rows`` positions: a quarter step of n_rows (at least 16), so a few graphs per batch
+    shape serve every mix of prompt and answer."""
+    q = max(16, -(-n_rows // 4))
+    return min(n_rows, max(q, -(-n_targets // q) * q))
+
+
+def select_rows(targets: np.ndarray, n_sel: int) -> tuple[np.ndarray, np.ndarray]:
+    """The target positions of ``targets`` [B, T] as flat indices (t + T·b) padded to
+    ``n_sel``, and their targets (IGNORE in the padding, which points at position 0: its row is
+    masked, so it adds exactly 0 to position 0's gradient)."""
+    flat = targets.reshape(-1)
+    idx = np.nonzero(flat >= 0)[0]
+    if idx.size > n_sel:
+        raise ValueError(f"{idx.size} targets do not fit a graph of {n_sel} loss rows")
+    rows = np.zeros(n_sel, np.int32)
+    rows[:idx.size] = idx
+    sel = np.full(n_sel, IGNORE, np.int64)
+    sel[:idx.size] = flat[idx]
+    return rows, sel
+
+
 @dataclass
 class LossInputs:
     labels: object       # F32 [V, N] one-hot rows, zero rows for ignored targets

@@ -40,7 +40,7 @@ class StepResult:
 
 class Trainer:
     def __init__(self, model: Model, adapter: LoraAdapter, hp: AdamW, buggy_loss: bool = False,
-                 max_graphs: int = 6):
+                 max_graphs: int = 12):
         self.model, self.adapter, self.hp = model, adapter, hp
         self.buggy = buggy_loss
         self.acc = Accumulators(model.runtime, adapter.params())
@@ -49,12 +49,17 @@ class Trainer:
         self.max_graphs = max_graphs
         self.eval_graphs: dict[tuple[int, int], EvalGraph] = {}
 
-    def graph(self, B: int, T: int) -> GradGraph:
-        key = (B, bucket_length(T))
+    def graph(self, B: int, T: int, n_targets: int | None = None) -> GradGraph:
+        """The graph for a [B, T] micro-batch with ``n_targets`` targets (None: the head and
+        loss on every row, as the bug reproduction needs)."""
+        T = bucket_length(T)
+        rows = None if n_targets is None else loss_mod.rows_bucket(n_targets, B * T)
+        key = (B, T, rows)
         if key not in self.graphs:
             if len(self.graphs) >= self.max_graphs:   # drop the oldest shape
                 self._drop(next(iter(self.graphs)))
-            self.graphs[key] = GradGraph(self.model, self.adapter, B, key[1], acc=self.acc)
+            self.graphs[key] = GradGraph(self.model, self.adapter, B, T, acc=self.acc,
+                                         rows=rows)
         return self.graphs[key]
 
     def _drop(self, key) -> None:
@@ -80,7 +85,7 @@ class Trainer:
         self.acc.zero_grads()
         total, tokens = 0.0, 0
         for b, tg in zip(micro_batches, tgts):
-            g = self.graph(*b.tokens.shape)
+            g = self.graph(*b.tokens.shape, None if self.buggy else int((tg >= 0).sum()))
             part, _ = g.accumulate(b.tokens, b.seg, tg, n_step, self.buggy)
             total += part
             tokens += int((b.seg >= 0).sum())
@@ -100,7 +105,8 @@ class Trainer:
             k = int((tg >= 0).sum())
             if k == 0:
                 continue
-            key = (b.tokens.shape[0], bucket_length(b.tokens.shape[1]))
+            B, T = b.tokens.shape[0], bucket_length(b.tokens.shape[1])
+            key = (B, T, loss_mod.rows_bucket(k, B * T))
             if key not in self.eval_graphs:
                 self.eval_graphs[key] = EvalGraph(self.model, self.adapter, *key)
             s, c = self.eval_graphs[key].run(b.tokens, b.seg, tg)
@@ -123,16 +129,17 @@ class Trainer:
 class EvalGraph:
     """Forward + masked CE (sum form) + argmax, for validation metrics."""
 
-    def __init__(self, model: Model, adapter: LoraAdapter | None, B: int, T: int):
+    def __init__(self, model: Model, adapter: LoraAdapter | None, B: int, T: int, rows: int):
+        """``rows``: the LM head and loss run on that many positions (the targets)."""
         self.model = model
-        self.B, self.T = B, T
+        self.B, self.T, self.rows = B, T, rows
         size = graph_budget(model.config, T)
         self.ctx = ggml.Context(n_tensors=size, graph_size=size)
         c = self.ctx.ptr
-        self.fwd = model.graph.build(c, B, T, adapter.hook if adapter else None)
-        self.ce = loss_mod.build(c, self.fwd.logits, model.config.n_vocab, T * B)
+        self.fwd = model.graph.build(c, B, T, adapter.hook if adapter else None, rows=rows)
+        self.ce = loss_mod.build(c, self.fwd.logits, model.config.n_vocab, rows)
         self.pred = lib.ggml_argmax(c, lib.ggml_reshape_2d(c, self.fwd.logits,
-                                                           model.config.n_vocab, T * B))
+                                                           model.config.n_vocab, rows))
         for t in (self.ce.loss, self.pred):
             lib.ggml_set_output(t)
         self.graph = ggml.new_graph(self.ctx, size)
@@ -146,11 +153,13 @@ class EvalGraph:
         rt = self.model.runtime
         rt.alloc_graph(self.graph, self.ctx)
         qwen35.set_inputs(self.fwd, qwen35.input_values(self.model.config, tok, sg))
+        sel, tg = loss_mod.select_rows(tg, self.rows)
+        ggml.from_numpy(self.fwd.inputs.rows, sel)
         n = loss_mod.set_labels(self.ce, tg, self.model.config.n_vocab,
                                 self.model.tokenizer.pad_id)
         rt.compute(self.graph)
         mean = float(ggml.to_numpy(self.ce.loss).reshape(-1)[0])
-        pred = ggml.to_numpy(self.pred).reshape(self.B, self.T)
+        pred = ggml.to_numpy(self.pred).reshape(-1)
         ok = tg >= 0
         return mean * n, int((pred[ok] == tg[ok]).sum())
 

@@ -224,3 +224,44 @@ def test_packed_row_equals_samples_run_alone(setup):
     for k, v in packed["grads"].items():
         want = (alone[0]["grads"][k] * na + alone[1]["grads"][k] * nb) / (na + nb)
         np.testing.assert_allclose(v, want, atol=2e-6, rtol=1e-4, err_msg=k)
+
+
+def test_head_on_target_rows_only_gives_the_same_loss_and_gradients(setup):
+    """The trainer runs the LM head and the loss on the target positions only (gathered by
+    GET_ROWS, padded to a bucket with masked copies of position 0): the same loss, valid count
+    and LoRA gradients as the head on every row — whether the bucket is tight or mostly
+    padding, and when position 0 is itself a target."""
+    m, ad = setup
+    tokens, seg = batch([12, 7, 10], 12, seed=5)
+    train = np.ones_like(tokens)
+    train[:, :4] = 0
+    train[0, :] = 1                       # row 0: position 0 is a target
+    tgt = L.shift_targets(tokens, train, seg)
+    n = int((tgt >= 0).sum())
+    g = GradGraph(m, ad, B=3, T=12)
+    full = g.run(tokens, seg, tgt)
+    g.close()
+    for rows in (n, n + 5, 36):
+        g = GradGraph(m, ad, B=3, T=12, rows=rows)
+        sel = g.run(tokens, seg, tgt)
+        g.close()
+        assert sel["n_valid"] == full["n_valid"] == n
+        assert abs(sel["loss"] - full["loss"]) < 1e-5 * abs(full["loss"])
+        for k, v in full["grads"].items():
+            np.testing.assert_allclose(sel["grads"][k], v, rtol=0,
+                                       atol=1e-5 * np.abs(v).max() + 1e-12, err_msg=k)
+
+
+def test_row_selection_and_buckets():
+    tgt = np.full((2, 5), L.IGNORE)
+    tgt[0, 1], tgt[1, 3] = 7, 9
+    rows, sel = L.select_rows(tgt, 4)
+    np.testing.assert_array_equal(rows, [1, 8, 0, 0])      # flat t + T·b, then padding
+    np.testing.assert_array_equal(sel, [7, 9, L.IGNORE, L.IGNORE])
+    with pytest.raises(ValueError, match="3 targets do not fit a graph of 2 loss rows"):
+        L.select_rows(np.zeros((1, 3), np.int64), 2)
+    N = 512
+    buckets = {L.rows_bucket(k, N) for k in range(N + 1)}
+    assert buckets == {128, 256, 384, 512}                   # a few graphs per batch shape
+    assert all(k <= L.rows_bucket(k, N) <= N for k in range(N + 1))
+    assert L.rows_bucket(3, 8) == 8 and L.rows_bucket(0, 40) == 16

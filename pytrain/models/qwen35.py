@@ -37,11 +37,12 @@ class GraphInputs:
     conv_zeros: object | None = None    # F32 [conv_channels, T + K - 1, B]
     conv_keep: object | None = None     # F32 [1, T, B, K]
     chunks: dn.ChunkInputs | None = None
+    rows: object | None = None          # I32 [R] flat positions (t + T·b) the head runs on
 
 
 @dataclass
 class Forward:
-    logits: object                      # F32 [V, T, B]
+    logits: object                      # F32 [V, T, B], or [V, R, 1] with rows, [V, 1, B] with at
     inputs: GraphInputs
     B: int
     T: int                              # padded length the graph runs on
@@ -146,10 +147,13 @@ class Qwen35Graph:
 
     # -- the whole model -------------------------------------------------------------
     def build(self, ctx, B: int, T: int, lora: LoraFn | None = None,
-              at: int | None = None) -> Forward:
+              at: int | None = None, rows: int | None = None) -> Forward:
         """The forward graph for B rows of T tokens (T already padded: see padded_length).
-        With ``at``, logits of that position of each row only ([V, 1, B]): generation needs
-        one row, and the head is the largest matmul of a small model."""
+
+        The LM head is the largest matmul of a small model and its [V, N] logits the largest
+        tensors, so it can run on fewer positions: ``at``, that position of each row
+        ([V, 1, B], for generation); ``rows``, R positions picked per batch through the I32
+        input ``inputs.rows`` ([V, R, 1], for the loss: the target positions only)."""
         c = self.c
         C = dn.chunk_size(T)
         assert T % C == 0, f"T={T} is not a multiple of the chunk size {C}"
@@ -179,15 +183,19 @@ class Qwen35Graph:
             x = lib.ggml_add(ctx, x, h)
             x = lib.ggml_add(ctx, x, self.ffn(ctx, il, self.norm(ctx, x, p + "post_attention_norm.weight"), lora))
         x = self.norm(ctx, x, "output_norm.weight")
+        T_out, B_out = T, B
         if at is not None:                                                 # [E, B]: token `at`
             x = lib.ggml_cont(ctx, lib.ggml_view_2d(ctx, x, c.n_embd, B, T * x.nb[1],
                                                     at * x.nb[1]))
             T_out = 1
-        else:
-            T_out = T
+        elif rows is not None:                                             # [E, R]
+            inp.rows = lib.ggml_new_tensor_1d(ctx, i32, rows)
+            lib.ggml_set_input(inp.rows)
+            x = lib.ggml_get_rows(ctx, x, inp.rows)
+            T_out, B_out = rows, 1
         head = "token_embd.weight" if c.tied_embeddings else "output.weight"
-        logits = lib.ggml_mul_mat(ctx, self.w[head], x)                   # [V, T_out·B]
-        logits = lib.ggml_reshape_3d(ctx, logits, c.n_vocab, T_out, B)
+        logits = lib.ggml_mul_mat(ctx, self.w[head], x)                   # [V, T_out·B_out]
+        logits = lib.ggml_reshape_3d(ctx, logits, c.n_vocab, T_out, B_out)
         return Forward(logits, inp, B, T)
 
 
