@@ -11,7 +11,9 @@ targets.  Here, by construction:
     CE op, so its gradient is exactly 0 (not softmax/n as in the seed's fix);
   * the CE op's 1/n_rows is undone by a runtime scalar ``loss_scale = n_rows / n_valid_step``
     where n_valid_step counts valid targets over the whole optimizer step (all micro-batches),
-    so the step's gradient is the token mean and no graph is rebuilt per batch.
+    so the step's gradient is the token mean and no graph is rebuilt per batch;
+  * the trainer's graphs feed the head and this loss with the target positions only
+    (``select_rows``; spare rows of the bucket are ignored rows, so the same rules hold).
 
 ``buggy=True`` reproduces the unfixed behaviour for the regression experiments only: pad
 positions labelled with the pad token, prompt not masked, division by all rows.
