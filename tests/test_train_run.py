@@ -61,6 +61,11 @@ def test_train_writes_adapter_metrics_plot_and_lowers_validation_loss(tmp_path, 
         np.testing.assert_array_equal(peft[k], v)
     printed = capsys.readouterr().out
     assert "adapter:" in printed and "validation: loss" in printed
+    # `pytrain eval` with the written adapter reproduces the run's final validation
+    assert main(["eval", str(cfg), "--adapter", str(out / "adapter.gguf")]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert f"{valid[-1]['n_valid']} target tokens" in line
+    assert f"loss {valid[-1]['loss']:.4f}" in line and f"accuracy {valid[-1]['accuracy']:.3f}" in line
 
 
 def test_nan_stops_the_run_and_keeps_the_last_good_adapter(tmp_path, capsys):
