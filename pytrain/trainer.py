@@ -45,9 +45,9 @@ class Trainer:
         self.buggy = buggy_loss
         self.acc = Accumulators(model.runtime, adapter.params())
         self.opt = Optimizer(model.runtime, self.acc, hp)
-        self.graphs: dict[tuple[int, int], GradGraph] = {}
+        self.graphs: dict[tuple[int, int, int | None], GradGraph] = {}   # (B, T, rows)
         self.max_graphs = max_graphs
-        self.eval_graphs: dict[tuple[int, int], EvalGraph] = {}
+        self.eval_graphs: dict[tuple[int, int, int], EvalGraph] = {}
 
     def graph(self, B: int, T: int, n_targets: int | None = None) -> GradGraph:
         """The graph for a [B, T] micro-batch with ``n_targets`` targets (None: the head and
