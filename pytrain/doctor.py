@@ -18,6 +18,8 @@ def report() -> str:
         f"  sha256 {info['archive_sha256']}",
         f"  source {info['source']}",
         f"  backends built: cpu{' + cuda' if info['cuda'] else ''}",
+        f"  patches: {', '.join(info.get('patches', [])) or 'none'}",
+        f"  cmake: {' '.join(o for o in info.get('options', []) if o.startswith('-DGGML_'))}",
         "devices:",
     ]
     for d in ggml.devices():
