@@ -455,16 +455,14 @@ def prepare(name: str, a) -> dict | None:
                 weights=f"{gguf_type}{' (loaded as F32)' if a.type_policy == 'f32' else ''} / f32")
 
 
-def machine_info(a) -> list[str]:
-    cpu = platform.processor() or "?"
+def machine_facts() -> dict:
+    """CPU model, RAM, pytrain commit and the ggml build (with its CMake options from
+    build_info.json) for a report header; bench_train.py uses it too."""
+    cpu, mem = platform.processor() or "?", "?"
     try:
         for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
             if line.startswith("Model name:"):
                 cpu = line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    mem = "?"
-    try:
         for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemTotal:"):
                 mem = f"{int(line.split()[1]) / 2**20:.1f} GiB"
@@ -477,14 +475,15 @@ def machine_info(a) -> list[str]:
     if bi.exists():
         j = json.loads(bi.read_text())
         ggml_v = f"{j.get('ggml_version')} ({j.get('archive_project')}, cuda={j.get('cuda')})"
-        # build options, from native/build.py's CMake cache when it is still there
-        src = Path(j.get("source", "/nonexistent"))
-        cache = src.parent.parent / "build" / f"{src.name}-{'cuda' if j.get('cuda') else 'cpu'}" / "CMakeCache.txt"
-        if cache.exists():
-            opts = [f"{line.split(':', 1)[0]}={line.split('=', 1)[1]}"
-                    for line in cache.read_text().splitlines()
-                    if line.startswith(("GGML_NATIVE:", "GGML_LLAMAFILE:", "GGML_OPENMP:"))]
+        opts = [o[2:] for o in j.get("options", []) if o.startswith("-DGGML_")]
+        if opts:
             ggml_v += ", " + ", ".join(sorted(opts))
+    return {"cpu": cpu, "mem": mem, "commit": commit, "ggml": ggml_v}
+
+
+def machine_info(a) -> list[str]:
+    m = machine_facts()
+    cpu, mem, commit, ggml_v = m["cpu"], m["mem"], m["commit"], m["ggml"]
     return [f"- date: {time.strftime('%Y-%m-%d %H:%M %Z')}; pytrain commit {commit}",
             f"- CPU: {cpu}, {os.cpu_count()} cores visible, {mem} RAM; both sides use "
             f"**{a.threads} threads** (pytrain `threads={a.threads}`, torch `set_num_threads({a.threads})`)",

@@ -648,30 +648,8 @@ def run_worker(python: str, side: str, model: dict, a, threads: int, profile: bo
 def machine_info(a) -> list[str]:
     """Machine, versions and how the workers ran (the report's header lines)."""
     import platform
-    cpu, mem = platform.processor() or "?", "?"
-    try:
-        for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
-            if line.startswith("Model name:"):
-                cpu = line.split(":", 1)[1].strip()
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                mem = f"{int(line.split()[1]) / 2**20:.1f} GiB"
-    except OSError:
-        pass
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=str(REPO)).stdout.strip() or "?"
-    ggml_v = "?"
-    bi = REPO / "pytrain" / "_native" / "build_info.json"
-    if bi.exists():
-        j = json.loads(bi.read_text())
-        ggml_v = f"{j.get('ggml_version')} ({j.get('archive_project')}, cuda={j.get('cuda')})"
-        src = Path(j.get("source", "/nonexistent"))   # build options from native/build.py's CMake cache
-        cache = src.parent.parent / "build" / f"{src.name}-{'cuda' if j.get('cuda') else 'cpu'}" / "CMakeCache.txt"
-        if cache.exists():
-            opts = [f"{line.split(':', 1)[0]}={line.split('=', 1)[1]}"
-                    for line in cache.read_text().splitlines()
-                    if line.startswith(("GGML_NATIVE:", "GGML_LLAMAFILE:", "GGML_OPENMP:", "GGML_BLAS:"))]
-            ggml_v += ", " + ", ".join(sorted(opts))
+    m = bf.machine_facts()
+    cpu, mem, commit, ggml_v = m["cpu"], m["mem"], m["commit"], m["ggml"]
     th = ", ".join(map(str, a.thread_list))
     return [f"- date: {time.strftime('%Y-%m-%d %H:%M %Z')}; pytrain commit {commit}",
             f"- CPU: {cpu}, {os.cpu_count()} cores visible, {mem} RAM; threads per side: **{th}** "
@@ -693,8 +671,6 @@ def _renice(nice: int) -> None:
             pass
 
 
-def fmt_gib(b) -> str:
-    return f"{b / 2**30:.2f} GiB" if b is not None else "-"
 
 
 def _ms(s: float) -> str:
@@ -744,7 +720,7 @@ def report(rows: list[dict], pad: dict | None, a, loads: list, info: list[str] |
                  nsteps,
                  f"{p['tokens_per_s']:.1f} ({p['target_tokens_per_s']:.1f})" if p else "-",
                  f"{h['tokens_per_s']:.1f} ({h['target_tokens_per_s']:.1f})" if h else "-", ratio, best,
-                 fmt_gib(p["peak_rss"]) if p else "-", fmt_gib(h["peak_rss"]) if h else "-",
+                 bf.fmt_gib(p["peak_rss"]) if p else "-", bf.fmt_gib(h["peak_rss"]) if h else "-",
                  " / ".join(f"{y['own_cores'] * y['median_s']:.2f}" if y else "-" for y in (p, h)),
                  " / ".join(f"{y['first_loss']:.5f}" if y else "-" for y in (p, h)),
                  " / ".join(f"{y['lora_params']:,} ({y['lora_names']})" if y else "-" for y in (p, h)),
@@ -869,8 +845,8 @@ def report(rows: list[dict], pad: dict | None, a, loads: list, info: list[str] |
                              f"{', '.join(f'{t:.3f}' for t in x['warmup_s'])} s, steps "
                              f"{', '.join(f'{t:.3f} ({o:.2f})' for t, o in zip(x['times'], x['others']))} s "
                              f"(other cores in brackets); losses {', '.join(f'{v:.4f}' for v in x['losses'])}; "
-                             f"RSS after load {fmt_gib(x['rss_after_load'])}, at end anon "
-                             f"{fmt_gib(x['rss_end_anon'])} + file {fmt_gib(x['rss_end_file'])}; cores used "
+                             f"RSS after load {bf.fmt_gib(x['rss_after_load'])}, at end anon "
+                             f"{bf.fmt_gib(x['rss_end_anon'])} + file {bf.fmt_gib(x['rss_end_file'])}; cores used "
                              f"{x['own_cores']:.2f}; machine busy {x['busy_before']:.2f} cores before"
                              + (f"; {x['graph_nodes']} graph nodes; pad id {x['pad_id']}" if side == "pytrain"
                                 else ""))
