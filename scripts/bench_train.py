@@ -671,8 +671,6 @@ def _renice(nice: int) -> None:
             pass
 
 
-
-
 def _ms(s: float) -> str:
     return f"{s * 1e3:.3f} ms" if s < 0.01 else f"{s * 1e3:.1f} ms"
 
