@@ -59,12 +59,14 @@ class Model:
         size = graph_budget(self.config, Tp)
         ctx = ggml.Context(n_tensors=size, graph_size=size)
         try:
-            fwd = self.graph.build(ctx.ptr, B, Tp, lora, at=T - 1 if last_only else None)
+            fwd = self.graph.build(ctx.ptr, B, Tp, lora, rows=B if last_only else None)
             lib.ggml_set_output(fwd.logits)
             gf = ggml.new_graph(ctx, size)
             lib.ggml_build_forward_expand(gf, fwd.logits)
             self.runtime.alloc_graph(gf, ctx)
             qwen35.set_inputs(fwd, qwen35.input_values(self.config, tok_p, seg_p))
+            if last_only:   # flat position T-1 of each row
+                ggml.from_numpy(fwd.inputs.rows, (T - 1 + Tp * np.arange(B)).astype(np.int32))
             self.runtime.compute(gf)
             out = ggml.to_numpy(fwd.logits).reshape(B, -1, self.config.n_vocab)
             out = out[:, 0].copy() if last_only else out[:, :T].copy()

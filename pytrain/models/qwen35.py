@@ -42,7 +42,7 @@ class GraphInputs:
 
 @dataclass
 class Forward:
-    logits: object                      # F32 [V, T, B], or [V, R, 1] with rows, [V, 1, B] with at
+    logits: object                      # F32 [V, T, B], or [V, R, 1] with rows
     inputs: GraphInputs
     B: int
     T: int                              # padded length the graph runs on
@@ -147,13 +147,13 @@ class Qwen35Graph:
 
     # -- the whole model -------------------------------------------------------------
     def build(self, ctx, B: int, T: int, lora: LoraFn | None = None,
-              at: int | None = None, rows: int | None = None) -> Forward:
+              rows: int | None = None) -> Forward:
         """The forward graph for B rows of T tokens (T already padded: see padded_length).
 
         The LM head is the largest matmul of a small model and its [V, N] logits the largest
-        tensors, so it can run on fewer positions: ``at``, that position of each row
-        ([V, 1, B], for generation); ``rows``, R positions picked per batch through the I32
-        input ``inputs.rows`` ([V, R, 1], for the loss: the target positions only)."""
+        tensors, so it can run on fewer positions: with ``rows``, on R positions picked per
+        batch through the I32 input ``inputs.rows`` ([V, R, 1]; the loss's target positions,
+        or the last position of each row for generation)."""
         c = self.c
         C = dn.chunk_size(T)
         assert T % C == 0, f"T={T} is not a multiple of the chunk size {C}"
@@ -184,11 +184,7 @@ class Qwen35Graph:
             x = lib.ggml_add(ctx, x, self.ffn(ctx, il, self.norm(ctx, x, p + "post_attention_norm.weight"), lora))
         x = self.norm(ctx, x, "output_norm.weight")
         T_out, B_out = T, B
-        if at is not None:                                                 # [E, B]: token `at`
-            x = lib.ggml_cont(ctx, lib.ggml_view_2d(ctx, x, c.n_embd, B, T * x.nb[1],
-                                                    at * x.nb[1]))
-            T_out = 1
-        elif rows is not None:                                             # [E, R]
+        if rows is not None:                                               # [E, R]
             inp.rows = lib.ggml_new_tensor_1d(ctx, i32, rows)
             lib.ggml_set_input(inp.rows)
             x = lib.ggml_get_rows(ctx, x, inp.rows)
