@@ -77,15 +77,16 @@ class Trainer:
         when the step has no valid target (skipped, nothing divided by zero)."""
         t0 = time.perf_counter()
         tgts = [self.targets(b) for b in micro_batches]
-        n_step = int(sum((t >= 0).sum() for t in tgts))
+        counts = [int((t >= 0).sum()) for t in tgts]
+        n_step = sum(counts)
         if self.buggy:   # the unfixed loss: each micro-batch's mean over ALL its rows,
             n_step = len(micro_batches)   # averaged over micro-batches as ggml-opt does
         if n_step == 0:
             return None
         self.acc.zero_grads()
         total, tokens = 0.0, 0
-        for b, tg in zip(micro_batches, tgts):
-            g = self.graph(*b.tokens.shape, None if self.buggy else int((tg >= 0).sum()))
+        for b, tg, n in zip(micro_batches, tgts, counts):
+            g = self.graph(*b.tokens.shape, None if self.buggy else n)
             part, _ = g.accumulate(b.tokens, b.seg, tg, n_step, self.buggy)
             total += part
             tokens += int((b.seg >= 0).sum())
