@@ -61,8 +61,8 @@ def _is_token_embd(base: str) -> bool:
     return base.endswith("token_embd.weight")
 
 
-def _pairs(tensors: Mapping[str, np.ndarray], where: str
-           ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+def lora_pairs(tensors: Mapping[str, np.ndarray], where: str
+               ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """``{base name: (A, B)}`` after llama.cpp's name and shape rules (see module docstring)."""
     halves: dict[str, dict[str, np.ndarray]] = {}
     for name, arr in tensors.items():
@@ -113,7 +113,7 @@ def check_adapter_matches(model_config: Any, tensors: Mapping[str, np.ndarray],
     """
     shapes = model_config.tensor_shapes() if hasattr(model_config, "tensor_shapes") \
         else dict(model_config)
-    for base, (a, b) in _pairs(tensors, source).items():
+    for base, (a, b) in lora_pairs(tensors, source).items():
         if base not in shapes:
             raise AdapterError(f"{source}: LoRA tensor {base!r} does not exist in the base model "
                                f"(an adapter for a different model?)")
@@ -219,7 +219,7 @@ def write_lora_gguf(path: str | os.PathLike[str], arch: str, alpha: float,
             raise AdapterError(f"{p}: tensor {name!r} holds NaN or Inf (a diverged run?); "
                                f"refusing to write it")
         arrays[name] = a
-    pairs = _pairs(arrays, str(p))
+    pairs = lora_pairs(arrays, str(p))
 
     with replacing(p) as tmp:
         w = GGUFWriter(tmp, arch)          # writes general.architecture
@@ -290,6 +290,6 @@ def read_lora_gguf(path: str | os.PathLike[str], arch: str | None = None
                 and t.name.endswith("_norm.weight"):
             continue                       # llama.cpp skips these too
         tensors[t.name] = _tensor_f32(t, str(p))
-    _pairs(tensors, str(p))
+    lora_pairs(tensors, str(p))
     extra = {k: v for k, v in meta.items() if k not in RESERVED_KEYS}
     return file_arch, alpha, tensors, extra

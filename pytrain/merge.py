@@ -62,8 +62,7 @@ import numpy as np
 from gguf import GGUFEndian
 
 from pytrain import ggml
-from pytrain.adapter_gguf import (SUFFIX_A, SUFFIX_B, AdapterError, check_adapter_matches,
-                                  read_lora_gguf)
+from pytrain.adapter_gguf import AdapterError, check_adapter_matches, lora_pairs, read_lora_gguf
 from pytrain.atomic import replacing
 from pytrain.ggml import ffi, lib
 from pytrain.gguf_meta import GGUFError
@@ -163,17 +162,15 @@ def _check_matches(config, tensors: Mapping[str, np.ndarray], source: str, base)
 
 def _pairs(tensors: Mapping[str, np.ndarray], source: str
            ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """``{base: (A, B)}`` in float64 (pairing and shape rules: adapter_gguf.lora_pairs)."""
     out: dict[str, tuple[np.ndarray, np.ndarray]] = {}
-    for name in tensors:
-        if name.endswith(SUFFIX_A):
-            base = name[: -len(SUFFIX_A)]
-            a = np.asarray(tensors[name])
-            b = np.asarray(tensors[base + SUFFIX_B])
-            for which, arr in (("lora_a", a), ("lora_b", b)):
-                if not np.issubdtype(arr.dtype, np.number) or not np.isfinite(arr).all():
-                    raise MergeError(f"{source}: {base}.{which} holds NaN/Inf or is not "
-                                     f"numeric; refusing to merge it")
-            out[base] = (a.astype(np.float64), b.astype(np.float64))
+    for base, pair in lora_pairs(tensors, source).items():
+        a, b = (np.asarray(x) for x in pair)
+        for which, arr in (("lora_a", a), ("lora_b", b)):
+            if not np.issubdtype(arr.dtype, np.number) or not np.isfinite(arr).all():
+                raise MergeError(f"{source}: {base}.{which} holds NaN/Inf or is not "
+                                 f"numeric; refusing to merge it")
+        out[base] = (a.astype(np.float64), b.astype(np.float64))
     return out
 
 
