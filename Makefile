@@ -5,7 +5,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 CUDA   ?= 0
 
-.PHONY: all build llama-cpp test demo doctor clean distclean
+.PHONY: all build llama-cpp test demo experiments doctor clean distclean
 
 all: build
 
@@ -32,7 +32,6 @@ demo: build
 
 # the masking experiments (README "Masking experiments"): runs in experiments/, tables, plots
 # and JSON copied to experiments_results/
-.PHONY: experiments
 experiments: build
 	$(PY) scripts/masking_experiments.py --out experiments --results experiments_results
 
