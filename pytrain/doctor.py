@@ -27,6 +27,9 @@ def report() -> str:
                if d.memory_total else "memory unknown")
         lines.append(f"  {d.name:<8} {d.kind:<5} {d.description}  ({mem})")
     lines.append(f"cpu features: {' '.join(ggml.cpu_features()) or 'none detected'}")
+    extra = ggml.extra_buffer_types()
+    lines.append(f"cpu extra buffer types: {' '.join(extra) or 'none'} (never used by pytrain: "
+                 f"weights and compute stay in the default buffer types)")
     lines.append(f"threads (default): {ggml.default_threads()}")
     return "\n".join(lines)
 

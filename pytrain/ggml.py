@@ -208,6 +208,40 @@ def cpu_features() -> list[str]:
     return [n for n in names if getattr(lib, f"ggml_cpu_has_{n}", lambda: 0)()]
 
 
+def buffer_type_name(buft) -> str:
+    return ffi.string(lib.ggml_backend_buft_name(buft)).decode()
+
+
+def tensor_buffer_type(t) -> str:
+    """The name of the buffer type ``t``'s data lives in ("CPU", "CUDA0", "CPU_REPACK", ...)."""
+    if t.buffer == ffi.NULL:
+        raise ValueError(f"tensor {name(t)!r} is not allocated")
+    return buffer_type_name(lib.ggml_backend_buffer_get_type(t.buffer))
+
+
+def extra_buffer_types() -> list[str]:
+    """ggml-cpu's "extra" buffer types on this CPU (AMX, CPU_REPACK, ...).
+
+    Weights placed in one of them run other kernels than ggml-cpu's ordinary MUL_MAT
+    (repacked layouts, AMX tiles; the AMX one crashes on some Intel CPUs).  pytrain never
+    asks for them: weights, adapters and optimizer state go through
+    ``ggml_backend_alloc_ctx_tensors`` (a backend's default buffer type), and the scheduler is
+    created without buffer types (the defaults again).  Listed here for ``pytrain doctor``
+    and the test that checks every buffer pytrain uses is a default one."""
+    dev = lib.ggml_backend_dev_by_type(lib.GGML_BACKEND_DEVICE_TYPE_CPU)
+    reg = lib.ggml_backend_dev_backend_reg(dev)
+    fn = lib.ggml_backend_reg_get_proc_address(reg, b"ggml_backend_dev_get_extra_bufts")
+    if fn == ffi.NULL:
+        return []
+    arr = ffi.cast("ggml_backend_dev_get_extra_bufts_t", fn)(dev)
+    out = []
+    i = 0
+    while arr != ffi.NULL and arr[i] != ffi.NULL:
+        out.append(buffer_type_name(arr[i]))
+        i += 1
+    return out
+
+
 def default_threads() -> int:
     return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
                else (os.cpu_count() or 1))
@@ -350,6 +384,11 @@ class Runtime:
             if lib.ggml_backend_sched_get_tensor_backend(self.sched, node) == self.cpu:
                 out.append(op_name(node))
         return out
+
+    def compute_buffer_types(self) -> list[str]:
+        """The buffer type the scheduler allocates each backend's compute buffer in."""
+        return [buffer_type_name(lib.ggml_backend_sched_get_buffer_type(self.sched, b))
+                for b in self.backends]
 
     def compute(self, graph) -> None:
         status = lib.ggml_backend_sched_graph_compute(self.sched, graph)

@@ -6,10 +6,24 @@
  * pytrain wrote) against llama.cpp's own model loader, adapter loader and graph.  Built by
  * scripts/build_llama_cpp.py against the pinned libllama.
  *
- * Usage: llama_logits MODEL.gguf ADAPTER.gguf|- TOKENS OUT.f32 [N_THREADS]
+ * Usage: llama_logits [--extra-bufts] [--load-only] MODEL.gguf ADAPTER.gguf|- TOKENS OUT.f32
+ *                     [N_THREADS]
  *   TOKENS  comma-separated token ids, e.g. 1,2,3
  *   ADAPTER "-" for none; otherwise loaded with llama_adapter_lora_init and applied with
  *           scale 1 (what `--lora FILE` does).
+ *   --extra-bufts  let llama.cpp put weights in ggml-cpu's extra buffer types (see below);
+ *                  only for the test that shows the check of that would fire
+ *   --load-only    stop after loading the model (and adapter): no decode, no output file
+ *
+ * Weights stay in the plain CPU buffer (`use_extra_bufts = false`, llama.cpp's `--no-repack`).
+ * By default llama.cpp moves weights into ggml-cpu's "extra" buffer types where the CPU has
+ * them: CPU_REPACK (Q4_0, Q4_K, IQ4_NL re-laid for AVX2), and on Intel CPUs with AMX an AMX
+ * buffer for Q4_0/Q4_1/Q8_0/K-quants.  That AMX path dies with SIGILL at `tilezero` in
+ * `tinygemm_kernel_amx<block_q8_0,...>` on this project's Intel machines, and repacked
+ * weights run different kernels from pytrain's, which never uses extra buffer types.  With
+ * the plain buffer both sides run ggml-cpu's ordinary MUL_MAT on any x86 CPU.  The buffers
+ * llama.cpp used are always printed ("<name> model buffer size" lines on stderr), so the tests
+ * check that no extra buffer type was used.
  * Exit codes: 0 ok, 1 usage, 2 model load failed, 3 adapter load failed, 4 decode failed,
  *             5 output write failed.  llama.cpp's log goes to stderr (errors always; all of
  *             it with LLAMA_LOGITS_VERBOSE=1).
@@ -28,7 +42,8 @@ static int g_verbose = 0;
 
 static void log_cb(enum ggml_log_level level, const char * text, void * user) {
     (void) user;
-    if (g_verbose || level == GGML_LOG_LEVEL_ERROR || level == GGML_LOG_LEVEL_WARN) {
+    if (g_verbose || level == GGML_LOG_LEVEL_ERROR || level == GGML_LOG_LEVEL_WARN ||
+        strstr(text, "model buffer size") != NULL) {
         fputs(text, stderr);
     }
 }
@@ -62,9 +77,23 @@ static int parse_tokens(const char * s, llama_token ** out) {
 }
 
 int main(int argc, char ** argv) {
+    const char * prog = argv[0];
+    int extra_bufts = 0, load_only = 0;
+    while (argc > 1 && strncmp(argv[1], "--", 2) == 0) {
+        if (strcmp(argv[1], "--extra-bufts") == 0) {
+            extra_bufts = 1;
+        } else if (strcmp(argv[1], "--load-only") == 0) {
+            load_only = 1;
+        } else {
+            fprintf(stderr, "unknown option '%s'\n", argv[1]);
+            return 1;
+        }
+        argv++;
+        argc--;
+    }
     if (argc < 5 || argc > 6) {
-        fprintf(stderr, "usage: %s MODEL.gguf ADAPTER.gguf|- TOKENS OUT.f32 [N_THREADS]\n",
-                argv[0]);
+        fprintf(stderr, "usage: %s [--extra-bufts] [--load-only] MODEL.gguf ADAPTER.gguf|- "
+                "TOKENS OUT.f32 [N_THREADS]\n", prog);
         return 1;
     }
     const char * model_path = argv[1];
@@ -86,6 +115,7 @@ int main(int argc, char ** argv) {
 
     struct llama_model_params mparams = llama_model_default_params();
     mparams.n_gpu_layers = 0;
+    mparams.use_extra_bufts = extra_bufts;   /* see the header comment */
     struct llama_model * model = llama_model_load_from_file(model_path, mparams);
     if (!model) {
         fprintf(stderr, "failed to load model '%s'\n", model_path);
@@ -100,6 +130,13 @@ int main(int argc, char ** argv) {
             llama_model_free(model);
             return 3;
         }
+    }
+
+    if (load_only) {
+        llama_model_free(model);
+        llama_backend_free();
+        free(tokens);
+        return 0;
     }
 
     struct llama_context_params cparams = llama_context_default_params();

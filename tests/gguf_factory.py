@@ -184,3 +184,39 @@ def write_qwen35(path: str | Path, dtype: str = "f32", *, seed: int = 0, n_nextn
     w.write_tensors_to_file()
     w.close()
     return model
+
+
+def quantized_copy(f32_model: Path, like: Path, out: Path, type_name: str) -> Path:
+    """``f32_model`` with every tensor that ``like`` stores quantized re-encoded as
+    ``type_name`` by ggml's quantizer (other tensors and every key unchanged).
+
+    Why: Q4_0 is the type ggml-cpu repacks on any AVX2 CPU (CPU_REPACK) and puts in AMX tiles
+    on Intel AMX CPUs, so a model in it shows on every x86 machine whether llama.cpp was kept
+    off its extra buffer types."""
+    import gguf
+
+    src, ref = gguf.GGUFReader(f32_model), gguf.GGUFReader(like)
+    quantized = {t.name for t in ref.tensors
+                 if t.tensor_type not in (gguf.GGMLQuantizationType.F32,
+                                          gguf.GGMLQuantizationType.F16,
+                                          gguf.GGMLQuantizationType.BF16)}
+    qtype = gguf.GGMLQuantizationType[type_name.upper()]
+    arch = str(src.fields["general.architecture"].contents())
+    w = gguf.GGUFWriter(out, arch)
+    for f in src.fields.values():
+        if f.name.startswith("GGUF.") or f.name == "general.architecture":
+            continue
+        sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(f.name, f.contents(), f.types[0], sub_type=sub)
+    for t in src.tensors:
+        values = np.asarray(t.data).reshape([int(n) for n in reversed(t.shape)])
+        if t.name in quantized:
+            raw = ggml.to_bytes(values, ggml.TYPES[type_name], row_len=values.shape[-1])
+            w.add_tensor(t.name, raw.reshape(values.shape[0], -1), raw_dtype=qtype)
+        else:
+            w.add_tensor(t.name, values)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out

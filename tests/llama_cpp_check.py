@@ -2,6 +2,7 @@
 (test_llama_cpp_adapter.py, test_merge.py).  ``scripts/llama_logits`` is built from the pinned
 source by ``scripts/build_llama_cpp.py`` (``make test`` does it); without it those tests skip."""
 import importlib.util
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -9,6 +10,9 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
+# The buffer types llama.cpp's loader puts weights in on a CPU-only build when ggml-cpu's
+# extra buffer types (CPU_REPACK, AMX, ...) are off: a plain allocation or the mmap'ed file.
+PLAIN_CPU_BUFFERS = {"CPU", "CPU_Mapped"}
 
 
 def built_binary() -> Path | None:
@@ -19,12 +23,25 @@ def built_binary() -> Path | None:
     return mod.built_binary()
 
 
+def weight_buffers(stderr: str) -> list[str]:
+    """The buffer types llama.cpp loaded weights into, from its "<name> model buffer size"
+    lines (``llama_logits`` always prints them)."""
+    return re.findall(r"load_tensors:\s+(\S+) model buffer size", stderr)
+
+
 def run_llama(exe, model: Path, adapter: Path | None, tokens, out: Path, n_vocab: int):
-    """llama.cpp's logits [len(tokens), n_vocab] for ``model`` (with ``--lora adapter``)."""
+    """llama.cpp's logits [len(tokens), n_vocab] for ``model`` (with ``--lora adapter``).
+
+    Also checks that every weight stayed in a plain CPU buffer: ggml-cpu's extra buffer
+    types run other kernels (repacked layouts; on Intel AMX CPUs an AMX path that dies with
+    SIGILL), so a cross-check through them would not compare what pytrain computes."""
     cmd = [str(exe), str(model), str(adapter) if adapter else "-",
            ",".join(str(int(t)) for t in tokens), str(out), "2"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, f"llama_logits failed ({r.returncode}):\n{r.stderr[-3000:]}"
+    bufs = weight_buffers(r.stderr)
+    assert bufs and set(bufs) <= PLAIN_CPU_BUFFERS, (
+        f"llama.cpp put weights of {model.name} in {bufs}, not only in {PLAIN_CPU_BUFFERS}")
     return np.fromfile(out, dtype=np.float32).reshape(len(tokens), n_vocab)
 
 

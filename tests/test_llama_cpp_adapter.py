@@ -106,3 +106,54 @@ def test_llama_cpp_refuses_adapter_for_other_base(llama_logits_exe, tmp_path, ar
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert r.returncode == 3, r.stderr[-2000:]
     assert message in r.stderr
+
+
+def test_llama_cpp_keeps_weights_out_of_extra_buffer_types(llama_logits_exe, tmp_path):
+    """Regression: on Intel CPUs with AMX, llama.cpp (built native) put Q8_0 weights in
+    ggml-cpu's AMX buffer type and died with SIGILL in its AMX kernel, so the cross-checks
+    failed there and nowhere else.  ``llama_logits`` now loads with ``use_extra_bufts =
+    false`` (llama.cpp's ``--no-repack``) and every cross-check asserts that the weights
+    stayed in a plain CPU buffer (``run_llama``).
+
+    A Q4_0 model makes this fail on every x86 machine, not only on AMX ones: ggml-cpu
+    repacks Q4_0 for AVX2 (CPU_REPACK) and tiles it for AMX.  The first half shows that
+    the check would fire here (extra buffer types allowed -> weights leave the plain
+    buffer, into a type pytrain's own ggml lists for this CPU); the second that with the
+    fix llama.cpp and pytrain compute the same Q4_0 logits, with and without an adapter."""
+    from gguf_factory import quantized_copy
+    from llama_cpp_check import PLAIN_CPU_BUFFERS, weight_buffers
+    from pytrain import ggml
+
+    compat = llama_cpp_compatible(FIX / "gqa-f32.gguf", tmp_path)
+    path = quantized_copy(compat, FIX / "gqa-q8_0.gguf", tmp_path / "gqa-q4_0.gguf", "q4_0")
+    extra = ggml.extra_buffer_types()
+    if "avx2" in ggml.cpu_features() or "amx_int8" in ggml.cpu_features():
+        assert extra, "ggml-cpu offers no extra buffer type on an AVX2/AMX CPU"
+    if extra:
+        r = subprocess.run([str(llama_logits_exe), "--extra-bufts", "--load-only", str(path),
+                            "-", "1", str(tmp_path / "unused.f32")],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr[-2000:]
+        moved = set(weight_buffers(r.stderr)) - PLAIN_CPU_BUFFERS
+        assert moved and moved <= set(extra), (weight_buffers(r.stderr), extra)
+
+    m = pytrain.load_model(path, device="cpu", threads=2)
+    try:
+        assert m.weights.tensors["blk.3.attn_q.weight"].type == ggml.TYPES["q4_0"]
+        ad = lora.create(m.runtime, m.config, select_targets(m.config), rank=4, alpha=8, seed=0)
+        rng = np.random.default_rng(1)
+        ad.set({k: rng.normal(0, 0.3, v.shape).astype(np.float32) for k, v in ad.get().items()})
+        adapter_file = write_lora_gguf(tmp_path / "adapter.gguf", "qwen35", ad.alpha, ad.get())
+        toks = tokens_for(m.config.n_vocab, 40)
+        ours_base, ours_lora = m.logits(toks), m.logits(toks, lora=ad.hook)
+    finally:
+        m.close()
+    V = ours_base.shape[-1]
+    cpp_base = run_llama(llama_logits_exe, path, None, toks, tmp_path / "base.f32", V)
+    cpp_lora = run_llama(llama_logits_exe, path, adapter_file, toks, tmp_path / "lora.f32", V)
+    d_base = float(np.abs(cpp_base - ours_base).max())
+    d_lora = float(np.abs(cpp_lora - ours_lora).max())
+    effect = float(np.abs(cpp_lora - cpp_base).max())
+    print(f"\nQ4_0: max|Δ| base {d_base:.3g}, with adapter {d_lora:.3g}; effect {effect:.3g}")
+    assert effect > MIN_EFFECT
+    assert d_base < ATOL and d_lora < ATOL
