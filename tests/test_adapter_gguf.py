@@ -2,6 +2,7 @@
 the file named), base-model matching, and atomic writes.  The llama.cpp load itself is
 tests/test_llama_cpp_adapter.py."""
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -201,13 +202,44 @@ def gqa_config():
     return open_model(FIX / "gqa-f32.gguf")[3]
 
 
-def test_matches_own_base(gqa_config, rng):
-    from pytrain.lora_targets import lora_shapes, select_targets
-    names = select_targets(gqa_config)
-    t = {}
-    for n, (a, b) in lora_shapes(gqa_config, names, 4).items():
-        t[n + ".lora_a"], t[n + ".lora_b"] = np.zeros(a, np.float32), np.zeros(b, np.float32)
-    check_adapter_matches(gqa_config, t)
+def test_matches_own_base(gqa_config):
+    """What check_adapter_matches accepts for gqa is exactly what llama.cpp's loader accepts for
+    the tensors llama.cpp's converter wrote: base shapes read from the fixture GGUF with gguf-py's
+    GGUFReader (not pytrain's config), pair shapes by llama.cpp's rule; one off in any dimension
+    is refused, and so is every tensor that is not a matrix."""
+    from gguf import GGUFReader
+    tensors = {t.name: [int(d) for d in t.shape] for t in GGUFReader(FIX / "gqa-f32.gguf").tensors}
+    mats = {n: ne for n, ne in tensors.items() if len(ne) == 2}
+    assert len(mats) == 33 and len(tensors) == 52
+
+    def adapter(name, a_shape, b_shape):
+        return {name + ".lora_a": np.zeros(a_shape, np.float32),
+                name + ".lora_b": np.zeros(b_shape, np.float32)}
+
+    def shapes(name, r):
+        """numpy (A, B) shapes and the axes of A and B that must equal a base dimension."""
+        n0, n1 = mats[name]                     # ggml ne: ne[0] = row length
+        if name == "token_embd.weight":         # a->ne[1] == ne[1], b->ne[1] == ne[0]
+            return (n1, r), (n0, r), 0, 0
+        return (r, n0), (n1, r), 1, 0           # a->ne[0] == ne[0], b->ne[1] == ne[1]
+
+    whole = {}
+    for name in mats:
+        for r in (1, 4, 7):                     # the rank is the adapter's choice
+            a, b, _, _ = shapes(name, r)
+            check_adapter_matches(gqa_config, adapter(name, a, b))       # accepted
+        a, b, ax_a, ax_b = shapes(name, 4)
+        whole.update(adapter(name, a, b))
+        for d in (-1, 1):                       # one off in either base dimension: refused
+            for bad in ((a[:ax_a] + (a[ax_a] + d,) + a[ax_a + 1:], b),
+                        (a, b[:ax_b] + (b[ax_b] + d,) + b[ax_b + 1:])):
+                with pytest.raises(AdapterError, match=re.escape(repr(name))):
+                    check_adapter_matches(gqa_config, adapter(name, *bad))
+    check_adapter_matches(gqa_config, whole)    # all 33 matrices at once
+    for name, ne in tensors.items():
+        if len(ne) != 2:
+            with pytest.raises(AdapterError, match="not a matrix"):
+                check_adapter_matches(gqa_config, adapter(name, (4, ne[0]), (ne[0], 4)))
 
 
 def test_refuses_adapter_for_another_base(gqa_config, rng):
