@@ -5,6 +5,13 @@ the AdamW moments and step count (``optimizer.npz``) and ``state.json`` (step, e
 in the epoch's batch order, the base model's fingerprint).  It is written into a temporary
 folder, every file fsync'ed, then renamed into place and the parent fsync'ed: a crash at any
 moment leaves either the old set of checkpoints or the new one, never a half-written one.
+A checkpoint that replaces one of the same step (a run resumed from an earlier checkpoint
+passes that step again) moves the old one aside first and deletes it only once the new one is
+in place; a kill in between is repaired by the next ``latest`` or ``save``.
+
+``state.json`` also records what the saved data position means (``resume_key``: the training
+examples' digest, batch size, accumulation, packing, seeds, adapter shapes), so a resume with
+other batches is refused instead of silently continuing somewhere else.
 """
 from __future__ import annotations
 
@@ -21,7 +28,7 @@ import numpy as np
 from pytrain.adapter_gguf import read_lora_gguf, write_lora_gguf
 from pytrain.atomic import fsync_dir
 
-FORMAT = 1
+FORMAT = 2          # 2: total_steps and resume_key; format 1 still loads (without checks)
 
 
 class CheckpointError(RuntimeError):
@@ -35,6 +42,8 @@ class TrainState:
     position: int        # index of the next step in that epoch's step order
     adam_t: int          # AdamW's step counter (bias correction)
     base_fingerprint: dict
+    total_steps: int | None = None   # the run's length when saved (the LR schedule's horizon)
+    resume_key: dict | None = None   # what the position means (see pytrain.run.Session)
     format: int = FORMAT
 
 
@@ -53,7 +62,9 @@ def save(folder: Path, step: int, adapter, moments: dict[str, np.ndarray], state
          keep: int = 3) -> Path:
     """Write checkpoint ``step`` under ``folder`` atomically; keep the newest ``keep`` (0: all)."""
     folder.mkdir(parents=True, exist_ok=True)
+    recover(folder)
     final = folder / f"step-{step:07d}"
+    aside = folder / f".replaced-{final.name}"
     tmp = Path(tempfile.mkdtemp(dir=folder, prefix=".tmp-"))
     try:
         write_lora_gguf(tmp / "adapter.gguf", "qwen35", adapter.alpha, adapter.get())
@@ -67,11 +78,13 @@ def save(folder: Path, step: int, adapter, moments: dict[str, np.ndarray], state
             os.fsync(f.fileno())
         fsync_dir(tmp)
         if final.exists():
-            shutil.rmtree(final)
+            os.replace(final, aside)       # kept until the new one is in place
         os.replace(tmp, final)
         fsync_dir(folder)
+        shutil.rmtree(aside, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        recover(folder)
         raise
     if keep:
         for old in sorted(folder.glob("step-*"))[:-keep]:
@@ -79,7 +92,25 @@ def save(folder: Path, step: int, adapter, moments: dict[str, np.ndarray], state
     return final
 
 
+def recover(folder: Path) -> None:
+    """Finish what a killed ``save`` left: a checkpoint moved aside whose replacement never
+    arrived goes back; one whose replacement is in place, and temporary folders, go."""
+    for aside in folder.glob(".replaced-step-*"):
+        final = folder / aside.name[len(".replaced-"):]
+        if (final / "state.json").exists():
+            shutil.rmtree(aside, ignore_errors=True)
+        else:
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(aside, final)
+    for tmp in folder.glob(".tmp-*"):
+        shutil.rmtree(tmp, ignore_errors=True)
+    fsync_dir(folder)
+
+
 def latest(folder: Path) -> Path | None:
+    if folder.is_dir():
+        recover(folder)
     done = sorted(p for p in folder.glob("step-*") if (p / "state.json").exists())
     return done[-1] if done else None
 
@@ -91,7 +122,7 @@ def load(path: Path, model_path: str) -> tuple[TrainState, dict, dict]:
         state = TrainState(**json.loads((path / "state.json").read_text()))
     except (OSError, ValueError, TypeError) as e:
         raise CheckpointError(f"{path}: not a usable checkpoint ({e})") from e
-    if state.format != FORMAT:
+    if state.format not in (1, FORMAT):
         raise CheckpointError(f"{path}: checkpoint format {state.format}, expected {FORMAT}")
     now = base_fingerprint(model_path)
     if now != state.base_fingerprint:

@@ -25,9 +25,16 @@ def _train(args: argparse.Namespace) -> int:
     cfg = _config(args)
     try:
         res = run.train(cfg, progress=not args.no_progress, resume=args.resume)
+    except run.Interrupted as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 130
     except run.RunError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 130 if "interrupted" in str(e) else 1
+        return 1
+    except KeyboardInterrupt:
+        print("error: stopped at once by a second interrupt; the newest checkpoint in "
+              "checkpoints/ is intact (resume with --resume)", file=sys.stderr)
+        return 130
     print(f"adapter:  {res.adapter}")
     print(f"metrics:  {res.out_dir / 'metrics.jsonl'}")
     print(f"plot:     {res.out_dir / 'loss.png'}")

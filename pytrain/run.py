@@ -1,25 +1,30 @@
 """`pytrain train`: config → data → batches → graphs → loss → optimizer → adapter files.
 
 Writes into the run folder: config.toml (resolved), data_stats.json, metrics.jsonl (one line
-per step and per validation), loss.png, adapter.gguf (llama.cpp --lora).  A NaN or inf loss
-stops the run naming the step and keeps the last good adapter.
+per step and per validation), loss.png, adapter.gguf (llama.cpp --lora), checkpoints/.  A NaN
+or inf loss stops the run naming the step and keeps the last good adapter.
+
+``train`` reads top to bottom as the run's phases: set up, start fresh or resume, the step
+loop (validation and the checkpoint policy inside it), the finish.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import signal
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable, Iterator
 
-
+from pytrain import atomic
 from pytrain import checkpoint as ckpt
 from pytrain import lora as lora_mod
 from pytrain.adapter_gguf import write_lora_gguf
 from pytrain.config import Config
-from pytrain.data import load_data, make_batches, pad_token_id
+from pytrain.data import DataSplits, load_data, make_batches, pad_token_id
 from pytrain.lora_targets import select_targets
 from pytrain.model import Model, load_model
 from pytrain.optimizer import AdamW, schedule
@@ -28,6 +33,10 @@ from pytrain.trainer import NonFiniteLoss, Trainer
 
 class RunError(RuntimeError):
     """A run that cannot start or had to stop; the message says why and what was kept."""
+
+
+class Interrupted(RunError):
+    """Ctrl-C or SIGTERM: the run stopped after a step and wrote a checkpoint."""
 
 
 @dataclass
@@ -68,14 +77,25 @@ def step_batches(batches: list, grad_accum: int) -> list[list]:
     return [batches[i:i + grad_accum] for i in range(0, len(batches), grad_accum)]
 
 
+def read_metrics(path: Path) -> list[dict]:
+    """The records of a metrics.jsonl; a torn last line (a crash mid-append) is left out."""
+    out = []
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                continue
+    return out
+
+
 def plot_losses(metrics_path: Path, png: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     train, valid = [], []
-    for line in metrics_path.read_text().splitlines():
-        r = json.loads(line)
+    for r in read_metrics(metrics_path):
         if isinstance(r.get("loss"), (int, float)) and math.isfinite(r["loss"]):
             (valid if r.get("split") == "valid" else train).append((r["step"], r["loss"]))
     fig, ax = plt.subplots(figsize=(7, 4))
@@ -88,34 +108,272 @@ def plot_losses(metrics_path: Path, png: Path) -> None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(png, dpi=120)
+    with atomic.replacing(png) as tmp:
+        fig.savefig(tmp, dpi=120, format="png")
     plt.close(fig)
 
 
 class Interrupt:
     """First Ctrl-C / SIGTERM: finish the current step, write a checkpoint, stop.  Second:
-    stop at once (the previous checkpoint is intact: checkpoints are written atomically)."""
+    stop at once (KeyboardInterrupt; the previous checkpoint is intact, checkpoints are
+    written atomically)."""
 
     def __init__(self):
-        self.requested = None
-        self.old = {}
+        self.requested: str | None = None
+        self.old: dict = {}
 
-    def __enter__(self):
+    def __enter__(self) -> "Interrupt":
         for sig in (signal.SIGINT, signal.SIGTERM):
             self.old[sig] = signal.signal(sig, self.handle)
         return self
 
-    def handle(self, signum, frame):
+    def handle(self, signum, frame) -> None:
         if self.requested is not None:
-            self.__exit__()
+            self.restore()
             raise KeyboardInterrupt
         self.requested = signal.Signals(signum).name
 
-    def __exit__(self, *exc):
+    def restore(self) -> None:
         for sig, h in self.old.items():
             signal.signal(sig, h)
         self.old = {}
 
+    def __exit__(self, *exc) -> None:
+        self.restore()
+
+
+# --------------------------------------------------------------------------- setup
+
+@dataclass
+class Session:
+    """Everything one run holds open, closed together on every path out of ``train``."""
+    cfg: Config
+    out: Path
+    model: Model
+    splits: DataSplits
+    adapter: object
+    trainer: Trainer
+    stats: dict
+    valid_batches: list
+    log: Callable[[str], None]
+    _epochs: dict = field(default_factory=dict)
+
+    @property
+    def seed(self) -> int:
+        d, t = self.cfg.data, self.cfg.train
+        return d.shuffle_seed if d.shuffle_seed is not None else t.seed
+
+    def epoch_steps(self, epoch: int) -> list[list]:
+        """The optimizer steps of ``epoch``: its batch order (seeded by the epoch) in groups of
+        ``grad_accum`` micro-batches."""
+        if epoch not in self._epochs:
+            t, d = self.cfg.train, self.cfg.data
+            b = make_batches(self.splits.train, t.batch_size, d.packing, self.seed + epoch,
+                             max_seq_len=d.max_seq_len, pad_id=pad_token_id(self.model.tokenizer))
+            if epoch == 0:
+                self.splits.train_stats.record_batches(b)
+                self.stats["train"] = self.splits.train_stats.to_dict()
+            self._epochs = {epoch: step_batches(b, t.grad_accum)}   # one epoch held at a time
+        return self._epochs[epoch]
+
+    def steps_from(self, epoch: int, index: int) -> Iterator[tuple[int, int, list]]:
+        """(epoch, index, micro-batches) of every step from position (epoch, index) on."""
+        while True:
+            steps = self.epoch_steps(epoch)
+            for i in range(index, len(steps)):
+                yield epoch, i, steps[i]
+            epoch, index = epoch + 1, 0
+
+    def total_steps(self) -> int:
+        t = self.cfg.train
+        return t.max_steps if t.max_steps else t.epochs * len(self.epoch_steps(0))
+
+    def resume_key(self) -> dict:
+        """What the saved data position means: a resumed run must see the same training
+        examples cut into the same batches in the same order, and the same adapter shapes."""
+        h = hashlib.sha256()
+        for e in self.splits.train:
+            h.update(e.tokens.tobytes())
+            h.update(e.train_mask.tobytes())
+        c = self.cfg
+        return {"training examples": h.hexdigest(),
+                "train.batch_size": c.train.batch_size, "train.grad_accum": c.train.grad_accum,
+                "data.packing": c.data.packing, "data.max_seq_len": c.data.max_seq_len,
+                "batch order seed": self.seed, "lora.rank": c.lora.rank,
+                "lora.alpha": c.lora.alpha, "adapted tensors": sorted(self.adapter.names),
+                "train.loss_bug_repro": c.train.loss_bug_repro}
+
+    def close(self) -> None:
+        self.trainer.close()
+        self.model.close()
+
+
+def open_session(cfg: Config, out: Path, log: Callable[[str], None]) -> Session:
+    model = load_model(cfg.model.path, cfg.model.device, cfg.model.threads, cfg.model.type_policy)
+    try:
+        splits = load_data(cfg.data, model.tokenizer)
+        log(splits.train_stats.summary())
+        names = select_targets(model.config, cfg.lora.targets, cfg.lora.skip_ssm)
+        adapter = lora_mod.create(
+            model.runtime, model.config, names, cfg.lora.rank, cfg.lora.alpha,
+            seed=cfg.lora.seed if cfg.lora.seed is not None else cfg.train.seed,
+            init=cfg.lora.init)
+        t = cfg.train
+        hp = AdamW(lr=t.lr, beta1=t.adam_beta1, beta2=t.adam_beta2, eps=t.adam_eps,
+                   weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm)
+        trainer = Trainer(model, adapter, hp, buggy_loss=t.loss_bug_repro)
+    except BaseException:
+        model.close()
+        raise
+    valid = (make_batches(splits.valid, t.batch_size, cfg.data.packing, 0, shuffle=False,
+                          max_seq_len=cfg.data.max_seq_len, pad_id=pad_token_id(model.tokenizer))
+             if splits.valid else [])
+    stats = {"train": splits.train_stats.to_dict(),
+             "valid": splits.valid_stats.to_dict() if splits.valid_stats else None}
+    return Session(cfg, out, model, splits, adapter, trainer, stats, valid, log)
+
+
+# --------------------------------------------------------------------------- resume
+
+def find_checkpoint(ckpt_dir: Path, resume: str | bool) -> Path:
+    where = ckpt.latest(ckpt_dir) if resume is True else Path(resume)
+    if where is not None and where.is_dir() and not (where / "state.json").exists():
+        where = ckpt.latest(where)
+    if where is None or not (where / "state.json").exists():
+        raise RunError(f"no checkpoint to resume from in {ckpt_dir if resume is True else resume}")
+    return where
+
+
+def resume_from(s: Session, where: Path, total: int) -> ckpt.TrainState:
+    """Load checkpoint ``where`` into the session; refuse one whose data position would mean
+    other batches; drop metrics past its step."""
+    state, tensors, moments = ckpt.load(where, s.cfg.model.path)
+    if state.resume_key is None:
+        s.log(f"warning: {where} predates resume checks; the data and batch settings cannot "
+              f"be compared with the checkpoint's")
+    else:
+        now = s.resume_key()
+        changed = [k for k in now if state.resume_key.get(k) != now[k]]
+        if changed:
+            what = "; ".join(
+                f"{k}: {_short(state.resume_key.get(k))} -> {_short(now[k])}" for k in changed)
+            raise RunError(
+                f"cannot resume from {where}: {what}. The checkpoint's position in the data "
+                f"would point at other batches. Restore the setting, or start a new run "
+                f"(another output.dir)")
+    if state.total_steps is not None and state.total_steps != total:
+        t = s.cfg.train
+        before = schedule(t.schedule, state.step, state.total_steps, t.lr, t.warmup)
+        after = schedule(t.schedule, state.step, total, t.lr, t.warmup)
+        s.log(f"the run now ends at step {total} (was {state.total_steps}): the "
+              f"{t.schedule} schedule is recomputed over {total} steps; lr at step "
+              f"{state.step + 1}: {before:.3g} -> {after:.3g}")
+    s.adapter.set(tensors)
+    s.trainer.acc.set_moments(moments)
+    s.trainer.opt.t = state.adam_t
+    metrics = s.out / "metrics.jsonl"
+    kept = [r for r in read_metrics(metrics) if r.get("step", 0) <= state.step]
+    atomic.write_bytes(metrics, "".join(json.dumps(r) + "\n" for r in kept).encode())
+    s.log(f"resuming from {where} at step {state.step}")
+    return state
+
+
+def _short(v) -> str:
+    return f"{v[:12]}…" if isinstance(v, str) and len(v) == 64 else repr(v)
+
+
+# --------------------------------------------------------------------------- the loop
+
+class Loop:
+    """The step loop's state and the things it writes: metrics, checkpoints, validation."""
+
+    def __init__(self, s: Session, total: int, step: int, bar):
+        self.s, self.total, self.step, self.bar = s, total, step, bar
+        self.metrics = open(s.out / "metrics.jsonl", "a")
+        self.ckpt_dir = s.out / "checkpoints"
+        self.adapter_path = s.out / "adapter.gguf"
+        self.fingerprint = ckpt.base_fingerprint(s.cfg.model.path)
+        self.saved_step: int | None = None       # step of the newest checkpoint written
+        self.position = (0, 0)                   # (epoch, index) of the next step
+        self.last_eval: dict | None = None
+        self.tokens_seen = 0
+        self.t_start = time.perf_counter()
+
+    def record(self, rec: dict) -> None:
+        self.metrics.write(json.dumps(rec) + "\n")
+        self.metrics.flush()
+
+    def validate(self) -> dict | None:
+        s = self.s
+        if not s.valid_batches:
+            return None
+        ev = s.trainer.evaluate(s.valid_batches)
+        self.record({"step": self.step, "split": "valid", **ev, "drift": s.adapter.drift()})
+        msg = (f"step {self.step}: validation loss {ev['loss']:.4f}  accuracy "
+               f"{ev['accuracy']:.3f}  perplexity {ev['perplexity']:.2f}  "
+               f"({ev['n_valid']} targets)")
+        if self.bar is not None:
+            self.bar.write(msg)
+        self.last_eval = ev
+        return ev
+
+    def checkpoint(self) -> Path:
+        """Adapter files of the run plus checkpoint ``step-N`` recording the next position."""
+        s = self.s
+        save_adapter(s.model, s.adapter, self.adapter_path, s.cfg.output.formats)
+        epoch, index = self.position
+        state = ckpt.TrainState(self.step, epoch, index, s.trainer.opt.t, self.fingerprint,
+                                total_steps=self.total, resume_key=s.resume_key())
+        where = ckpt.save(self.ckpt_dir, self.step, s.adapter, s.trainer.acc.moments(), state,
+                          keep=s.cfg.output.keep_checkpoints)
+        self.saved_step = self.step
+        return where
+
+    def done(self, epoch: int) -> bool:
+        t = self.s.cfg.train
+        return self.step >= self.total or (not t.max_steps and epoch >= t.epochs)
+
+    def run(self, start: tuple[int, int], interrupt: Interrupt) -> None:
+        s, t = self.s, self.s.cfg.train
+        self.position = start
+        for epoch, index, micro in s.steps_from(*start):
+            if self.done(epoch):
+                return
+            lr = schedule(t.schedule, self.step, self.total, t.lr, t.warmup)
+            r = s.trainer.step(micro, lr)              # NonFiniteLoss: nothing was changed
+            self.position = (epoch, index + 1)
+            if r is None:                              # no valid target: skipped, counted
+                self.record({"step": self.step + 1, "skipped": "no valid targets"})
+                continue
+            self.step += 1
+            self.tokens_seen += r.tokens
+            self.record({"step": self.step, "epoch": epoch, "loss": r.loss, "n_valid": r.n_valid,
+                         "lr": lr, "grad_norm": r.grad_norm, "clip": r.clip, "tokens": r.tokens,
+                         "tokens_per_s": r.tokens / r.seconds if r.seconds > 0 else None,
+                         "drift": s.adapter.drift()})
+            if self.bar is not None:
+                el = time.perf_counter() - self.t_start
+                self.bar.set_postfix(loss=f"{r.loss:.4f}", tok_s=f"{self.tokens_seen / el:.0f}",
+                                     lr=f"{lr:.2e}")
+                self.bar.update(1)
+            if t.eval_every and self.step % t.eval_every == 0 and self.step < self.total:
+                self.validate()
+            if t.save_every and self.step % t.save_every == 0:
+                self.checkpoint()
+            if interrupt.requested:
+                where = self.checkpoint() if self.saved_step != self.step else \
+                    self.ckpt_dir / f"step-{self.step:07d}"
+                raise Interrupted(f"interrupted by {interrupt.requested} after step {self.step}; "
+                                  f"checkpoint {where} (resume with --resume)")
+
+    def close(self) -> None:
+        self.metrics.close()
+        if self.bar is not None:
+            self.bar.close()
+        plot_losses(self.s.out / "metrics.jsonl", self.s.out / "loss.png")
+
+
+# --------------------------------------------------------------------------- train
 
 def train(cfg: Config, progress: bool = True, log=print, resume: str | bool | None = None
           ) -> RunResult:
@@ -124,149 +382,53 @@ def train(cfg: Config, progress: bool = True, log=print, resume: str | bool | No
         raise RunError("lora.dropout > 0 is not supported yet (ggml has no random op to draw "
                        "dropout masks inside the graph); set lora.dropout = 0")
     out = output_dir(cfg)
-    (out / "config.toml").write_text(cfg.to_toml())
-    model = load_model(cfg.model.path, cfg.model.device, cfg.model.threads, cfg.model.type_policy)
-    tok = model.tokenizer
-    splits = load_data(cfg.data, tok)
-    stats = {"train": splits.train_stats.to_dict(),
-             "valid": splits.valid_stats.to_dict() if splits.valid_stats else None}
-    log(splits.train_stats.summary())
-    names = select_targets(model.config, cfg.lora.targets, cfg.lora.skip_ssm)
-    adapter = lora_mod.create(model.runtime, model.config, names, cfg.lora.rank, cfg.lora.alpha,
-                              seed=cfg.lora.seed if cfg.lora.seed is not None else cfg.train.seed,
-                              init=cfg.lora.init)
-    t = cfg.train
-    hp = AdamW(lr=t.lr, beta1=t.adam_beta1, beta2=t.adam_beta2, eps=t.adam_eps,
-               weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm)
-    trainer = Trainer(model, adapter, hp, buggy_loss=t.loss_bug_repro)
-    pad = pad_token_id(tok)
-    seed = cfg.data.shuffle_seed if cfg.data.shuffle_seed is not None else t.seed
-    valid_batches = make_batches(splits.valid, t.batch_size, cfg.data.packing, seed, shuffle=False,
-                                 max_seq_len=cfg.data.max_seq_len, pad_id=pad) if splits.valid else []
+    atomic.write_bytes(out / "config.toml", cfg.to_toml().encode())
+    s = open_session(cfg, out, log)
+    try:
+        return _train(s, progress, resume)
+    finally:
+        s.close()
 
-    def epoch_steps(epoch: int) -> list[list]:
-        b = make_batches(splits.train, t.batch_size, cfg.data.packing, seed + epoch,
-                         max_seq_len=cfg.data.max_seq_len, pad_id=pad)
-        if epoch == 0:
-            splits.train_stats.record_batches(b)
-            stats["train"] = splits.train_stats.to_dict()
-        return step_batches(b, t.grad_accum)
 
-    first = epoch_steps(0)
-    total = t.max_steps if t.max_steps else t.epochs * len(first)
-    (out / "data_stats.json").write_text(json.dumps(stats, indent=2) + "\n")
-    fingerprint = ckpt.base_fingerprint(cfg.model.path)
-    ckpt_dir = out / "checkpoints"
-    step, epoch, position = 0, 0, 0
+def _train(s: Session, progress: bool, resume: str | bool | None) -> RunResult:
+    total = s.total_steps()
+    atomic.write_bytes(s.out / "data_stats.json", (json.dumps(s.stats, indent=2) + "\n").encode())
+    step, start = 0, (0, 0)
     if resume:
-        where = ckpt.latest(ckpt_dir) if resume is True else Path(resume)
-        if where is not None and where.is_dir() and not (where / "state.json").exists():
-            where = ckpt.latest(where)
-        if where is None or not (where / "state.json").exists():
-            raise RunError(f"no checkpoint to resume from in {ckpt_dir if resume is True else resume}")
-        state, tensors, moments = ckpt.load(where, cfg.model.path)
-        adapter.set(tensors)
-        trainer.acc.set_moments(moments)
-        trainer.opt.t = state.adam_t
-        step, epoch, position = state.step, state.epoch, state.position
-        log(f"resuming from {where} at step {step}")
-    metrics_path = out / "metrics.jsonl"
-    metrics = open(metrics_path, "a" if resume else "w")
-    adapter_path = out / "adapter.gguf"
+        state = resume_from(s, find_checkpoint(s.out / "checkpoints", resume), total)
+        step, start = state.step, (state.epoch, state.position)
+        if step >= total:
+            s.log(f"the run is already at step {step} of {total}: nothing to train (raise "
+                  f"train.max_steps or train.epochs to continue it)")
+    else:
+        atomic.write_bytes(s.out / "metrics.jsonl", b"")
     bar = None
     if progress:
         from tqdm import tqdm
-        bar = tqdm(total=total, unit="step", dynamic_ncols=True, file=sys.stderr)
-
-    def validate(step: int) -> dict | None:
-        if not valid_batches:
-            return None
-        ev = trainer.evaluate(valid_batches)
-        rec = {"step": step, "split": "valid", **ev, "drift": adapter.drift()}
-        metrics.write(json.dumps(rec) + "\n")
-        metrics.flush()
-        if bar is not None:
-            bar.write(f"step {step}: validation loss {ev['loss']:.4f}  accuracy {ev['accuracy']:.3f}  "
-                      f"perplexity {ev['perplexity']:.2f}  ({ev['n_valid']} targets)")
-        return ev
-
-    def checkpoint(pos_epoch: int, pos: int) -> Path:
-        state = ckpt.TrainState(step, pos_epoch, pos, trainer.opt.t, fingerprint)
-        save_adapter(model, adapter, adapter_path, cfg.output.formats)
-        return ckpt.save(ckpt_dir, step, adapter, trainer.acc.moments(), state,
-                         keep=cfg.output.keep_checkpoints)
-
-    stopped, last_eval = None, None
-    if not resume:
-        validate(0)   # the base model's validation metrics: the "before" of the run
-    schedule_steps = first if epoch == 0 else epoch_steps(epoch)
-    if bar is not None:
-        bar.update(step)
-    t_start = time.perf_counter()
-    tokens_seen = 0
-    interrupt = Interrupt().__enter__()
+        bar = tqdm(total=total, initial=step, unit="step", dynamic_ncols=True, file=sys.stderr)
+    loop = Loop(s, total, step, bar)
+    if resume:
+        loop.saved_step = step                 # that checkpoint exists: not written again
+    else:
+        loop.validate()                        # the base model's metrics: the "before"
     try:
-        while step < total:
-            for pos in range(position, len(schedule_steps)):
-                micro = schedule_steps[pos]
-                if step >= total:
-                    break
-                lr = schedule(t.schedule, step, total, t.lr, t.warmup)
-                try:
-                    r = trainer.step(micro, lr)
-                except NonFiniteLoss as e:
-                    stopped = f"stopped at step {step + 1}: {e}; kept the adapter from step {step}"
-                    raise
-                if r is None:   # no valid target in this step: skipped, counted
-                    metrics.write(json.dumps({"step": step + 1, "skipped": "no valid targets"}) + "\n")
-                    continue
-                step += 1
-                tokens_seen += r.tokens
-                rec = {"step": step, "epoch": epoch, "loss": r.loss, "n_valid": r.n_valid, "lr": lr,
-                       "grad_norm": r.grad_norm, "clip": r.clip, "tokens": r.tokens,
-                       "tokens_per_s": r.tokens / r.seconds if r.seconds > 0 else None,
-                       "drift": adapter.drift()}
-                metrics.write(json.dumps(rec) + "\n")
-                metrics.flush()
-                if bar is not None:
-                    el = time.perf_counter() - t_start
-                    bar.set_postfix(loss=f"{r.loss:.4f}", tok_s=f"{tokens_seen / el:.0f}", lr=f"{lr:.2e}")
-                    bar.update(1)
-                if t.eval_every and step % t.eval_every == 0 and step < total:
-                    last_eval = validate(step)
-                at_end_of_epoch = pos + 1 == len(schedule_steps)
-                nxt = (epoch + 1, 0) if at_end_of_epoch else (epoch, pos + 1)
-                if t.save_every and step % t.save_every == 0:
-                    checkpoint(*nxt)
-                if interrupt.requested:
-                    where = checkpoint(*nxt)
-                    raise RunError(f"interrupted by {interrupt.requested} after step {step}; "
-                                   f"checkpoint {where} (resume with --resume)")
-            epoch += 1
-            position = 0
-            if step < total:
-                schedule_steps = epoch_steps(epoch)
-    except NonFiniteLoss:
-        save_adapter(model, adapter, adapter_path, cfg.output.formats)   # still the last good ones
-        metrics.write(json.dumps({"step": step + 1, "stopped": stopped}) + "\n")
-        metrics.close()
-        if bar is not None:
-            bar.close()
-        plot_losses(metrics_path, out / "loss.png")
-        raise RunError(f"{stopped}: {adapter_path}")
-    except RunError:
-        metrics.close()
-        if bar is not None:
-            bar.close()
-        plot_losses(metrics_path, out / "loss.png")
+        with Interrupt() as interrupt:
+            loop.run(start, interrupt)
+    except NonFiniteLoss as e:
+        stopped = (f"stopped at step {loop.step + 1}: {e}; kept the adapter from step "
+                   f"{loop.step}")
+        save_adapter(s.model, s.adapter, loop.adapter_path, s.cfg.output.formats)
+        loop.record({"step": loop.step + 1, "stopped": stopped})
+        loop.close()
+        raise RunError(f"{stopped}: {loop.adapter_path}") from None
+    except BaseException:
+        loop.close()
         raise
-    finally:
-        interrupt.__exit__()
-    if bar is not None:
-        bar.close()
-    last_eval = validate(step)
-    checkpoint(epoch, 0)
-    metrics.close()
-    plot_losses(metrics_path, out / "loss.png")
-    trainer.close()
-    return RunResult(out, adapter_path, step, last_eval, stopped)
+    if loop.step > step or not resume:         # a resumed run with nothing left to do
+        loop.validate()                        # writes nothing new
+    if loop.saved_step != loop.step:
+        loop.checkpoint()
+    elif not loop.adapter_path.exists():
+        save_adapter(s.model, s.adapter, loop.adapter_path, s.cfg.output.formats)
+    loop.close()
+    return RunResult(s.out, loop.adapter_path, loop.step, loop.last_eval)

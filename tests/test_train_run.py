@@ -4,6 +4,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from pytrain.adapter_gguf import read_lora_gguf
 from pytrain.cli import main
@@ -151,3 +152,91 @@ def test_a_few_demo_steps_lower_the_validation_loss(tmp_path):
     # measured (lr 5e-3 constant, seeds 0-3): 3.28 -> 0.74-0.79 (accuracy 0.525 -> 0.78);
     # margin half the smallest drop
     assert valid[1]["loss"] < valid[0]["loss"] - 1.2, valid
+
+
+def write_uneven_data(folder: Path) -> None:
+    """Chats of 4 different lengths, so batches of 4 (length-bucketed) differ in width."""
+    def rec(i, animal, sound):
+        q = f"What does the {animal} say?" + " Tell me, please." * (i % 4) * 3
+        return {"messages": [{"role": "user", "content": q},
+                             {"role": "assistant", "content": f"The {animal} says {sound}."}]}
+    recs = [rec(i, a, s) for i, (a, s) in enumerate(ANIMALS * 4)]
+    (folder / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    (folder / "valid.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs[:8]))
+
+
+def test_extending_a_finished_run_continues_it(tmp_path, capsys):
+    """max_steps 2 (save_every 2) trained to the end, then `--set train.max_steps=4 --resume`:
+    steps 3 and 4 are the next batches of epoch 0, and the adapter equals that of one
+    uninterrupted 4-step run (constant schedule).  The batches have different widths."""
+    from pytrain.checkpoint import latest
+    from pytrain.data import make_batches
+    write_uneven_data(tmp_path)
+    cfg = write_config(tmp_path, max_steps=4, batch_size=4, eval_every=0, formats=["gguf"])
+    assert main(["train", str(cfg), "--no-progress", "--set", f"output.dir={tmp_path / 'a'}"]) == 0
+    straight = adapter_of(tmp_path / "a")
+    b = ["--set", f"output.dir={tmp_path / 'b'}"]
+    assert main(["train", str(cfg), "--no-progress", *b, "--set", "train.max_steps=2",
+                 "--set", "train.save_every=2"]) == 0
+    state = json.loads((latest(tmp_path / "b" / "checkpoints") / "state.json").read_text())
+    assert (state["step"], state["epoch"], state["position"]) == (2, 0, 2)
+    assert sorted(p.name for p in (tmp_path / "b" / "checkpoints").iterdir()) == ["step-0000002"]
+    capsys.readouterr()
+    assert main(["train", str(cfg), "--no-progress", *b, "--resume"]) == 0
+    assert "the run now ends at step 4 (was 2)" in capsys.readouterr().out
+    extended = adapter_of(tmp_path / "b")
+    for k, v in straight.items():
+        np.testing.assert_allclose(extended[k], v, atol=1e-6, rtol=0, err_msg=k)
+    recs = records(tmp_path / "b")
+    assert [r["step"] for r in recs if "loss" in r and "split" not in r] == [1, 2, 3, 4]
+    assert [r["epoch"] for r in recs if "epoch" in r] == [0, 0, 0, 0]
+    assert [r["step"] for r in recs if r.get("split") == "valid"] == [0, 2, 4]
+    # the run's 8 batches of epoch 0 do have different widths
+    widths = {b.tokens.shape[1] for b in make_batches(_examples(cfg), 4, seed=0)}
+    assert len(widths) > 1, widths
+    # resuming a run that is already at its end trains nothing and changes nothing
+    capsys.readouterr()
+    assert main(["train", str(cfg), "--no-progress", *b, "--resume"]) == 0
+    assert "nothing to train" in capsys.readouterr().out
+    assert records(tmp_path / "b") == recs
+    for k, v in extended.items():
+        np.testing.assert_array_equal(adapter_of(tmp_path / "b")[k], v)
+
+
+def _examples(cfg: Path):
+    from pytrain.config import load_config
+    from pytrain.data import load_data
+    from pytrain.model import load_model
+    c = load_config(cfg, [])
+    m = load_model(c.model.path, "cpu", 1)
+    try:
+        return load_data(c.data, m.tokenizer).train
+    finally:
+        m.close()
+
+
+@pytest.mark.parametrize("change, named", [
+    (["--set", "train.batch_size=2"], "train.batch_size: 4 -> 2"),
+    (["--set", "data.packing=true"], "data.packing: False -> True"),
+    (["--set", "train.grad_accum=2"], "train.grad_accum: 1 -> 2"),
+    (["--set", "data.train={tmp}/other.jsonl"], "training examples"),
+])
+def test_resume_refuses_other_batches(tmp_path, capsys, change, named):
+    """A checkpoint's position means "the k-th step of this batch order": a resume whose
+    batch size, accumulation, packing or training examples differ is refused, naming what
+    changed, and nothing in the run folder changes."""
+    write_uneven_data(tmp_path)
+    lines = (tmp_path / "train.jsonl").read_text().splitlines()
+    (tmp_path / "other.jsonl").write_text("\n".join(lines[1:]) + "\n")
+    cfg = write_config(tmp_path, max_steps=2, batch_size=4, eval_every=0, formats=["gguf"])
+    assert main(["train", str(cfg), "--no-progress"]) == 0
+    before = (tmp_path / "out" / "metrics.jsonl").read_text()
+    adapter = adapter_of(tmp_path / "out")
+    capsys.readouterr()
+    assert main(["train", str(cfg), "--no-progress", "--resume", "--set",
+                 "train.max_steps=4", *(c.format(tmp=tmp_path) for c in change)]) == 1
+    err = capsys.readouterr().err
+    assert "cannot resume from" in err and named in err, err
+    assert (tmp_path / "out" / "metrics.jsonl").read_text() == before
+    for k, v in adapter.items():
+        np.testing.assert_array_equal(adapter_of(tmp_path / "out")[k], v)
