@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -92,6 +93,47 @@ def restore(gold, s, tag, folder: Path) -> Path:
     return folder
 
 
+def peft_saved(gold, s):
+    """What PEFT's own ``save_pretrained`` wrote after loading set ``s`` (the golden's
+    S/peft_saved): the parsed adapter_config.json and the safetensors bytes."""
+    cfg = json.loads(gold[f"{s}/peft_saved/{CONFIG_NAME}"].tobytes())
+    return cfg, gold[f"{s}/peft_saved/{WEIGHTS_NAME}"].tobytes()
+
+
+def peft_wrapped(gold, s):
+    """The modules PEFT wrapped when it loaded set ``s``: those its save holds lora_A/B for."""
+    from safetensors.numpy import load
+    return {k.removeprefix("base_model.model.").rsplit(".lora_", 1)[0]
+            for k in load(peft_saved(gold, s)[1])}
+
+
+def peft_selects(cfg, key):
+    """PEFT's rule for whether adapter config ``cfg`` targets module ``key`` (peft
+    tuners_utils.check_target_module_exists, list target_modules, no exclude_modules):
+    the full name or a ".name" suffix, and with layers_to_transform, the number after
+    ".<layers_pattern>." must be one of them."""
+    targets = cfg["target_modules"]
+    if key in targets:
+        return True
+    if not any(key.endswith("." + t) for t in targets):
+        return False
+    layers = cfg.get("layers_to_transform")
+    if layers is None or (isinstance(layers, list) and not layers):
+        return True
+    patterns = cfg.get("layers_pattern")
+    if not patterns:
+        m = re.match(r".*\.[^.]*\.(\d+)\.", key)
+    else:
+        m = None
+        for pat in [patterns] if isinstance(patterns, str) else patterns:
+            m = re.match(rf".*\.{pat}\.(\d+)\.", key)
+            if m is not None:
+                break
+    if m is None:
+        return False
+    return int(m.group(1)) == layers if isinstance(layers, int) else int(m.group(1)) in layers
+
+
 # --------------------------------------------------------------------------- logits vs HF + PEFT
 
 @pytest.mark.parametrize("s", SETS)
@@ -134,13 +176,19 @@ def test_value_head_reorder_is_needed(gold, model, tmp_path):
 
 @pytest.mark.parametrize("s", SETS)
 def test_config_is_what_peft_writes(gold, model, s):
+    """adapter_config.json against PEFT itself: the file PEFT writes for the same targets
+    (get_peft_model + save_pretrained), the one it re-saved after loading pytrain's folder, and
+    PEFT's target-matching rule applied to the config written now selects exactly the modules
+    PEFT wrapped (the modules its save holds weights for)."""
     tensors = tensor_set(gold, s)
     alpha, rank = float(gold[f"{s}/alpha"]), int(gold[f"{s}/rank"])
     ours = peft_config_dict(bases_of(tensors), alpha, rank, model_config=model.config)
-    assert json.loads(str(gold[f"{s}/config_json"])) == ours      # the writer has not drifted
-    theirs = json.loads(str(gold[f"{s}/peft_config_json"]))
-    theirs["target_modules"] = sorted(theirs["target_modules"])
-    assert ours == theirs
+    for theirs in (json.loads(str(gold[f"{s}/peft_config_json"])), peft_saved(gold, s)[0]):
+        theirs["target_modules"] = sorted(theirs["target_modules"])    # PEFT saves a set
+        assert ours == theirs
+    universe = peft_wrapped(gold, "all")              # every module pytrain adapts, all layers
+    assert len(universe) == 30
+    assert {k for k in universe if peft_selects(ours, k)} == peft_wrapped(gold, s)
     if s == "all":
         assert ours["layers_to_transform"] == [0, 1, 2, 3] and ours["layers_pattern"] == "layers"
         assert "q_proj" in ours["target_modules"] and "in_proj_qkv" in ours["target_modules"]
@@ -194,10 +242,15 @@ def test_write_read_round_trip_exact(gold, model, tmp_path, s):
     for k in tensors:
         assert back[k].dtype == np.float32 and np.array_equal(back[k], tensors[k]), k
     assert read_peft_metadata(folder) == {"format": "pt", "pytrain.step": "12", "note": "x"}
-    # the safetensors file is the one PEFT loaded in the golden (same bytes, same config)
-    again = write_peft_adapter(tmp_path / "ad2", tensors, alpha, rank,
-                               metadata={"pytrain.fixture": s}, model_config=model.config)
-    assert (again / CONFIG_NAME).read_text() == str(gold[f"{s}/config_json"])
+    # without extra metadata, the folder is what PEFT's own save_pretrained wrote after loading
+    # it: the same safetensors bytes (names, order, dtypes, shapes, values, header), the same
+    # config but for the order of target_modules (PEFT saves a set)
+    again = write_peft_adapter(tmp_path / "ad2", tensors, alpha, rank, model_config=model.config)
+    peft_cfg, peft_weights = peft_saved(gold, s)
+    assert (again / WEIGHTS_NAME).read_bytes() == peft_weights
+    cfg = json.loads((again / CONFIG_NAME).read_text())
+    assert cfg.pop("target_modules") == sorted(peft_cfg.pop("target_modules"))
+    assert cfg == peft_cfg
 
 
 def test_round_trip_conditional_generation_prefix(model, tmp_path, rng):
