@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from pytrain import checkpoint as ckpt
 from pytrain.cli import main
@@ -19,49 +20,88 @@ ROOT = Path(__file__).resolve().parent.parent
 FIX = ROOT / "tests" / "fixtures" / "qwen35"
 
 SAVER = textwrap.dedent("""
-    import sys, numpy as np
+    import os, shutil, sys, time
+    import numpy as np
     from pathlib import Path
     from pytrain import checkpoint as ckpt
 
     class Adapter:   # what ckpt.save needs of a LoraAdapter: alpha and get()
         alpha = 8.0
-        def __init__(self, step):
-            rng = np.random.default_rng(step)
+        def __init__(self, version):
+            rng = np.random.default_rng(version)
             self.t = {"blk.1.attn_q.weight.lora_a": rng.normal(size=(4, 64)).astype(np.float32),
                       "blk.1.attn_q.weight.lora_b": rng.normal(size=(128, 4)).astype(np.float32)}
         def get(self):
             return self.t
 
-    folder, model = Path(sys.argv[1]), sys.argv[2]
+    folder, model, freeze_at = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+    armed = False
+
+    def phase(name):
+        # the saver's steps, reported as they happen; at the chosen one it freezes there
+        # until the test's SIGKILL lands
+        if armed:
+            print(f"phase {name}", flush=True)
+            if name == freeze_at:
+                print(f"frozen at {name}", flush=True)
+                time.sleep(600)
+
+    real_replace, real_savez = os.replace, np.savez
+    def replace(src, dst):
+        real_replace(src, dst)
+        if Path(dst).name.startswith(".replaced-"):
+            phase("old-moved-aside")
+        elif Path(src).name.startswith(".tmp-"):
+            phase("new-in-place")
+    def savez(f, **arrays):
+        phase("half-written")
+        real_savez(f, **arrays)
+    os.replace, np.savez = replace, savez
+
     fp = ckpt.base_fingerprint(model)
-    big = {"m.x": np.random.default_rng(0).normal(size=(3_000_000,)).astype(np.float32)}
-    step = 0
-    while True:
-        step += 1
-        ckpt.save(folder, step, Adapter(step), big, ckpt.TrainState(step, 0, step, step, fp), keep=2)
-        print(step, flush=True)
+    big = {"m.x": np.random.default_rng(0).normal(size=(300_000,)).astype(np.float32)}
+    def save(step, version):
+        ckpt.save(folder, step, Adapter(version), big,
+                  ckpt.TrainState(step, 0, step, version, fp), keep=3)
+    save(1, 1)
+    save(2, 2)
+    armed = True
+    save(2, 102)         # step 2 again (a run resumed from step 1): replaces the first one
+    print("done", flush=True)
 """)
 
 
-def test_sigkill_during_save_leaves_the_previous_checkpoint_loadable(tmp_path):
+@pytest.mark.parametrize("freeze_at, survivor", [
+    ("half-written", 2), ("old-moved-aside", 2), ("new-in-place", 102)])
+def test_sigkill_inside_a_checkpoint_save_loses_nothing(tmp_path, freeze_at, survivor):
+    """A saver replaces checkpoint step-2 with a new step-2 and is SIGKILLed at a chosen point
+    inside that save: while the new files are half written, after the old checkpoint was
+    moved aside, after the new one is in place.  Its own report ("frozen at ...") proves the
+    kill landed there.  Afterwards ``latest`` finds a complete step-2, the old one or the new
+    one (``adam_t`` says which), with its own tensors, and no temporary folder is left."""
     script = tmp_path / "saver.py"
     script.write_text(SAVER)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    for attempt, delay in enumerate((0.05, 0.13, 0.21)):
-        folder = tmp_path / f"ck{attempt}"
-        p = subprocess.Popen([sys.executable, str(script), str(folder), str(FIX / "gqa-f32.gguf")],
-                             stdout=subprocess.PIPE, env=env, text=True)
-        assert p.stdout.readline().strip() == "1"      # one complete checkpoint exists
-        time.sleep(delay)                                # now somewhere inside a later save
-        p.send_signal(signal.SIGKILL)
-        p.wait()
-        last = ckpt.latest(folder)
-        assert last is not None
-        state, tensors, moments = ckpt.load(last, str(FIX / "gqa-f32.gguf"))
-        assert last.name == f"step-{state.step:07d}"
-        want = np.random.default_rng(state.step).normal(size=(4, 64)).astype(np.float32)
-        np.testing.assert_array_equal(tensors["blk.1.attn_q.weight.lora_a"], want)
-        assert moments["m.x"].shape == (3_000_000,)
+    folder = tmp_path / "ck"
+    p = subprocess.Popen([sys.executable, str(script), str(folder), str(FIX / "gqa-f32.gguf"),
+                          freeze_at], stdout=subprocess.PIPE, env=env, text=True)
+    seen = []
+    for line in p.stdout:
+        seen.append(line.strip())
+        if line.startswith("frozen at"):
+            break
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    assert seen[-1] == f"frozen at {freeze_at}", seen
+    assert "done" not in seen
+    last = ckpt.latest(folder)
+    assert last is not None and last.name == "step-0000002"
+    state, tensors, moments = ckpt.load(last, str(FIX / "gqa-f32.gguf"))
+    assert state.step == 2 and state.adam_t == survivor
+    want = np.random.default_rng(survivor).normal(size=(4, 64)).astype(np.float32)
+    np.testing.assert_array_equal(tensors["blk.1.attn_q.weight.lora_a"], want)
+    assert moments["m.x"].shape == (300_000,)
+    assert sorted(x.name for x in folder.iterdir()) == ["step-0000001", "step-0000002"]
 
 
 def write_run(tmp_path: Path, out: str) -> Path:
