@@ -10,7 +10,7 @@ Models (``--models``, comma-separated, default ``default,mid,2b``):
     default  the embedded ``pytrain/data/default-model.gguf`` (skipped with a message when absent);
              HF runs only when its HF checkpoint (``--default-hf``, default
              /tmp/pytrain-default-model/hf, left by scripts/make_default_model.py) exists
-    mid      DESIGN.md's CPU benchmark shape: hidden 512, 8 layers (full attention at 3 and 7),
+    mid      the project's CPU benchmark shape: hidden 512, 8 layers (full attention at 3 and 7),
              8 q / 2 kv heads x 64, FFN 1536, DeltaNet 4 key / 4 value heads x 64, vocab 151936,
              tied; random weights; F32 GGUF; batch 2 x 256, 5 timed runs
     2b       the Qwen3.5-2B shape: hidden 2048, 24 layers (full attention every 4th), 8 q / 2 kv

@@ -11,7 +11,7 @@ Models (``--models``, comma-separated, default ``default,mid,mid-v248k``):
     default    the embedded ``pytrain/data/default-model.gguf`` (``--default-gguf``; skipped with a
                message when absent); HF runs only when its HF checkpoint (``--default-hf``, default
                /tmp/pytrain-default-model/hf, left by scripts/make_default_model.py) exists
-    mid        DESIGN.md's CPU benchmark shape (hidden 512, 8 layers with full attention at 3 and 7,
+    mid        the project's CPU benchmark shape (hidden 512, 8 layers with full attention at 3 and 7,
                8/2 heads x 64, FFN 1536, DeltaNet 4/4 x 64, vocab 151936, tied; random weights, F32),
                made and cached by scripts/bench_forward.py's code (same cache folder)
     mid-v248k  the same shape with Qwen3.5's real vocabulary, 248320 (made the same way here)

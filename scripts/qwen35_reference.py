@@ -462,7 +462,7 @@ def expected_gguf_tensors(model) -> dict:
     """Our own statement of the converter's transforms: HF state dict -> GGUF name -> array.
 
     Independent of the converter code; comparing it with a converted F32 file proves the layout
-    notes in DESIGN.md (norm +1 except the DeltaNet gated norm, ssm_a = -exp(A_log), conv squeezed,
+    notes in docs/formats.md (norm +1 except the DeltaNet gated norm, ssm_a = -exp(A_log), conv squeezed,
     value heads grouped -> tiled, attn_q rows per head [query | gate], tied embeddings).
     """
     import numpy as np
