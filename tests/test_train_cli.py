@@ -1,0 +1,448 @@
+"""`pytrain train` end to end for what README.md promises about a run and about "runs that lose
+nothing": SIGTERM and a second Ctrl-C on a real subprocess, checkpoint pruning
+(output.keep_checkpoints), gradient accumulation, packing and data.on_error = "skip".
+
+All runs use the converter-made gqa fixture on the CPU with a small chat dataset; each takes a
+second or two."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pytrain import checkpoint as ckpt
+from pytrain.adapter_gguf import read_lora_gguf
+from pytrain.cli import main
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL = ROOT / "tests" / "fixtures" / "qwen35" / "gqa-f32.gguf"
+ANIMALS = [("cow", "moo"), ("dog", "woof"), ("cat", "meow"), ("duck", "quack"), ("sheep", "baa"),
+           ("pig", "oink"), ("owl", "hoot"), ("frog", "ribbit")]
+
+
+# ------------------------------------------------------------------------------- helpers
+def chat(animal: str, sound: str) -> dict:
+    return {"messages": [{"role": "user", "content": f"What does the {animal} say?"},
+                         {"role": "assistant", "content": f"The {animal} says {sound}."}]}
+
+
+def write_jsonl(path: Path, recs) -> Path:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in recs))
+    return path
+
+
+def write_data(folder: Path, copies: int = 4) -> None:
+    """train.jsonl: the 8 animals ``copies`` times (examples of a few different lengths);
+    valid.jsonl: each animal once."""
+    write_jsonl(folder / "train.jsonl", [chat(a, s) for a, s in ANIMALS * copies])
+    write_jsonl(folder / "valid.jsonl", [chat(a, s) for a, s in ANIMALS])
+
+
+def toml_table(values: dict) -> str:
+    return "\n".join(f"{k} = {json.dumps(v)}" for k, v in values.items())
+
+
+def write_config(folder: Path, name: str = "run.toml", *, data=None, output=None, threads=2,
+                 **train) -> Path:
+    """A config in ``folder`` (data paths relative to it), output.dir ``folder/out`` unless
+    ``output`` says otherwise."""
+    t = {"batch_size": 8, "lr": 5e-3, "schedule": "constant", "eval_every": 0, **train}
+    d = {"train": "train.jsonl", "validation": "valid.jsonl", **(data or {})}
+    o = {"dir": "out", "formats": ["gguf"], **(output or {})}
+    cfg = folder / name
+    cfg.write_text(f'[model]\npath = "{MODEL}"\ndevice = "cpu"\nthreads = {threads}\n'
+                   f'[data]\n{toml_table(d)}\n[lora]\nrank = 8\nalpha = 16.0\n'
+                   f'[train]\n{toml_table(t)}\n[output]\n{toml_table(o)}\n')
+    return cfg
+
+
+def records(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def step_records(out: Path) -> list[dict]:
+    return [r for r in records(out) if "loss" in r and r.get("split") != "valid"]
+
+
+def valid_records(out: Path) -> list[dict]:
+    return [r for r in records(out) if r.get("split") == "valid"]
+
+
+def data_stats(out: Path) -> dict:
+    return json.loads((out / "data_stats.json").read_text())
+
+
+def adapter_of(path: Path) -> dict:
+    return read_lora_gguf(path)[2]
+
+
+def assert_same_adapter(a: dict, b: dict, atol=1e-6, rtol=1e-4) -> None:
+    assert sorted(a) == sorted(b)
+    for k in a:
+        np.testing.assert_allclose(a[k], b[k], atol=atol, rtol=rtol, err_msg=k)
+
+
+def count_step_lines(metrics: Path) -> int:
+    """Complete per-step lines of a metrics.jsonl another process is writing."""
+    if not metrics.exists():
+        return 0
+    n = 0
+    for line in metrics.read_text().splitlines():
+        try:
+            r = json.loads(line)
+        except ValueError:      # a line being written
+            continue
+        n += "loss" in r and r.get("split") != "valid"
+    return n
+
+
+def wait_for(cond, proc: subprocess.Popen, timeout: float, what: str) -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        if proc.poll() is not None:
+            out, err = proc.communicate()
+            pytest.fail(f"the run ended (status {proc.returncode}) before {what}:\n{err[-3000:]}")
+        if time.monotonic() > end:
+            proc.kill()
+            proc.communicate()
+            pytest.fail(f"timed out waiting for {what}")
+        time.sleep(0.002)
+
+
+def checkpoint_steps(folder: Path) -> list[int]:
+    return sorted(int(p.name.split("-")[1]) for p in folder.glob("step-*"))
+
+
+def subprocess_env() -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+# ------------------------------------------------------------------------------- signals
+def test_sigterm_finishes_the_step_checkpoints_exits_130_and_resume_continues(tmp_path, capsys):
+    """`python -m pytrain train` gets SIGTERM once a step line is in metrics.jsonl (so the
+    signal lands during training, never during start-up): the step in flight completes, a
+    checkpoint of exactly that step is written, the exit status is 130 and stderr names
+    SIGTERM; `--resume` then continues from that checkpoint to the last step, and its first
+    step equals the same step of a run that was never interrupted."""
+    write_data(tmp_path)
+    total = 20          # 0.5-1 s of steps: the signal lands long before the run could end
+    cfg = write_config(tmp_path, max_steps=total, threads=1)
+    out = tmp_path / "out"
+    metrics = out / "metrics.jsonl"
+    proc = subprocess.Popen([sys.executable, "-m", "pytrain", "train", str(cfg), "--no-progress"],
+                            cwd=tmp_path, env=subprocess_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: count_step_lines(metrics) >= 1, proc, 120, "the first step line")
+    before = count_step_lines(metrics)
+    proc.send_signal(signal.SIGTERM)
+    after = count_step_lines(metrics)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    done = count_step_lines(metrics)
+    # the step in flight when the signal came was finished, and no other one was started
+    assert before <= done <= after + 1 and done < total, (before, after, done)
+    assert f"interrupted by SIGTERM after step {done}" in err, err
+    ckdir = out / "checkpoints"
+    assert checkpoint_steps(ckdir) == [done]     # save_every = 0: only the interruption's
+    where = ckpt.latest(ckdir)
+    assert where == ckdir / f"step-{done:07d}" and str(where) in err
+    state, tensors, moments = ckpt.load(where, str(MODEL))
+    assert state.step == done and state.adam_t == done and moments
+    assert_same_adapter(tensors, adapter_of(out / "adapter.gguf"), atol=0, rtol=0)
+    assert not list(ckdir.glob(".tmp-*"))
+
+    capsys.readouterr()
+    assert main(["train", str(cfg), "--no-progress", "--resume"]) == 0
+    assert f"resuming from {where} at step {done}" in capsys.readouterr().out
+    steps = step_records(out)
+    assert [r["step"] for r in steps] == list(range(1, total + 1))
+    assert ckpt.latest(ckdir) == ckdir / f"step-{total:07d}"
+    # the first resumed step is step done+1 of an uninterrupted run (constant lr: the schedule
+    # does not depend on the run's length): same data, same optimizer state
+    straight = write_config(tmp_path, "straight.toml", max_steps=done + 1, threads=1,
+                            output={"dir": "straight"})
+    assert main(["train", str(straight), "--no-progress"]) == 0
+    ref = step_records(tmp_path / "straight")
+    for a, b in zip(ref, steps[:done + 1]):
+        assert a["step"] == b["step"] and a["n_valid"] == b["n_valid"] and a["tokens"] == b["tokens"]
+        np.testing.assert_allclose(b["loss"], a["loss"], rtol=1e-5, err_msg=str(a["step"]))
+        np.testing.assert_allclose(b["grad_norm"], a["grad_norm"], rtol=1e-4, err_msg=str(a["step"]))
+
+
+# The second-Ctrl-C test watches the run's progress inside a step: this wrapper runs the
+# `pytrain` command exactly as `python -m pytrain` does, after making every micro-batch's
+# forward + backward (GradGraph.accumulate) append one line to MARKS when it returns.
+WRAPPER = r"""
+import sys
+from pytrain import grad_graph
+marks = open(sys.argv[1], "a", buffering=1)
+real = grad_graph.GradGraph.accumulate
+def accumulate(self, *a, **k):
+    r = real(self, *a, **k)
+    marks.write("x\n")
+    return r
+grad_graph.GradGraph.accumulate = accumulate
+from pytrain.cli import main
+sys.argv = ["pytrain"] + sys.argv[2:]
+raise SystemExit(main())
+"""
+
+
+def test_second_ctrl_c_exits_at_once_without_a_new_checkpoint(tmp_path):
+    """First SIGINT right after step line 3 appears (step 4 has 8 micro-batches to go); the
+    second as soon as step 4 has finished one micro-batch after it -- the first signal's
+    handler has run by then (Python runs it when the interrupted C call returns, before the
+    next Python line), and 7 micro-batches of step 4 remain.  The process must end before step
+    4 is done (no step line 4, no checkpoint 4, remaining 96 steps not run), promptly, and the
+    checkpoints of steps 2 (save_every = 2) stay loadable.  Were the second signal ignored, the
+    run would finish step 4, write step-0000004 and exit 130 "interrupted by SIGINT"."""
+    texts = [{"text": "Tom went to the farm and the cow said moo. " * 8}] * 16   # equal lengths
+    write_jsonl(tmp_path / "train.jsonl", texts)
+    write_jsonl(tmp_path / "valid.jsonl", texts[:1])
+    ga, total = 8, 100
+    cfg = write_config(tmp_path, max_steps=total, batch_size=1, grad_accum=ga, save_every=2,
+                       threads=1)
+    out = tmp_path / "out"
+    metrics, marks, ckdir = out / "metrics.jsonl", tmp_path / "marks", out / "checkpoints"
+    marks.touch()
+
+    def n_marks():
+        return len(marks.read_text().splitlines())
+    proc = subprocess.Popen([sys.executable, "-c", WRAPPER, str(marks), "train", str(cfg),
+                             "--no-progress"], cwd=tmp_path, env=subprocess_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: count_step_lines(metrics) >= 3, proc, 120, "step line 3")
+    t_step3 = time.monotonic()
+    first = n_marks()
+    assert first == 3 * ga and count_step_lines(metrics) == 3
+    proc.send_signal(signal.SIGINT)
+    wait_for(lambda: n_marks() > first, proc, 60, "a micro-batch after the first SIGINT")
+    marks_at_second, lines_at_second = n_marks(), count_step_lines(metrics)
+    ckpts_at_second = checkpoint_steps(ckdir)
+    # still inside step 4, with micro-batches of it left to run
+    assert lines_at_second == 3 and marks_at_second < 4 * ga, (lines_at_second, marks_at_second)
+    assert ckpts_at_second == [2]
+    proc.send_signal(signal.SIGINT)
+    t_second = time.monotonic()
+    try:
+        _, err = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        pytest.fail("the run went on after the second SIGINT")
+    took = time.monotonic() - t_second
+    # exited by the second signal: not the first signal's orderly stop (status 130 after
+    # finishing the step and writing its checkpoint)
+    assert proc.returncode in (-signal.SIGINT, 130), (proc.returncode, err[-2000:])
+    assert "interrupted by SIGINT after step" not in err, err[-2000:]
+    assert count_step_lines(metrics) == 3               # step 4 was never finished
+    assert n_marks() < 4 * ga                           # nor all of its micro-batches run
+    assert checkpoint_steps(ckdir) == ckpts_at_second   # nothing written after the signal
+    assert not list(ckdir.glob(".tmp-*"))
+    # "at once": one micro-batch at most, not the rest of the run (96 steps of 8)
+    per_step = (t_second - t_step3) / (marks_at_second - first) * ga
+    assert took < 5.0 and took < 0.1 * (total - 4) * per_step, (took, per_step)
+    where = ckpt.latest(ckdir)
+    assert where == ckdir / "step-0000002"
+    state, tensors, moments = ckpt.load(where, str(MODEL))
+    assert state.step == 2 and tensors and moments
+
+
+# ------------------------------------------------------------------------------- checkpoints
+@pytest.mark.parametrize("keep, kept", [(2, [4, 5]), (0, [1, 2, 3, 4, 5]), (None, [3, 4, 5])])
+def test_keep_checkpoints_prunes_to_the_newest(tmp_path, keep, kept):
+    """save_every = 1, max_steps = 5: output.keep_checkpoints = 2 leaves step 4 and 5; 0 means
+    "keep all" (config help: "periodic checkpoints kept (0: keep all)"); unset, the default 3.
+    Every kept checkpoint loads and records its own step."""
+    from pytrain.config import OutputConfig
+    if keep is None:
+        assert OutputConfig().keep_checkpoints == 3
+    write_data(tmp_path)
+    cfg = write_config(tmp_path, max_steps=5, save_every=1,
+                       output={} if keep is None else {"keep_checkpoints": keep})
+    assert main(["train", str(cfg), "--no-progress"]) == 0
+    ckdir = tmp_path / "out" / "checkpoints"
+    assert sorted(p.name for p in ckdir.iterdir()) == [f"step-{s:07d}" for s in kept]
+    for s in kept:
+        state, tensors, moments = ckpt.load(ckdir / f"step-{s:07d}", str(MODEL))
+        assert state.step == s and state.adam_t == s and tensors and moments
+    assert ckpt.latest(ckdir) == ckdir / "step-0000005"
+    # the newest checkpoint holds the run's final adapter
+    _, tensors, _ = ckpt.load(ckpt.latest(ckdir), str(MODEL))
+    assert_same_adapter(tensors, adapter_of(tmp_path / "out" / "adapter.gguf"), atol=0, rtol=0)
+
+
+@pytest.mark.xfail(strict=True, reason="run.py writes the end-of-run checkpoint with the epoch "
+                   "counter already advanced past a partly used epoch (checkpoint(epoch, 0) after "
+                   "the loop's `epoch += 1`), overwriting step-N's correct position: resuming "
+                   "it skips the rest of that epoch's batches")
+def test_the_final_checkpoint_resumes_where_the_run_stopped(tmp_path, capsys):
+    """4 steps per epoch; a 5-step run ends one step into epoch 1.  Its final checkpoint must
+    point at step 2 of epoch 1, so a longer run resumed from it (constant lr, no warmup: the
+    schedule does not depend on the length) equals a straight 10-step run."""
+    write_data(tmp_path)
+    cfg = write_config(tmp_path, max_steps=5)
+    assert main(["train", str(cfg), "--no-progress"]) == 0
+    state, _, _ = ckpt.load(ckpt.latest(tmp_path / "out" / "checkpoints"), str(MODEL))
+    assert (state.step, state.epoch, state.position) == (5, 1, 1)
+    assert main(["train", str(cfg), "--no-progress", "--resume",
+                 "--set", "train.max_steps=10"]) == 0
+    straight = write_config(tmp_path, "straight.toml", max_steps=10, output={"dir": "straight"})
+    assert main(["train", str(straight), "--no-progress"]) == 0
+    a, b = step_records(tmp_path / "out"), step_records(tmp_path / "straight")
+    assert [r["step"] for r in a] == [r["step"] for r in b] == list(range(1, 11))
+    assert [r["n_valid"] for r in a] == [r["n_valid"] for r in b]
+    assert_same_adapter(adapter_of(tmp_path / "out" / "adapter.gguf"),
+                        adapter_of(tmp_path / "straight" / "adapter.gguf"))
+
+
+# ------------------------------------------------------------------------------- batching
+def expected_steps(folder: Path, cfg_path: Path, epochs: int):
+    """Per optimizer step, (n_valid, tokens) the data implies: the run's batches (make_batches
+    with seed train.seed + epoch) in consecutive groups of grad_accum micro-batches."""
+    from pytrain.config import load_config
+    from pytrain.data import load_data, make_batches, pad_token_id
+    from pytrain.tokenizer import Tokenizer
+    cfg = load_config(cfg_path)
+    tok = Tokenizer.from_gguf(MODEL)
+    train = load_data(cfg.data, tok).train
+    t = cfg.train
+    out = []
+    for epoch in range(epochs):
+        b = make_batches(train, t.batch_size, cfg.data.packing, t.seed + epoch,
+                         max_seq_len=cfg.data.max_seq_len, pad_id=pad_token_id(tok))
+        for i in range(0, len(b), t.grad_accum):
+            group = b[i:i + t.grad_accum]
+            out.append((epoch, sum(x.n_targets for x in group), sum(x.n_tokens for x in group)))
+    return out
+
+
+def test_grad_accum_steps_and_n_valid_follow_the_data(tmp_path):
+    """32 examples, batch_size 4 -> 8 micro-batches per epoch; grad_accum 3 -> steps of 3, 3
+    and 2 micro-batches: 3 optimizer steps per epoch, 6 for 2 epochs.  Each step's n_valid
+    (and real tokens) is the sum over its micro-batches; an epoch's n_valid adds up to the
+    training set's target tokens in data_stats.json."""
+    write_data(tmp_path)
+    cfg = write_config(tmp_path, epochs=2, batch_size=4, grad_accum=3)
+    assert main(["train", str(cfg), "--no-progress"]) == 0
+    out = tmp_path / "out"
+    steps = step_records(out)
+    assert [(r["step"], r["epoch"]) for r in steps] == [(s, (s - 1) // 3) for s in range(1, 7)]
+    expected = expected_steps(tmp_path, cfg, 2)
+    assert [(r["epoch"], r["n_valid"], r["tokens"]) for r in steps] == expected
+    stats = data_stats(out)["train"]
+    for epoch in (0, 1):
+        assert sum(r["n_valid"] for r in steps if r["epoch"] == epoch) == stats["target_tokens"] == 320
+        assert sum(r["tokens"] for r in steps if r["epoch"] == epoch) == stats["tokens"]
+    # the last step of an epoch holds 2 micro-batches, the others 3
+    for e in (0, 1):
+        assert steps[3 * e + 2]["tokens"] < min(steps[3 * e]["tokens"], steps[3 * e + 1]["tokens"])
+
+
+def test_grad_accum_equals_one_batch_of_the_same_examples(tmp_path):
+    """16 examples: batch_size 8 x grad_accum 2 and batch_size 16 x grad_accum 1 put every
+    example in the one step of each epoch, so with the loss the token mean over the whole
+    optimizer step both runs are the same computation up to float rounding: per-step loss,
+    n_valid and gradient norm, the validation loss and the adapter after 3 epochs.  The two
+    micro-batches (length-bucketed halves) hold different numbers of targets, so a mean of
+    per-micro-batch means would differ."""
+    from pytrain.config import load_config
+    from pytrain.data import load_data, make_batches
+    from pytrain.tokenizer import Tokenizer
+    write_data(tmp_path, copies=2)
+    acc = write_config(tmp_path, "acc.toml", epochs=3, batch_size=8, grad_accum=2,
+                       output={"dir": "acc"})
+    one = write_config(tmp_path, "one.toml", epochs=3, batch_size=16, grad_accum=1,
+                       output={"dir": "one"})
+    c = load_config(acc)
+    halves = make_batches(load_data(c.data, Tokenizer.from_gguf(MODEL)).train, 8, seed=0)
+    assert len(halves) == 2 and halves[0].n_targets != halves[1].n_targets
+    assert main(["train", str(acc), "--no-progress"]) == 0
+    assert main(["train", str(one), "--no-progress"]) == 0
+    a, b = step_records(tmp_path / "acc"), step_records(tmp_path / "one")
+    assert len(a) == len(b) == 3
+    for x, y in zip(a, b):
+        assert x["n_valid"] == y["n_valid"] == 160 and x["tokens"] == y["tokens"]
+        np.testing.assert_allclose(x["loss"], y["loss"], rtol=2e-6)
+        np.testing.assert_allclose(x["grad_norm"], y["grad_norm"], rtol=1e-5)
+    va, vb = valid_records(tmp_path / "acc")[-1], valid_records(tmp_path / "one")[-1]
+    np.testing.assert_allclose(va["loss"], vb["loss"], rtol=2e-6)
+    assert_same_adapter(adapter_of(tmp_path / "acc" / "adapter.gguf"),
+                        adapter_of(tmp_path / "one" / "adapter.gguf"), atol=1e-5, rtol=1e-4)
+    assert va["loss"] < valid_records(tmp_path / "acc")[0]["loss"] - 0.3   # it did train
+
+
+def test_packing_fewer_rows_same_targets_lower_validation_loss(tmp_path):
+    """data.packing with max_seq_len 256 and batch_size 1 (one row per step, so the steps of
+    an epoch count its rows): the 32 examples (~44 tokens) go into ceil(1392/256) = 6 to 8
+    rows instead of 32, each row at most 256 tokens and holding several samples, no padding;
+    an epoch's n_valid equals the unpacked run's; the base model's validation loss is the same
+    packed as unpacked (samples isolated from each other in a row), and training lowers it."""
+    write_data(tmp_path)
+    packed = write_config(tmp_path, "packed.toml", epochs=2, batch_size=1, eval_every=7,
+                          data={"packing": True, "max_seq_len": 256}, output={"dir": "packed"})
+    plain = write_config(tmp_path, "plain.toml", epochs=1, batch_size=4, lr=1e-9,
+                         data={"max_seq_len": 256}, output={"dir": "plain"})
+    assert main(["train", str(packed), "--no-progress"]) == 0
+    assert main(["train", str(plain), "--no-progress"]) == 0
+    p, u = step_records(tmp_path / "packed"), step_records(tmp_path / "plain")
+    ps, us = data_stats(tmp_path / "packed")["train"], data_stats(tmp_path / "plain")["train"]
+    assert ps["examples"] == us["examples"] == 32 and ps["tokens"] == us["tokens"] == 1392
+    rows = [r for r in p if r["epoch"] == 0]
+    assert 6 <= len(rows) <= 8 and len(u) == 32 // 4, (len(rows), len(u))
+    assert all(r["tokens"] <= 256 for r in p)
+    assert all(r["tokens"] >= 3 * 41 for r in rows[:-1])      # several samples per row
+    # batching stats: a one-row batch has no padding; the plain run's is recorded as well
+    assert ps["padding_share"] == 0.0 and us["padding_share"] is not None
+    for epoch in (0, 1):
+        assert sum(r["n_valid"] for r in p if r["epoch"] == epoch) == 320
+    assert sum(r["n_valid"] for r in u) == 320 == us["target_tokens"]
+    pv, uv = valid_records(tmp_path / "packed"), valid_records(tmp_path / "plain")
+    assert pv[0]["step"] == uv[0]["step"] == 0 and pv[0]["n_valid"] == uv[0]["n_valid"] == 80
+    np.testing.assert_allclose(pv[0]["loss"], uv[0]["loss"], rtol=1e-5)
+    np.testing.assert_allclose(pv[0]["accuracy"], uv[0]["accuracy"])
+    assert [r["step"] for r in pv] == [0, 7, len(p)]
+    assert pv[1]["loss"] < pv[0]["loss"] - 0.5 and pv[-1]["loss"] < pv[1]["loss"], pv
+
+
+# ------------------------------------------------------------------------------- bad data
+def bad_training_file(folder: Path) -> Path:
+    """The 32 animal chats with three bad records: line 3 malformed JSON, line 7 an object
+    that is no known record shape, line 12 "messages" that is not a list."""
+    recs = [json.dumps(chat(a, s)) for a, s in ANIMALS * 4]
+    recs.insert(2, '{"messages": [{"role": "user", "content": "cut off')
+    recs.insert(6, json.dumps({"question": "What does the cow say?", "answer": "moo"}))
+    recs.insert(11, json.dumps({"messages": "What does the cow say?"}))
+    path = write_jsonl(folder / "train.jsonl", recs)
+    write_jsonl(folder / "valid.jsonl", [chat(a, s) for a, s in ANIMALS])
+    return path
+
+
+def test_on_error_skip_trains_and_counts_the_bad_lines(tmp_path):
+    bad_training_file(tmp_path)
+    cfg = write_config(tmp_path, epochs=1, data={"on_error": "skip"})
+    assert main(["train", str(cfg), "--no-progress"]) == 0
+    out = tmp_path / "out"
+    stats = data_stats(out)["train"]
+    assert stats["records"] == 35 and stats["examples"] == 32
+    assert stats["skipped"] == {"malformed_json": 1, "unrecognised_record": 1, "bad_field": 1}
+    steps = step_records(out)
+    assert len(steps) == 4 and sum(r["n_valid"] for r in steps) == stats["target_tokens"] == 320
+    assert (out / "adapter.gguf").exists()
+
+
+def test_on_error_stop_is_the_default_and_names_file_and_line(tmp_path, capsys):
+    path = bad_training_file(tmp_path)
+    cfg = write_config(tmp_path, epochs=1)
+    assert main(["train", str(cfg), "--no-progress"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"{path}:3:" in err[0] and "malformed JSON" in err[0], err
+    assert not (tmp_path / "out" / "adapter.gguf").exists()
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()
