@@ -20,8 +20,9 @@ import numpy as np
 from pytrain.ggml import lib
 
 # The Neumann product in _neumann_inverse squares L up to L^(C/2), whose entries grow with C
-# before they cancel: on the gqa F32 fixture (T = 100) C = 64 put pytrain 1.3e-4 off the float64
-# log-probabilities, C = 32 and 16 put it at 6e-5, HF float32's own error there.
+# before they cancel: on the untied F32 fixture (T = 100) C = 64 put pytrain 1.4e-4 off the
+# float64 log-probabilities, C = 32 4.8e-5, about HF float32's own error there
+# (bench_results/parity.md).
 CHUNK = 32
 
 
