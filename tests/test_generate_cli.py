@@ -12,7 +12,7 @@ from pytrain.cli import main
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = ROOT / "pytrain" / "data" / "default-model.gguf"
 PROMPT = "What does the cow say?"
-COMMON = ["--device", "cpu", "--threads", "2"]
+COMMON = ["--device", "cpu", "--threads", "1"]
 
 
 def generate(capsys, *args) -> str:
@@ -60,7 +60,7 @@ def test_temperature_zero_is_greedy_and_ignores_the_seed(capsys):
     assert outs[0] == outs[1]
     # the default temperature is 0 as well
     assert generate(capsys, "--raw", "--prompt", raw, "--max-new-tokens", "24") == outs[0]
-    m = load_model(MODEL, "cpu", 2)
+    m = load_model(MODEL, "cpu", 1)
     try:
         ids = m.tokenizer.encode(raw, add_special=True)   # what --raw feeds the model
         out = m.generate(ids, 24, temperature=0.0)
@@ -91,7 +91,7 @@ def test_chat_prompt_greedy_equals_model_generate(capsys, seed):
     from pytrain.chat_template import render
     from pytrain.model import load_model
     cli = generate(capsys, "--prompt", PROMPT, "--seed", str(seed), "--max-new-tokens", "32")
-    m = load_model(MODEL, "cpu", 2)
+    m = load_model(MODEL, "cpu", 1)
     try:
         tok = m.tokenizer
         text = render(tok.chat_template, [{"role": "user", "content": PROMPT}],
