@@ -3,8 +3,9 @@
 llama.cpp computes these with fused ops (GATED_DELTA_NET, SSM_CONV) or with ops that have no
 backward (CUMSUM, TRI, SOLVE_TRI, PAD, CONCAT, L2_NORM, SIGMOID).  LoRA sits in the attention
 layers, under DeltaNet layers, so gradients must flow through the recurrence: every function
-here is made of MUL_MAT, MUL, ADD/SUB, EXP, SOFTPLUS, DIAG_MASK_INF, ACC, views and repeats,
-whose backward ggml already has.  Forward results are tested against the fused ops.
+here is made of MUL_MAT, MUL, ADD/SUB, EXP, SOFTPLUS, ACC, views and repeats, whose backward
+ggml already has and whose kernels ggml-cuda has too (DIAG_MASK_INF's backward, DIAG_MASK_ZERO,
+has none there).  Forward results are tested against the fused ops.
 
 Layouts (ggml ne order, fastest first):
   per-token features  [d, H, T, B]
@@ -189,8 +190,10 @@ def gated_delta_rule(ctx, q, k, v, g, beta, ci: ChunkInputs, C: int):
     # γ_i - γ_j as ADD of a negation: SUB's backward cannot broadcast its second operand
     diff = lib.ggml_add(ctx, lib.ggml_repeat_4d(ctx, gam_i, C, C, NC, B * H),
                         lib.ggml_neg(ctx, gam_j))
-    decay = lib.ggml_mul(ctx, lib.ggml_exp(ctx, lib.ggml_diag_mask_inf(ctx, diff, 0)),
-                         ci.m_incl)                                     # D[i,j], j<=i
+    # D[i,j] = exp(γ_i - γ_j) for j <= i in the same sample, else 0.  Above the diagonal γ_i - γ_j
+    # > 0 can overflow exp, so it is zeroed by the mask first (exp(0) = 1, then masked to 0):
+    # a MUL by the host mask, whose backward is a MUL too, instead of DIAG_MASK_INF
+    decay = lib.ggml_mul(ctx, lib.ggml_exp(ctx, lib.ggml_mul(ctx, diff, ci.m_incl)), ci.m_incl)
     e = lib.ggml_mul(ctx, lib.ggml_exp(ctx, gam_i), ci.carry)          # [1, C, NC, BH]
 
     kb = lib.ggml_mul(ctx, kc, bc)
