@@ -255,11 +255,13 @@ def _squeeze_leading(shape: tuple[int, ...]) -> tuple[int, ...]:
 # --------------------------------------------------------------------------- loading
 
 def load_weights(path: str | os.PathLike[str], runtime, shapes: Mapping[str, tuple[int, ...]],
-                 type_policy: str = "auto") -> Weights:
+                 type_policy: str = "auto", policy_device: str | None = None) -> Weights:
     """Load the tensors named in ``shapes`` (numpy-order shapes, e.g. from
     ``Qwen35Config.tensor_shapes()``) into one buffer of ``runtime``'s primary backend.
 
-    ``runtime`` needs ``device`` ("cpu"/"cuda", chooses the policy) and ``alloc(ctx)``.
+    ``runtime`` needs ``device`` ("cpu"/"cuda", chooses the policy) and ``alloc(ctx)``;
+    ``policy_device`` loads the types another device would get (so a CPU machine can build and
+    check the graph a GPU would run).
     Every error names the file and the tensor: missing tensors, shape mismatches, types ggml
     cannot dequantize, data cut short.
     """
@@ -268,7 +270,7 @@ def load_weights(path: str | os.PathLike[str], runtime, shapes: Mapping[str, tup
     p = Path(path)
     reader = open_reader(p)
     infos = tensor_infos(reader)
-    device = getattr(runtime, "device", "cpu")
+    device = policy_device or getattr(runtime, "device", "cpu")
 
     missing = [n for n in shapes if n not in infos]
     if missing:

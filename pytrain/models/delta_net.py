@@ -36,6 +36,30 @@ def padded_length(n_tokens: int) -> int:
     return n_tokens if n_tokens <= CHUNK else -(-n_tokens // CHUNK) * CHUNK
 
 
+# ggml-cuda runs REPEAT_BACK (the backward of REPEAT, and of a broadcast ADD/MUL for the
+# broadcast operand) only while its gradient has ne2·ne3 <= 32768; with up to 65536 tokens per
+# micro-batch in dims 2-3 that fails.  Broadcasts that need a gradient are therefore done on
+# views whose dims 2-3 hold nothing the batch grows with.
+
+def mul_rows(ctx, a, b):
+    """a [d, ...] times b [1, ...] broadcast along dim 0, on 2-D views (see above)."""
+    n = lib.ggml_nelements(b)
+    out = lib.ggml_mul(ctx, lib.ggml_reshape_2d(ctx, a, a.ne[0], n), lib.ggml_reshape_2d(ctx, b, 1, n))
+    return lib.ggml_reshape_4d(ctx, out, a.ne[0], a.ne[1], a.ne[2], a.ne[3])
+
+
+def tile_heads(ctx, x, n_heads: int):
+    """[d, h, T, B] -> [d, n_heads, T, B] with head j = head j % h (GGUF's tiled order).  The
+    copies go to dim 2 first and are moved in by a permute, so REPEAT's backward sums over a
+    dim-2 of n_heads / h (see above)."""
+    d, h, T, B = (int(x.ne[i]) for i in range(4))
+    flat = lib.ggml_reshape_4d(ctx, x, d * h, T * B, 1, 1)
+    rep = lib.ggml_repeat_4d(ctx, flat, d * h, T * B, n_heads // h, 1)     # [d·h, N, r]
+    rep = lib.ggml_reshape_4d(ctx, rep, d * h, T * B, n_heads // h, 1)   # backward: contiguous
+    moved = lib.ggml_cont(ctx, lib.ggml_permute(ctx, rep, 0, 2, 1, 3))   # [d·h, r, N]
+    return lib.ggml_reshape_4d(ctx, moved, d, n_heads, T, B)
+
+
 def sigmoid(ctx, x):
     """sigmoid(x) = exp(-softplus(-x)): SIGMOID itself has no backward in ggml."""
     return lib.ggml_exp(ctx, lib.ggml_neg(ctx, lib.ggml_softplus(ctx, lib.ggml_neg(ctx, x))))
@@ -48,7 +72,7 @@ def l2_norm(ctx, x, eps: float = 1e-6):
     # rsqrt as exp(-log(.)/2): DIV's backward cannot broadcast its divisor, MUL's can
     inv = lib.ggml_exp(ctx, lib.ggml_scale(ctx, lib.ggml_log(ctx, lib.ggml_scale_bias(
         ctx, ss, 1.0, eps)), -0.5))
-    return lib.ggml_mul(ctx, x, inv)
+    return mul_rows(ctx, x, inv)
 
 
 def causal_conv(ctx, x, w, zeros, seg_keep):
@@ -186,30 +210,32 @@ def gated_delta_rule(ctx, q, k, v, g, beta, ci: ChunkInputs, C: int):
     gc = lib.ggml_reshape_2d(ctx, to_chunks(ctx, g, C), C, NC * B * H)  # [C, NC·BH]
     gam = lib.ggml_mul_mat(ctx, ci.tri, gc)                             # cumsum in chunk
     gam_i = lib.ggml_reshape_4d(ctx, gam, 1, C, NC, B * H)              # varies along i
-    gam_j = lib.ggml_reshape_4d(ctx, gam, C, 1, NC, B * H)              # varies along j
-    # γ_i - γ_j as ADD of a negation: SUB's backward cannot broadcast its second operand
-    diff = lib.ggml_add(ctx, lib.ggml_repeat_4d(ctx, gam_i, C, C, NC, B * H),
-                        lib.ggml_neg(ctx, gam_j))
+    # γ_i - γ_j [j, i, NC, BH]: γ repeated along dim 0 gives γ_i at [j, i]; its transpose
+    # gives γ_j.  Both repeats are 2-D (C·NC·BH in dim 1), so their backward fits ggml-cuda
+    rep = lib.ggml_reshape_4d(ctx, lib.ggml_repeat_4d(
+        ctx, lib.ggml_reshape_2d(ctx, gam, 1, C * NC * B * H), C, C * NC * B * H, 1, 1),
+        C, C, NC, B * H)                                                # [j, i]: γ_i
+    diff = lib.ggml_sub(ctx, rep, transpose(ctx, rep))
     # D[i,j] = exp(γ_i - γ_j) for j <= i in the same sample, else 0.  Above the diagonal γ_i - γ_j
     # > 0 can overflow exp, so it is zeroed by the mask first (exp(0) = 1, then masked to 0):
     # a MUL by the host mask, whose backward is a MUL too, instead of DIAG_MASK_INF
     decay = lib.ggml_mul(ctx, lib.ggml_exp(ctx, lib.ggml_mul(ctx, diff, ci.m_incl)), ci.m_incl)
     e = lib.ggml_mul(ctx, lib.ggml_exp(ctx, gam_i), ci.carry)          # [1, C, NC, BH]
 
-    kb = lib.ggml_mul(ctx, kc, bc)
+    kb = mul_rows(ctx, kc, bc)
     L = lib.ggml_mul(ctx, lib.ggml_mul(ctx, lib.ggml_mul_mat(ctx, kc, kb), decay), ci.m_strict)
     inv = _neumann_inverse(ctx, L, ci.eye, C)                           # [C, C, NC, BH]
 
-    vbT = transpose(ctx, lib.ggml_mul(ctx, vc, bc))   # [C, S]
+    vbT = transpose(ctx, mul_rows(ctx, vc, bc))       # [C, S]
     uT = lib.ggml_mul_mat(ctx, inv, vbT)                                # (Tinv βv)^T [C, S]
-    kbeT = transpose(ctx, lib.ggml_mul(ctx, kb, e))
+    kbeT = transpose(ctx, mul_rows(ctx, kb, e))
     w = lib.ggml_mul_mat(ctx, kbeT, inv)                                # Tinv (β e k) [S, C]
-    qe = lib.ggml_mul(ctx, qc, e)                                       # [S, C]
+    qe = mul_rows(ctx, qc, e)                                           # [S, C]
     A = lib.ggml_mul(ctx, lib.ggml_mul_mat(ctx, kc, qc), decay)         # q_i·k_j D[i,j]
     last = lib.ggml_view_4d(ctx, decay, C, 1, NC, B * H, decay.nb[1], decay.nb[2],
                             decay.nb[3], (C - 1) * decay.nb[1])
     last = lib.ggml_reshape_4d(ctx, lib.ggml_cont(ctx, last), 1, C, NC, B * H)
-    kdT = transpose(ctx, lib.ggml_mul(ctx, kc, last))  # [C, S]
+    kdT = transpose(ctx, mul_rows(ctx, kc, last))      # [C, S]
     # views of views break VIEW's backward (it zero-fills the viewed tensor with SCALE, which
     # needs it contiguous), so anything viewed per chunk is made contiguous first
     e_last = lib.ggml_cont(ctx, lib.ggml_view_4d(ctx, e, 1, 1, NC, B * H, e.nb[1], e.nb[2],

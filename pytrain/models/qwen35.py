@@ -130,8 +130,7 @@ class Qwen35Graph:
         k = dn.l2_norm(ctx, split(Hk, S, Hk * S * 4))
         v = split(Hv, dv, 2 * Hk * S * 4)
         if Hv != Hk:  # GGUF value heads are tiled over key heads: head j reads key j % Hk
-            q = lib.ggml_repeat_4d(ctx, q, S, Hv, T, B)
-            k = lib.ggml_repeat_4d(ctx, k, S, Hv, T, B)
+            q, k = dn.tile_heads(ctx, q, Hv), dn.tile_heads(ctx, k, Hv)
         g = lib.ggml_reshape_4d(ctx, g, 1, Hv, T, B)
         beta = lib.ggml_reshape_4d(ctx, beta, 1, Hv, T, B)
         o = dn.gated_delta_rule(ctx, q, k, v, g, beta, inp.chunks, C)    # [dv, Hv, T, B]

@@ -1,0 +1,146 @@
+"""Every node of pytrain's training, evaluation and optimizer graphs is one ggml-cuda runs,
+for the weight types a CUDA run loads, at every shape a user trains (up to T·B = 65536
+tokens per micro-batch).  Built as metadata only on the CPU machines (no GPU needed; the rules
+are ggml-cuda's ``supports_op``, restated in ``cuda_support.py``).  On a GPU the runtime's
+``CPUFallbackError`` makes the same check for real."""
+from pathlib import Path
+
+import numpy as np
+import pytest
+from cuda_support import supported, unsupported_nodes
+
+from pytrain import ggml, lora
+from pytrain.grad_graph import GradGraph
+from pytrain.model_file import open_model
+from pytrain.lora_targets import select_targets
+from pytrain.model import Model
+from pytrain.optimizer import AdamW, Optimizer
+from pytrain.tokenizer import Tokenizer
+from pytrain.trainer import EvalGraph
+from pytrain.weights import load_weights
+
+FIX = Path(__file__).resolve().parent / "fixtures" / "qwen35"
+
+
+def cuda_typed_model(path: Path) -> Model:
+    """The model with the weight types a CUDA run loads, on the CPU backend."""
+    _arch, meta, _infos, config = open_model(path)
+    rt = ggml.Runtime("cpu", threads=1)
+    w = load_weights(path, rt, config.tensor_shapes(), "auto", policy_device="cuda")
+    return Model(str(path), config, meta, rt, w, Tokenizer.from_metadata(meta))
+
+
+@pytest.fixture(scope="module", params=["gqa-f32.gguf", "gqa-bf16.gguf", "gqa-q8_0.gguf",
+                                        "untied-f32.gguf"])
+def model(request):
+    m = cuda_typed_model(FIX / request.param)
+    yield m
+    m.close()
+
+
+@pytest.mark.parametrize("B, T", [(1, 20), (4, 256), (16, 4096), (1, 65536)])
+def test_training_graph_runs_entirely_on_cuda(model, B, T):
+    ad = lora.create(model.runtime, model.config, select_targets(model.config), 4, 8.0)
+    g = GradGraph(model, ad, B, T, rows=B * T // 2)
+    try:
+        bad = unsupported_nodes(g.graph)
+        assert not bad, f"{len(bad)} nodes ggml-cuda would not run, e.g.:\n" + "\n".join(bad[:12])
+        assert ggml.graph_ops(g.graph).count("OUT_PROD") > 0      # the check saw the backward
+    finally:
+        g.close()
+
+
+def qwen35_2b(file_type: str) -> Model:
+    """The Qwen3.5-2B shape (hidden 2048, 24 layers, 8/2 heads x 256, FFN 6144, DeltaNet 16/16
+    heads x 128, vocabulary 248320, tied) with every matrix of ``file_type`` in the file, as a
+    CUDA run would load it: tensor metadata only, nothing allocated but the adapter."""
+    from types import SimpleNamespace
+
+    from pytrain.models.qwen35_config import Qwen35Config
+    from pytrain.weights import is_elementwise, load_type
+    cfg = Qwen35Config(n_layer=24, n_embd=2048, n_ff=6144, n_head=8, n_head_kv=2, head_dim=256,
+                       n_vocab=248320, rms_eps=1e-6, rope_base=1e7, n_rot=64,
+                       rope_sections=(11, 11, 10, 0), conv_kernel=4, ssm_inner=2048,
+                       ssm_state=128, ssm_v_heads=16, ssm_k_heads=16,
+                       recurrent=tuple(i % 4 != 3 for i in range(24)))
+    shapes = cfg.tensor_shapes()
+    ctx = ggml.Context(n_tensors=len(shapes))
+    ft = ggml.TYPES[file_type]
+    tensors = {}
+    for name, shape in shapes.items():
+        matrix = len([d for d in shape if d > 1]) >= 2 and not is_elementwise(name, shape)
+        t = load_type(name, shape, ft if matrix else ggml.TYPES["f32"], "cuda", "auto")
+        ne = list(reversed(shape))
+        tensors[name] = ggml.set_name(ggml.lib.ggml_new_tensor(
+            ctx.ptr, t, len(ne), ggml.ffi.new("int64_t[]", ne)), name)
+    rt = ggml.Runtime("cpu", threads=1)
+    w = SimpleNamespace(tensors=tensors, ctx=ctx, close=ctx.close)
+    tok = SimpleNamespace(pad_id=0)
+    return Model("qwen35-2b-shape", cfg, {}, rt, w, tok)
+
+
+@pytest.mark.parametrize("file_type", ["bf16", "q8_0"])
+def test_qwen35_2b_training_graph_runs_entirely_on_cuda(file_type):
+    """The real model's shape at the largest micro-batch (4 x 16384 tokens): head counts and
+    widths decide which broadcasts and copies the graph needs."""
+    m = qwen35_2b(file_type)
+    try:
+        ad = lora.create(m.runtime, m.config, select_targets(m.config), 16, 32.0)
+        g = GradGraph(m, ad, 4, 16384, rows=4 * 16384 // 2)
+        try:
+            bad = unsupported_nodes(g.graph)
+            assert not bad, f"{len(bad)} nodes, e.g.:\n" + "\n".join(bad[:12])
+        finally:
+            g.close()
+    finally:
+        m.close()
+
+
+def test_eval_and_optimizer_graphs_run_on_cuda(model):
+    ad = lora.create(model.runtime, model.config, select_targets(model.config), 4, 8.0)
+    ev = EvalGraph(model, ad, 4, 256, 512)
+    g = GradGraph(model, ad, 1, 20)
+    opt = Optimizer(model.runtime, g.acc, AdamW())
+    try:
+        for graph in (ev.graph, opt.norm_graph, opt.update_graph):
+            assert not unsupported_nodes(graph)
+    finally:
+        ev.close()
+        g.close()
+
+
+def test_the_check_finds_a_diag_mask_zero():
+    """DIAG_MASK_INF's backward is DIAG_MASK_ZERO, which ggml-cuda has no kernel for: the
+    check must flag it (pytrain's DeltaNet graph once used DIAG_MASK_INF)."""
+    from pytrain.ggml import lib
+    ctx = ggml.Context(n_tensors=64, graph_size=64, grads=True, no_alloc=True)
+    x = lib.ggml_new_tensor_2d(ctx.ptr, lib.GGML_TYPE_F32, 8, 8)
+    lib.ggml_set_param(x)
+    y = lib.ggml_sum(ctx.ptr, lib.ggml_exp(ctx.ptr, lib.ggml_diag_mask_inf(ctx.ptr, x, 0)))
+    gf = ggml.new_graph(ctx, 64, grads=True)
+    lib.ggml_build_forward_expand(gf, y)
+    gb = ggml.build_backward(ctx, gf, y)
+    bad = unsupported_nodes(gb)
+    assert len(bad) == 1 and bad[0].startswith("DIAG_MASK_ZERO"), bad
+    ctx.close()
+
+
+def test_the_check_knows_the_out_prod_and_repeat_back_limits():
+    """Two limits of the pinned ggml-cuda the check must apply: OUT_PROD takes an F32 src0
+    only (unless patched), REPEAT_BACK runs on the GPU for ne2·ne3 ≤ 32768 only."""
+    from pytrain.ggml import lib
+    ctx = ggml.Context(n_tensors=16, no_alloc=True)
+    c = ctx.ptr
+    a16 = lib.ggml_new_tensor_2d(c, lib.GGML_TYPE_F16, 64, 32)
+    a32 = lib.ggml_new_tensor_2d(c, lib.GGML_TYPE_F32, 64, 32)
+    b = lib.ggml_new_tensor_2d(c, lib.GGML_TYPE_F32, 16, 32)
+    assert supported(lib.ggml_out_prod(c, a32, b))
+    from cuda_support import OUT_PROD_SRC0_TYPES
+    assert supported(lib.ggml_out_prod(c, a16, b)) == (lib.GGML_TYPE_F16 in OUT_PROD_SRC0_TYPES)
+    small = lib.ggml_new_tensor_4d(c, lib.GGML_TYPE_F32, 4, 2, 128, 256)     # ne2·ne3 = 32768
+    big = lib.ggml_new_tensor_4d(c, lib.GGML_TYPE_F32, 4, 2, 128, 257)
+    assert supported(lib.ggml_repeat_back(c, small, lib.ggml_new_tensor_4d(
+        c, lib.GGML_TYPE_F32, 1, 2, 128, 256)))
+    assert not supported(lib.ggml_repeat_back(c, big, lib.ggml_new_tensor_4d(
+        c, lib.GGML_TYPE_F32, 1, 2, 128, 257)))
+    ctx.close()
