@@ -24,6 +24,8 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -82,34 +84,42 @@ def _pip_command() -> list[str]:
         return [exe]
 
 
-def fetch_archive() -> Path:
-    """The pinned source archive, downloaded once with pip and verified by hash."""
-    dest = cache_dir() / "dl" / ARCHIVE_NAME
+def fetch_pinned(project: str, version: str, filename: str, sha256: str,
+                 source: bool) -> Path:
+    """A pinned file from the package index, downloaded once with pip into the cache and
+    verified by hash (a source archive, or a wheel with ``source=False``)."""
+    dest = cache_dir() / "dl" / filename
     if dest.exists():
-        if sha256_of(dest) == ARCHIVE_SHA256:
+        if sha256_of(dest) == sha256:
             return dest
         log(f"cached {dest} has the wrong sha256: removing it and downloading again")
         dest.unlink()
     dest.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=dest.parent, prefix=".dl-") as tmp:
-        log(f"downloading {ARCHIVE_PROJECT}=={ARCHIVE_VERSION} source archive with pip")
-        cmd = _pip_command() + ["download", "--no-deps", "--no-binary", ":all:",
-                                "--quiet",
-                                f"{ARCHIVE_PROJECT}=={ARCHIVE_VERSION}", "-d", tmp]
+        log(f"downloading {project}=={version} with pip")
+        kind = ["--no-binary", ":all:"] if source else ["--only-binary", ":all:"]
+        cmd = _pip_command() + ["download", "--no-deps", *kind, "--quiet",
+                                f"{project}=={version}", "-d", tmp]
         r = subprocess.run(cmd, capture_output=True, text=True)
-        got = Path(tmp) / ARCHIVE_NAME
+        got = Path(tmp) / filename
         if not got.exists():
             # pip may fail to prepare metadata yet still have saved the file; only the
             # file matters.  Without it, report pip's last line.
             last = (r.stderr.strip().splitlines() or ["no output"])[-1]
-            raise BuildError(f"could not download {ARCHIVE_NAME} with pip ({last}); check the "
+            raise BuildError(f"could not download {filename} with pip ({last}); check the "
                              f"package index is reachable, or place the file in {dest.parent}")
         digest = sha256_of(got)
-        if digest != ARCHIVE_SHA256:
-            raise BuildError(f"sha256 mismatch for {ARCHIVE_NAME}: got {digest}, pinned "
-                             f"{ARCHIVE_SHA256}; refusing to build from it")
+        if digest != sha256:
+            raise BuildError(f"sha256 mismatch for {filename}: got {digest}, pinned "
+                             f"{sha256}; refusing to use it")
         os.replace(got, dest)
     return dest
+
+
+def fetch_archive() -> Path:
+    """The pinned source archive."""
+    return fetch_pinned(ARCHIVE_PROJECT, ARCHIVE_VERSION, ARCHIVE_NAME, ARCHIVE_SHA256,
+                        source=True)
 
 
 def patches() -> list[Path]:
@@ -176,24 +186,86 @@ def check_tools(cuda: bool) -> None:
     if missing:
         raise BuildError(f"missing {', '.join(missing)}: install them "
                          f"(apt-get install cmake build-essential) and retry")
-    if cuda:
-        if shutil.which("nvcc") is None:
-            raise BuildError("CUDA requested (PYTRAIN_CUDA=1) but nvcc is not on PATH: install "
-                             "the CUDA toolkit or build without PYTRAIN_CUDA")
-        if not _find_cublas():
-            raise BuildError("CUDA requested (PYTRAIN_CUDA=1) but cuBLAS was not found next to "
-                             "nvcc or in the linker path: install the CUDA toolkit's cuBLAS "
-                             "(or the nvidia-cublas wheel) or build without PYTRAIN_CUDA")
+    if cuda and shutil.which("nvcc") is None:
+        raise BuildError("CUDA requested (PYTRAIN_CUDA=1) but nvcc is not on PATH: install "
+                         "the CUDA toolkit or build without PYTRAIN_CUDA")
 
 
-def _find_cublas() -> bool:
-    nvcc = Path(shutil.which("nvcc")).resolve()
-    cands = [nvcc.parent.parent / d for d in ("lib64", "lib", "targets/x86_64-linux/lib")]
-    for d in cands:
+# cuBLAS when the CUDA toolkit lacks it (this project's CPU machines have nvcc and cudart but no
+# cuBLAS): NVIDIA's wheel from the package index, a CUDA 13.0 build to match nvcc 13.0, pinned
+# and verified like the source archive.  It has no unversioned .so and no CMake files, so its
+# libraries are handed to CMake by path, and the built libggml-cuda finds them at run time
+# through its rpath (no LD_LIBRARY_PATH).
+CUBLAS_PROJECT = "nvidia-cublas"
+CUBLAS_VERSION = "13.0.2.14"
+CUBLAS_WHEEL = "nvidia_cublas-13.0.2.14-py3-none-manylinux_2_27_x86_64.whl"
+CUBLAS_SHA256 = "0cf238ffdbe46c00cb9aa98e7bca745c223a5ca5a53e686ac8b3e5a08fe80d6c"
+CUDA_ARCH_DEFAULT = "90"     # Hopper (H100/H200); PYTRAIN_CUDA_ARCH overrides ("native" needs a GPU)
+
+
+@dataclass
+class CudaToolkit:
+    root: Path                     # the toolkit nvcc belongs to
+    cublas_lib: Path               # folder with libcublas.so* / libcublasLt.so*
+    cublas_include: Path | None    # None: cuBLAS's headers are the toolkit's own
+    has_driver: bool               # libcuda.so present (VMM pool usable)
+
+
+def _toolkit_root() -> Path:
+    """nvcc's own idea of its toolkit (``TOP`` of a dry run): /usr/local/bin/nvcc may be a
+    wrapper script, so the path of the nvcc on PATH says nothing."""
+    r = subprocess.run(["nvcc", "--dryrun", "-x", "cu", "-c", os.devnull, "-o", os.devnull],
+                       capture_output=True, text=True)
+    for line in (r.stdout + r.stderr).splitlines():
+        if line.startswith("#$ TOP="):
+            return Path(line.split("=", 1)[1].strip()).resolve()
+    raise BuildError("cannot tell where nvcc's CUDA toolkit is (no TOP in `nvcc --dryrun`)")
+
+
+def cuda_toolkit() -> CudaToolkit:
+    import ctypes.util
+    root = _toolkit_root()
+    has_driver = ctypes.util.find_library("cuda") is not None
+    for d in (root / "lib64", root / "lib", root / "targets" / "x86_64-linux" / "lib"):
         if any(d.glob("libcublas.so*")):
-            return True
-    r = subprocess.run(["/sbin/ldconfig", "-p"], capture_output=True, text=True)
-    return "libcublas.so" in r.stdout
+            return CudaToolkit(root, d, None, has_driver)
+    wheel = fetch_pinned(CUBLAS_PROJECT, CUBLAS_VERSION, CUBLAS_WHEEL, CUBLAS_SHA256,
+                         source=False)
+    dest = cache_dir() / f"cublas-{CUBLAS_VERSION}"
+    marker = dest / ".pytrain-extracted"
+    if not (marker.exists() and marker.read_text() == CUBLAS_SHA256):
+        import zipfile
+        log(f"extracting {wheel.name}")
+        tmp = Path(tempfile.mkdtemp(dir=cache_dir(), prefix=".cublas-"))
+        try:
+            with zipfile.ZipFile(wheel) as z:
+                z.extractall(tmp)
+            marker_tmp = tmp / ".pytrain-extracted"
+            marker_tmp.write_text(CUBLAS_SHA256)
+            if dest.exists():
+                shutil.rmtree(dest)
+            os.replace(tmp, dest)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    base = dest / "nvidia" / "cu13"
+    return CudaToolkit(root, base / "lib", base / "include", has_driver)
+
+
+def cuda_options(tk: CudaToolkit) -> list[str]:
+    """CMake options of the CUDA backend for toolkit ``tk``."""
+    arch = os.environ.get("PYTRAIN_CUDA_ARCH", CUDA_ARCH_DEFAULT)
+    args = ["-DGGML_CUDA=ON", "-DGGML_CUDA_FA=OFF", "-DGGML_CUDA_NCCL=OFF",
+            f"-DCMAKE_CUDA_ARCHITECTURES={arch}", f"-DCMAKE_CUDA_COMPILER={tk.root / 'bin' / 'nvcc'}",
+            f"-DCUDAToolkit_ROOT={tk.root}",
+            f"-DCMAKE_INSTALL_RPATH=$ORIGIN;{tk.cublas_lib}"]
+    if not tk.has_driver:          # no libcuda to link the VMM pool against (a build machine)
+        args.append("-DGGML_CUDA_NO_VMM=ON")
+    if tk.cublas_include is not None:
+        args += [f"-DCUDA_cublas_LIBRARY={tk.cublas_lib / 'libcublas.so.13'}",
+                 f"-DCUDA_cublasLt_LIBRARY={tk.cublas_lib / 'libcublasLt.so.13'}",
+                 f"-DCMAKE_CUDA_FLAGS=-I{tk.cublas_include}",
+                 f"-DCMAKE_CXX_FLAGS=-I{tk.cublas_include}"]
+    return args
 
 
 # ggml's own CMake defaults leave GGML_LLAMAFILE off when ggml is built alone (llama.cpp's
@@ -204,17 +276,20 @@ GGML_OPTIONS = ["-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=ON", "-DGGML_
                 "-DGGML_CCACHE=OFF"]
 
 
-def cmake_build(cuda: bool, jobs: int) -> Path:
+def cmake_configure(variant: str, options: list[str]) -> Path:
+    bdir = cache_dir() / "build" / f"{SRC_DIRNAME}-{variant}"
+    gen = ["-G", "Ninja"] if shutil.which("ninja") and not (bdir / "Makefile").exists() else []
+    log(f"configuring ggml ({variant}) in {bdir}")
+    _run(["cmake", "-S", str(ggml_dir()), "-B", str(bdir)] + gen + options, "cmake configure")
+    return bdir
+
+
+def cmake_build(cuda: bool, jobs: int, options: list[str]) -> Path:
     """Configure and build ggml as shared libraries; returns an install prefix."""
     variant = "cuda" if cuda else "cpu"
-    bdir = cache_dir() / "build" / f"{SRC_DIRNAME}-{variant}"
     prefix = cache_dir() / "install" / f"{SRC_DIRNAME}-{variant}"
-    args = GGML_OPTIONS + [f"-DCMAKE_INSTALL_PREFIX={prefix}", "-DCMAKE_INSTALL_LIBDIR=lib"]
-    if cuda:
-        args += ["-DGGML_CUDA=ON", "-DGGML_CUDA_FA=OFF", "-DGGML_CUDA_NCCL=OFF",
-                 f"-DCMAKE_CUDA_ARCHITECTURES={os.environ.get('PYTRAIN_CUDA_ARCH', 'native')}"]
-    log(f"configuring ggml ({variant}) in {bdir}")
-    _run(["cmake", "-S", str(ggml_dir()), "-B", str(bdir)] + args, "cmake configure")
+    bdir = cmake_configure(variant, options + [f"-DCMAKE_INSTALL_PREFIX={prefix}",
+                                               "-DCMAKE_INSTALL_LIBDIR=lib"])
     log(f"building ggml with {jobs} jobs")
     _run(["cmake", "--build", str(bdir), "-j", str(jobs)], "cmake build")
     if prefix.exists():
@@ -252,17 +327,19 @@ def build(cuda: bool = False, jobs: int | None = None, force: bool = False,
     jobs = jobs or max(1, os.cpu_count() or 1)
     out_dir.mkdir(parents=True, exist_ok=True)
     stamp = out_dir / "build_info.json"
+    check_tools(cuda)
+    options = GGML_OPTIONS + (cuda_options(cuda_toolkit()) if cuda else [])
     if stamp.exists() and not force:
         info = json.loads(stamp.read_text())
         if (info.get("cuda") == cuda and info.get("archive_sha256") == ARCHIVE_SHA256
                 and info.get("patches_sha256") == patches_digest()
-                and info.get("options") == GGML_OPTIONS):
+                and info.get("options") == options):
             log(f"ggml already built ({'cuda' if cuda else 'cpu'}); --force rebuilds")
             return info
     stamp.unlink(missing_ok=True)  # from here on, an interrupted build is visibly incomplete
-    check_tools(cuda)
     extract_source()
-    prefix = cmake_build(cuda, jobs)
+    t0 = time.monotonic()
+    prefix = cmake_build(cuda, jobs, options)
     libs = install_libs(prefix, out_dir)
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import ffi  # noqa: E402  (native/ffi.py, next to this file)
@@ -278,15 +355,54 @@ def build(cuda: bool = False, jobs: int | None = None, force: bool = False,
         "patches_sha256": patches_digest(),
         "source": str(source_root()),
         "cuda": cuda,
-        "options": GGML_OPTIONS,
+        "options": options,
         "libs": libs,
         "module": module,
+        "build_seconds": round(time.monotonic() - t0, 1),
+        "jobs": jobs,
     }
     tmp = stamp.with_suffix(".tmp")
     tmp.write_text(json.dumps(info, indent=2) + "\n")
     os.replace(tmp, stamp)
     log(f"done: ggml {version} ({'cpu+cuda' if cuda else 'cpu'}) in {out_dir}")
     return info
+
+
+def patched_cuda_sources() -> list[str]:
+    """The ggml-cuda source files pytrain's patches change (paths under ggml/src/ggml-cuda)."""
+    out = []
+    for patch in patches():
+        for line in patch.read_text().splitlines():
+            if line.startswith("+++ b/ggml/src/ggml-cuda/") and line.endswith(".cu"):
+                out.append(line[len("+++ b/ggml/src/ggml-cuda/"):].strip())
+    return sorted(set(out))
+
+
+def cuda_check() -> dict:
+    """Compile only the ggml-cuda files pytrain patches, with the CUDA build's own flags: the
+    patches are checked by nvcc in seconds, where a full CUDA build compiles 144 files
+    (20-45 minutes on 2 cores).  Needs nvcc; cuBLAS comes from the pinned wheel if the
+    toolkit lacks it (ggml-cuda's headers include cublas_v2.h)."""
+    check_tools(cuda=True)
+    extract_source()
+    options = GGML_OPTIONS + cuda_options(cuda_toolkit())
+    t0 = time.monotonic()
+    bdir = cmake_configure("cuda-check", options)
+    t_conf = time.monotonic() - t0
+    files = patched_cuda_sources()
+    times = {}
+    for f in files:
+        obj = f"src/ggml-cuda/CMakeFiles/ggml-cuda.dir/{f}.o"
+        t1 = time.monotonic()
+        if (bdir / "build.ninja").exists():
+            _run(["cmake", "--build", str(bdir), "--target", obj], f"nvcc {f}")
+        else:
+            _run(["make", "-C", str(bdir / "src" / "ggml-cuda"), f"{f}.o"], f"nvcc {f}")
+        if not (bdir / obj).exists():
+            raise BuildError(f"nvcc reported success but {bdir / obj} is missing")
+        times[f] = round(time.monotonic() - t1, 1)
+        log(f"compiled patched {f} in {times[f]} s")
+    return {"configure_seconds": round(t_conf, 1), "compiled": times, "options": options}
 
 
 def _ggml_version() -> str:
@@ -310,6 +426,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="where the libraries and the cffi module go (default: the package)")
     ap.add_argument("--source-only", action="store_true",
                     help="only fetch, verify and extract the pinned source; print its path")
+    ap.add_argument("--cuda-check", action="store_true",
+                    help="compile only the ggml-cuda files pytrain patches, with nvcc and the "
+                         "CUDA build's flags (seconds, no GPU needed)")
+    ap.add_argument("--if-nvcc", action="store_true",
+                    help="with --cuda-check: skip (successfully) when nvcc is not on PATH")
     a = ap.parse_args(argv)
     cache_dir().mkdir(parents=True, exist_ok=True)
     lock = open(cache_dir() / ".lock", "w")
@@ -317,6 +438,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if a.source_only:
             print(extract_source())
+            return 0
+        if a.cuda_check:
+            if a.if_nvcc and shutil.which("nvcc") is None:
+                log("no nvcc on PATH: CUDA patch check skipped")
+                return 0
+            print(json.dumps(cuda_check(), indent=2))
             return 0
         build(cuda=a.cuda, jobs=a.jobs, force=a.force, out_dir=a.out)
     except BuildError as e:

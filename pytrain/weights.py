@@ -6,17 +6,20 @@ whose type must change passes through a temporary, and then in row chunks of a f
 
 Type policy.  Every frozen weight ends up as ``src0`` of some op in the training graph, and
 the backward of ``MUL_MAT`` runs ``OUT_PROD`` with the weight as ``src0``.  ggml's CPU
-``OUT_PROD`` takes F32, F16 and the quantized types but not BF16; CUDA's takes F32 only.  The
-tensors used element-wise (norms, biases, ``ssm_a``, the depthwise conv kernel) feed
-``MUL``/``ADD``, which want F32 everywhere.  Hence ``type_policy``:
+``OUT_PROD`` takes F32, F16 and the quantized types but not BF16; the pinned CUDA one takes
+F32 only, and pytrain's patch 0003 lets it take any type ggml-cuda dequantizes (rows
+dequantized in slabs, then a GEMM).  The tensors used element-wise (norms, biases, ``ssm_a``,
+the depthwise conv kernel) feed ``MUL``/``ADD``, which want F32 everywhere.  Hence
+``type_policy``:
 
 ``auto``   CPU: matrices keep F32/F16/quantized; BF16 becomes F16 (same size).  BF16 has 8
            mantissa bits and F16 11, so every BF16 value in F16's normal range (6.1e-5 to
            65504 in magnitude) converts exactly; smaller ones become F16 subnormals and lose
            bits, below ~6e-8 they become 0 (each tensor's report counts such values).  A
            tensor holding values beyond 65504 is loaded as F32 instead (twice the size).
-           CUDA: every matrix becomes F32 (BF16/F16: 2x the file's bytes; Q8_0: ~3.8x;
-           Q4_K: ~7x).  Element-wise tensors: F32 on both.
+           CUDA: matrices keep the file's type when ggml-cuda has MUL_MAT, GET_ROWS and a
+           dequantizer for it (F16, BF16, Q4_0/1, Q5_0/1, Q8_0, Q2_K-Q6_K); any other type
+           becomes F32.  Element-wise tensors: F32 on both.
 ``f32``    everything F32 (reference runs; 4 bytes per weight).
 ``keep``   the file's types untouched: inference only, training graphs may not run.
 
@@ -42,6 +45,9 @@ F32, F16, BF16 = lib.GGML_TYPE_F32, lib.GGML_TYPE_F16, lib.GGML_TYPE_BF16
 _ELEMENTWISE_SUFFIXES = ("ssm_conv1d.weight",)
 _CHUNK_ELEMENTS = 1 << 22      # conversion temporaries: at most ~16 MiB of float32 at a time
 _F16_MAX = 65504.0
+# matrix types a CUDA run keeps (MUL_MAT, GET_ROWS and patch 0003's OUT_PROD all take them)
+_CUDA_KEPT = {F32, F16, BF16} | {getattr(lib, f"GGML_TYPE_{n}") for n in (
+    "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")}
 
 
 class WeightsError(GGUFError):
@@ -240,8 +246,10 @@ def load_type(name: str, shape: tuple[int, ...], file_type: int, device: str,
         raise ValueError(f"type_policy must be one of {', '.join(POLICIES)}; got {policy!r}")
     if policy == "keep":
         return file_type
-    if policy == "f32" or is_elementwise(name, shape) or device != "cpu":
+    if policy == "f32" or is_elementwise(name, shape):
         return F32
+    if device != "cpu":
+        return file_type if file_type in _CUDA_KEPT else F32
     return F16 if file_type == BF16 else file_type
 
 

@@ -1,6 +1,7 @@
 """Which graph nodes the pinned ggml-cuda runs: ``ggml_backend_cuda_device_supports_op`` of
 ggml 0.25.3 (``ggml/src/ggml-cuda/ggml-cuda.cu``), restated for the ops pytrain's graphs use,
-plus pytrain's own CUDA patches (``native/patches/``).
+plus pytrain's own CUDA patch (``native/patches/0003-cuda-out-prod-dequantized-src0.patch``:
+OUT_PROD with a non-F32 src0).
 
 Why a restatement: that function needs a CUDA device to be called at all, and the CPU machines
 that build and test pytrain have none.  On a GPU, ``Runtime`` refuses a graph the scheduler
@@ -42,14 +43,22 @@ def _float(t) -> bool:
 
 
 def out_prod_ok(node) -> bool:
-    """The pinned kernel: F32 only (out-prod.cu).  Patched to take other src0 types by
-    dequantizing slabs of rows first: see ``OUT_PROD_SRC0_TYPES``."""
+    """The pinned kernel takes F32 only (out-prod.cu).  pytrain's patch 0003 adds any 2-D
+    contiguous src0 of a type with a CUDA dequantizer (``ggml_get_to_fp32_cuda``)."""
     s0, s1 = node.src[0], node.src[1]
-    return (_f(node) == _T.GGML_TYPE_F32 and _f(s1) == _T.GGML_TYPE_F32
-            and _f(s0) in OUT_PROD_SRC0_TYPES)
+    if _f(node) != _T.GGML_TYPE_F32 or _f(s1) != _T.GGML_TYPE_F32:
+        return False
+    if _f(s0) == _T.GGML_TYPE_F32:
+        return True
+    return (_f(s0) in OUT_PROD_SRC0_TYPES and bool(lib.ggml_is_contiguous(s0))
+            and s0.ne[2] == 1 and s0.ne[3] == 1 and node.ne[2] == 1 and node.ne[3] == 1)
 
 
-OUT_PROD_SRC0_TYPES = {_T.GGML_TYPE_F32}
+# ggml_get_to_fp32_cuda's types (convert.cu), which patch 0003 lets OUT_PROD take
+OUT_PROD_SRC0_TYPES = {_T.GGML_TYPE_F32} | {getattr(lib, f"GGML_TYPE_{n}") for n in (
+    "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
+    "Q6_K", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ1_S", "IQ1_M", "IQ4_NL", "IQ4_XS",
+    "IQ3_S", "MXFP4")}
 
 
 def supported(node) -> bool:

@@ -79,17 +79,24 @@ def qwen35_2b(file_type: str) -> Model:
     return Model("qwen35-2b-shape", cfg, {}, rt, w, tok)
 
 
-@pytest.mark.parametrize("file_type", ["bf16", "q8_0"])
+@pytest.mark.parametrize("file_type", ["bf16", "f16", "q8_0", "q4_K", "q6_K"])
 def test_qwen35_2b_training_graph_runs_entirely_on_cuda(file_type):
     """The real model's shape at the largest micro-batch (4 x 16384 tokens): head counts and
-    widths decide which broadcasts and copies the graph needs."""
+    widths decide which broadcasts and copies the graph needs.  The weights stay in the file's
+    type, so the backward's OUT_PROD nodes read BF16/F16/quantized weights (patch 0003)."""
     m = qwen35_2b(file_type)
     try:
+        assert m.weights.tensors["token_embd.weight"].type == ggml.TYPES[file_type]
         ad = lora.create(m.runtime, m.config, select_targets(m.config), 16, 32.0)
         g = GradGraph(m, ad, 4, 16384, rows=4 * 16384 // 2)
         try:
             bad = unsupported_nodes(g.graph)
             assert not bad, f"{len(bad)} nodes, e.g.:\n" + "\n".join(bad[:12])
+            quantized_out_prods = [
+                n for n in (ggml.lib.ggml_graph_node(g.graph, i)
+                            for i in range(ggml.lib.ggml_graph_n_nodes(g.graph)))
+                if n.op == ggml.lib.GGML_OP_OUT_PROD and n.src[0].type == ggml.TYPES[file_type]]
+            assert quantized_out_prods
         finally:
             g.close()
     finally:

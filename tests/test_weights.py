@@ -159,17 +159,22 @@ def test_quantized_kept_on_cpu_and_dequantized_by_f32_policy(tmp_path, rt, dtype
         assert w.loaded_bytes > 3 * w.file_bytes
 
 
-def test_cuda_policy_makes_every_matrix_f32(tmp_path, rt):
-    """The policy follows ``runtime.device``; a CPU runtime posing as CUDA checks the
-    conversions here (the allocation itself stays on the CPU)."""
+def test_cuda_policy_keeps_matrices_in_their_file_type(tmp_path, rt):
+    """The policy follows ``runtime.device``; a CPU runtime posing as CUDA checks it here
+    (the allocation itself stays on the CPU).  With patch 0003 ggml-cuda's OUT_PROD takes
+    quantized and BF16 weights, so matrices keep the file's bytes; element-wise tensors are
+    F32 (exactly the file's values)."""
     m = write_qwen35(tmp_path / "q8.gguf", "q8_0")
     fake = SimpleNamespace(device="cuda", alloc=rt.alloc, free=rt.free)
+    q8 = ggml.TYPES["q8_0"]
     with load(m.path, fake) as w:
-        assert {t.type for t in w.tensors.values()} == {F32}
+        assert {t.type for t in w.tensors.values()} == {F32, q8}
+        for name, r in w.report.items():
+            if r.file_type == "Q8_0":
+                assert r.loaded_type == "Q8_0" and r.loaded_bytes == r.file_bytes, name
+        assert w["blk.3.attn_q.weight"].type == q8
         for name in ("blk.3.attn_q.weight", "token_embd.weight", "blk.0.ssm_a"):
             np.testing.assert_array_equal(ggml.to_numpy(w[name]), file_values(m, name))
-        conv = [r for r in w.report.values() if r.file_type == "Q8_0"]
-        assert all(r.loaded_bytes * 34 == r.file_bytes * 128 for r in conv)   # 4 B vs 34/32 B
 
 
 def test_load_type_table():
@@ -179,8 +184,12 @@ def test_load_type_table():
     assert load_type("blk.0.ffn_up.weight", mat, F16, "cpu") == F16
     assert load_type("blk.0.ffn_up.weight", mat, q4k, "cpu") == q4k
     assert load_type("blk.0.ffn_up.weight", mat, F32, "cpu") == F32
+    iq2 = ggml.TYPES["iq2_xxs"]
+    assert load_type("blk.0.ffn_up.weight", mat, iq2, "cuda") == F32     # not kept on CUDA
     for t in (BF16, F16, q4k, F32):
-        assert load_type("blk.0.ffn_up.weight", mat, t, "cuda") == F32
+        assert load_type("blk.0.ffn_up.weight", mat, t, "cuda") == t
+        assert load_type("blk.0.ffn_up.weight", mat, t, "cuda", "f32") == F32
+        assert load_type("blk.0.attn_norm.weight", vec, t, "cuda") == F32
         assert load_type("blk.0.ffn_up.weight", mat, t, "cpu", "f32") == F32
         assert load_type("blk.0.ffn_up.weight", mat, t, "cuda", "keep") == t
         assert load_type("blk.0.attn_norm.weight", vec, t, "cpu") == F32
