@@ -353,8 +353,7 @@ class Runtime:
             if t.view_src == ffi.NULL or address(t.view_src) in mine:
                 t.data = ffi.NULL
                 t.buffer = ffi.NULL
-        # nodes + leafs of the graph, plus the copies the scheduler adds between backends
-        self._ensure_sched(2 * int(lib.ggml_graph_size(graph)) + 1024)
+        self._ensure_sched(sched_size(graph))
         lib.ggml_backend_sched_reset(self.sched)
         self._current = None
         if not lib.ggml_backend_sched_alloc_graph(self.sched, graph):
@@ -394,6 +393,15 @@ class Runtime:
         status = lib.ggml_backend_sched_graph_compute(self.sched, graph)
         if status != lib.GGML_STATUS_SUCCESS:
             raise RuntimeError(f"graph compute failed with ggml status {status}")
+
+
+def sched_size(graph) -> int:
+    """The scheduler size a graph needs: its nodes, leafs and the copies added between
+    backends.  Counted from the nodes, not the graph's capacity: the scheduler reserves
+    ~60 tensor structs per unit of size (about 20 KiB), so sizing it by a training graph's
+    capacity (200k at the 2B shape) asked malloc for 8 GiB; its leafs (weights, inputs) are
+    covered by the constant."""
+    return 2 * int(lib.ggml_graph_n_nodes(graph)) + 4096
 
 
 def new_graph(ctx: Context, size: int = 8192, grads: bool = False):

@@ -44,6 +44,7 @@ REPO = Path(__file__).resolve().parent.parent
 def _native_build():
     spec = importlib.util.spec_from_file_location("_pytrain_native_build", REPO / "native" / "build.py")
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod       # dataclasses look their module up there
     spec.loader.exec_module(mod)
     return mod
 

@@ -15,6 +15,7 @@ from pytrain.model_file import open_model
 from pytrain.lora_targets import select_targets
 from pytrain.model import Model
 from pytrain.optimizer import AdamW, Optimizer
+from pytrain.planning import QWEN35_2B, shape_model
 from pytrain.tokenizer import Tokenizer
 from pytrain.trainer import EvalGraph
 from pytrain.weights import load_weights
@@ -50,41 +51,12 @@ def test_training_graph_runs_entirely_on_cuda(model, B, T):
         g.close()
 
 
-def qwen35_2b(file_type: str) -> Model:
-    """The Qwen3.5-2B shape (hidden 2048, 24 layers, 8/2 heads x 256, FFN 6144, DeltaNet 16/16
-    heads x 128, vocabulary 248320, tied) with every matrix of ``file_type`` in the file, as a
-    CUDA run would load it: tensor metadata only, nothing allocated but the adapter."""
-    from types import SimpleNamespace
-
-    from pytrain.models.qwen35_config import Qwen35Config
-    from pytrain.weights import is_elementwise, load_type
-    cfg = Qwen35Config(n_layer=24, n_embd=2048, n_ff=6144, n_head=8, n_head_kv=2, head_dim=256,
-                       n_vocab=248320, rms_eps=1e-6, rope_base=1e7, n_rot=64,
-                       rope_sections=(11, 11, 10, 0), conv_kernel=4, ssm_inner=2048,
-                       ssm_state=128, ssm_v_heads=16, ssm_k_heads=16,
-                       recurrent=tuple(i % 4 != 3 for i in range(24)))
-    shapes = cfg.tensor_shapes()
-    ctx = ggml.Context(n_tensors=len(shapes))
-    ft = ggml.TYPES[file_type]
-    tensors = {}
-    for name, shape in shapes.items():
-        matrix = len([d for d in shape if d > 1]) >= 2 and not is_elementwise(name, shape)
-        t = load_type(name, shape, ft if matrix else ggml.TYPES["f32"], "cuda", "auto")
-        ne = list(reversed(shape))
-        tensors[name] = ggml.set_name(ggml.lib.ggml_new_tensor(
-            ctx.ptr, t, len(ne), ggml.ffi.new("int64_t[]", ne)), name)
-    rt = ggml.Runtime("cpu", threads=1)
-    w = SimpleNamespace(tensors=tensors, ctx=ctx, close=ctx.close)
-    tok = SimpleNamespace(pad_id=0)
-    return Model("qwen35-2b-shape", cfg, {}, rt, w, tok)
-
-
 @pytest.mark.parametrize("file_type", ["bf16", "f16", "q8_0", "q4_K", "q6_K"])
 def test_qwen35_2b_training_graph_runs_entirely_on_cuda(file_type):
     """The real model's shape at the largest micro-batch (4 x 16384 tokens): head counts and
     widths decide which broadcasts and copies the graph needs.  The weights stay in the file's
     type, so the backward's OUT_PROD nodes read BF16/F16/quantized weights (patch 0003)."""
-    m = qwen35_2b(file_type)
+    m = shape_model(QWEN35_2B, file_type, device="cuda")
     try:
         assert m.weights.tensors["token_embd.weight"].type == ggml.TYPES[file_type]
         ad = lora.create(m.runtime, m.config, select_targets(m.config), 16, 32.0)

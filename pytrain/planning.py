@@ -1,0 +1,66 @@
+"""Sizes of a training run before anything is loaded: the graphs pytrain would build for a
+model's shape and weight types, with the weights as tensor metadata only.
+
+Why: the compute buffer of a training step (activations kept for the backward, gradients,
+logits) is most of the memory a run needs, and it depends on the batch shape.  The scheduler
+measures it for a graph without allocating (``ggml_backend_sched_reserve_size``), so a CPU
+machine can tell what a GPU run of a 2B model at batch 4 x 4096 needs, and tests can build
+the real graph of a model nobody downloaded.
+"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from pytrain import ggml
+from pytrain.ggml import ffi, lib
+from pytrain.model import Model
+from pytrain.models.qwen35_config import Qwen35Config
+from pytrain.weights import is_elementwise, load_type
+
+_PLACEHOLDER = ffi.cast("void *", 1 << 20)   # never dereferenced: shape models are not computed
+
+# The Qwen3.5-2B shape (hidden 2048, 24 layers with attention every 4th, 8/2 heads x 256,
+# FFN 6144, DeltaNet 16/16 heads x 128, vocabulary 248320, tied embeddings)
+QWEN35_2B = Qwen35Config(n_layer=24, n_embd=2048, n_ff=6144, n_head=8, n_head_kv=2,
+                         head_dim=256, n_vocab=248320, rms_eps=1e-6, rope_base=1e7, n_rot=64,
+                         rope_sections=(11, 11, 10, 0), conv_kernel=4, ssm_inner=2048,
+                         ssm_state=128, ssm_v_heads=16, ssm_k_heads=16,
+                         recurrent=tuple(i % 4 != 3 for i in range(24)))
+
+
+def shape_model(config: Qwen35Config, file_type: str = "f32", device: str = "cpu",
+                threads: int = 1) -> Model:
+    """A Model whose weights are metadata only: every matrix stored as ``file_type`` in the
+    (imagined) file and loaded as ``device`` would load it; norms and other element-wise
+    tensors F32.  Graphs can be built and measured, never computed: the weights' data
+    pointers are a placeholder, so the allocator counts them as placed elsewhere (as real
+    weights are) instead of sizing them into the compute buffer."""
+    shapes = config.tensor_shapes()
+    ctx = ggml.Context(n_tensors=len(shapes))
+    rt = ggml.Runtime("cpu", threads=threads)
+    # a tiny CPU buffer the weights claim to live in: the scheduler places their ops by it
+    stand_in = lib.ggml_backend_buft_alloc_buffer(lib.ggml_backend_cpu_buffer_type(), 64)
+    rt._buffers.append(stand_in)
+    ft, f32 = ggml.TYPES[file_type], lib.GGML_TYPE_F32
+    tensors = {}
+    for name, shape in shapes.items():
+        matrix = sum(d > 1 for d in shape) >= 2 and not is_elementwise(name, shape)
+        t = load_type(name, shape, ft if matrix else f32, device, "auto")
+        ne = list(reversed(shape))
+        tensors[name] = ggml.set_name(
+            lib.ggml_new_tensor(ctx.ptr, t, len(ne), ffi.new("int64_t[]", ne)), name)
+        tensors[name].data = _PLACEHOLDER
+        tensors[name].buffer = stand_in
+    weights = SimpleNamespace(tensors=tensors, ctx=ctx, close=ctx.close,
+                              loaded_bytes=sum(int(lib.ggml_nbytes(t)) for t in tensors.values()))
+    return Model(f"<{file_type} shape>", config, {}, rt, weights, SimpleNamespace(pad_id=0))
+
+
+def compute_bytes(runtime: ggml.Runtime, graph) -> int:
+    """The compute buffer the scheduler would allocate for ``graph`` (all backends), without
+    allocating it."""
+    sizes = ffi.new("size_t[]", len(runtime.backends))
+    runtime._ensure_sched(ggml.sched_size(graph))
+    lib.ggml_backend_sched_reset(runtime.sched)
+    lib.ggml_backend_sched_reserve_size(runtime.sched, graph, sizes)
+    return int(sum(sizes[i] for i in range(len(runtime.backends))))
