@@ -389,6 +389,16 @@ class Runtime:
         return [buffer_type_name(lib.ggml_backend_sched_get_buffer_type(self.sched, b))
                 for b in self.backends]
 
+    def compute_on_owner(self, graph, tensor) -> None:
+        """Compute a small graph of views of ``tensor`` (already placed by the allocated graph)
+        directly on the backend that owns its buffer, outside the scheduler (which keeps the
+        allocated graph as it is)."""
+        host = lib.ggml_backend_buft_is_host(lib.ggml_backend_buffer_get_type(tensor.buffer))
+        backend = self.cpu if host else self.primary
+        status = lib.ggml_backend_graph_compute(backend, graph)
+        if status != lib.GGML_STATUS_SUCCESS:
+            raise RuntimeError(f"graph compute failed with ggml status {status}")
+
     def compute(self, graph) -> None:
         status = lib.ggml_backend_sched_graph_compute(self.sched, graph)
         if status != lib.GGML_STATUS_SUCCESS:
@@ -406,6 +416,14 @@ def sched_size(graph) -> int:
 
 def new_graph(ctx: Context, size: int = 8192, grads: bool = False):
     return lib.ggml_new_graph_custom(ctx.ptr, size, grads)
+
+
+def new_graph_for(ctx, *outputs, size: int = 64):
+    """A small graph computing ``outputs`` (forward only), in the raw context ``ctx``."""
+    g = lib.ggml_new_graph_custom(ctx, size, False)
+    for t in outputs:
+        lib.ggml_build_forward_expand(g, t)
+    return g
 
 
 def build_forward(graph, tensors: Iterable) -> None:

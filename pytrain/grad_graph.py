@@ -46,7 +46,7 @@ class GradGraph:
         c = self.ctx.ptr
         self.fwd = model.graph.build(c, B, self.T, adapter.hook, rows=rows)
         V = model.config.n_vocab
-        self.ce = loss_mod.build(c, self.fwd.logits, V, rows or self.T * B)
+        self.ce = loss_mod.build(model.runtime, c, self.fwd.logits, V, rows or self.T * B)
         gf = ggml.new_graph(self.ctx, size * 2, grads=True)
         lib.ggml_build_forward_expand(gf, self.ce.loss)
         # d(loss)/d(loss) = 1 lives in its own small static buffer
@@ -81,8 +81,7 @@ class GradGraph:
                 raise ValueError("the bug reproduction trains every row: build with rows=None")
             sel, tg = loss_mod.select_rows(tg, self.rows)
             ggml.from_numpy(self.fwd.inputs.rows, sel)
-        n_valid = loss_mod.set_labels(self.ce, tg, self.model.config.n_vocab,
-                                      self.model.tokenizer.pad_id, n_valid_step, buggy)
+        n_valid = self.ce.prepare(tg, self.model.tokenizer.pad_id, n_valid_step, buggy)
         rt.compute(self.graph)
         return float(ggml.to_numpy(self.ce.loss).reshape(-1)[0]), n_valid
 
@@ -99,6 +98,7 @@ class GradGraph:
 
     def close(self) -> None:
         self.model.runtime.forget_graph()
+        self.ce.close()
         self.model.runtime.free(self.seed_buf)
         self.seed_ctx.close()
         if self.own_acc:

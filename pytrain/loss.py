@@ -9,6 +9,9 @@ targets.  Here, by construction:
     anything, so pad id == eos id keeps real EOS targets;
   * an ignored row has an all-zero label row, and its logits row is multiplied by 0 before the
     CE op, so its gradient is exactly 0 (not softmax/n as in the seed's fix);
+  * the one-hot label rows are built on the device from the target ids (O(rows) uploaded, not
+    O(rows · vocabulary)), and their pad-token column is read back once before the loss is
+    computed;
   * the CE op's 1/n_rows is undone by a runtime scalar ``loss_scale = n_rows / n_valid_step``
     where n_valid_step counts valid targets over the whole optimizer step (all micro-batches),
     so the step's gradient is the token mean and no graph is rebuilt per batch;
@@ -74,73 +77,119 @@ def select_rows(targets: np.ndarray, n_sel: int) -> tuple[np.ndarray, np.ndarray
 
 @dataclass
 class LossInputs:
-    labels: object       # F32 [V, N] one-hot rows, zero rows for ignored targets
-    row_mask: object     # F32 [1, N] 1 for a valid target row, 0 otherwise
-    loss_scale: object   # F32 [1]   n_rows / n_valid_step
+    labels: object      # F32 [V, N]  one-hot rows, built on the device (``MaskedCE.build_labels``)
+    row_mask: object    # F32 [1, N]  1 for a valid target row, 0 otherwise
+    loss_scale: object  # F32 [1]     n_rows / n_valid_step
 
 
-@dataclass
 class MaskedCE:
-    loss: object         # scalar: Σ valid CE / n_valid_step
-    inputs: LossInputs
-    n_rows: int
+    """The masked loss over logits [V, N] (N rows) and the device-side construction of its
+    label rows.
+
+    The one-hot labels are built on the device from O(N) uploaded values: a zero fill of the
+    [V, N] label tensor, then SET_ROWS writes each row's ``row_mask`` value (1 for a target, 0
+    for an ignored row) at its flat index i·V + target_i.  That happens in a small graph of
+    its own, run after the main graph is allocated and before it is computed, so the label
+    tensor the CE op consumes can be read back (its pad-token column, once) before the loss
+    exists: ``set_targets`` → ``build_labels`` → ``check_labels`` → compute."""
+
+    def __init__(self, runtime, ctx, logits, n_vocab: int, n_rows: int):
+        f32 = lib.GGML_TYPE_F32
+        self.runtime, self.n_vocab, self.n_rows = runtime, n_vocab, n_rows
+        self.inputs = LossInputs(labels=lib.ggml_new_tensor_2d(ctx, f32, n_vocab, n_rows),
+                                 row_mask=lib.ggml_new_tensor_2d(ctx, f32, 1, n_rows),
+                                 loss_scale=lib.ggml_new_tensor_1d(ctx, f32, 1))
+        for t in vars(self.inputs).values():
+            lib.ggml_set_input(t)
+        logits = lib.ggml_reshape_2d(ctx, logits, n_vocab, n_rows)
+        masked = lib.ggml_mul(ctx, logits, self.inputs.row_mask)  # zero rows: zero gradient
+        ce = lib.ggml_cross_entropy_loss(ctx, masked, self.inputs.labels)   # Σ / n_rows
+        self.loss = lib.ggml_mul(ctx, ce, self.inputs.loss_scale)
+        # the flat one-positions live in a buffer of their own: only the label graph reads them
+        self._index_ctx = ggml.Context(n_tensors=1)
+        self.label_index = lib.ggml_new_tensor_1d(self._index_ctx.ptr, lib.GGML_TYPE_I64, n_rows)
+        self._index_buf = runtime.alloc(self._index_ctx)
+        zeros = lib.ggml_fill_inplace(ctx, self.inputs.labels, 0.0)
+        ones = lib.ggml_set_rows(ctx, lib.ggml_reshape_2d(ctx, zeros, 1, n_vocab * n_rows),
+                                 self.inputs.row_mask, self.label_index)
+        self.label_graph = ggml.new_graph_for(ctx, ones)
+        self._label_views = [lib.ggml_graph_node(self.label_graph, i)
+                             for i in range(lib.ggml_graph_n_nodes(self.label_graph))]
+
+    def set_targets(self, targets: np.ndarray, buggy: bool = False) -> None:
+        """Upload what the labels are built from, O(N): flat one-positions and the row mask
+        (every row in the bug reproduction, whose pad rows are labelled with the pad token)."""
+        flat = targets.reshape(-1)
+        real = np.ones(flat.size, bool) if buggy else flat >= 0
+        index = np.arange(flat.size, dtype=np.int64) * self.n_vocab + np.where(real, flat, 0)
+        ggml.from_numpy(self.label_index, index)
+        ggml.from_numpy(self.inputs.row_mask, real.astype(np.float32).reshape(-1, 1))
+
+    def build_labels(self) -> None:
+        """Fill the label tensor on its device (after the main graph is allocated)."""
+        for v in self._label_views:                # views of the freshly placed label tensor
+            v.data = ffi.NULL
+            v.buffer = ffi.NULL
+            lib.ggml_backend_view_init(v)
+        self.runtime.compute_on_owner(self.label_graph, self.inputs.labels)
+
+    def check_labels(self, targets: np.ndarray, pad_id: int | None,
+                     n_valid_step: int | None = None, buggy: bool = False) -> int:
+        """ONE bulk strided read of the built label tensor's pad-token column finds any row
+        labelled with the pad token that is not a real target (a stray pad label, the bug
+        class this guards against); such rows are zeroed and masked, and the valid-row count
+        comes from the same read.  Then the runtime ``loss_scale``; ``n_valid_step`` is the
+        valid count of the whole optimizer step (defaults to this micro-batch's).  Returns
+        this micro-batch's valid count."""
+        flat = targets.reshape(-1)
+        n = flat.size
+        inp = self.inputs
+        if buggy:   # every row trained, CE's division by all rows kept; n_valid_step = micro-batches
+            ggml.from_numpy(inp.loss_scale, np.array([1.0 / (n_valid_step or 1)], np.float32))
+            return n
+        real = flat >= 0
+        if pad_id is not None:
+            col = read_column(inp.labels, pad_id)
+            stray = (col != 0) & ~real                    # cannot happen with IGNORE targets
+            has_label = (col != 0) | (real & (flat != pad_id))
+            if stray.any():
+                zero_column_rows(inp.labels, pad_id, np.nonzero(stray)[0])
+                has_label &= ~stray
+                ggml.from_numpy(inp.row_mask, has_label.astype(np.float32).reshape(n, 1))
+        else:
+            has_label = real
+        n_valid = int(has_label.sum())
+        step = n_valid if n_valid_step is None else n_valid_step
+        ggml.from_numpy(inp.loss_scale, np.array([n / step if step > 0 else 0.0], np.float32))
+        return n_valid
+
+    def prepare(self, targets: np.ndarray, pad_id: int | None, n_valid_step: int | None = None,
+                buggy: bool = False) -> int:
+        """The three steps above, for a graph that is allocated: returns the valid count."""
+        self.set_targets(targets, buggy)
+        self.build_labels()
+        return self.check_labels(targets, pad_id, n_valid_step, buggy)
+
+    def close(self) -> None:
+        if self._index_buf is not None:
+            self.runtime.free(self._index_buf)
+            self._index_buf = None
+        self._index_ctx.close()
 
 
-def build(ctx, logits, n_vocab: int, n_rows: int) -> MaskedCE:
-    """The loss graph over logits [V, N] (N = T·B rows)."""
-    f32 = lib.GGML_TYPE_F32
-    inp = LossInputs(labels=lib.ggml_new_tensor_2d(ctx, f32, n_vocab, n_rows),
-                     row_mask=lib.ggml_new_tensor_2d(ctx, f32, 1, n_rows),
-                     loss_scale=lib.ggml_new_tensor_1d(ctx, f32, 1))
-    for t in (inp.labels, inp.row_mask, inp.loss_scale):
-        lib.ggml_set_input(t)
-    logits = lib.ggml_reshape_2d(ctx, logits, n_vocab, n_rows)
-    masked = lib.ggml_mul(ctx, logits, inp.row_mask)      # zero rows -> zero gradient there
-    ce = lib.ggml_cross_entropy_loss(ctx, masked, inp.labels)   # Σ / n_rows
-    loss = lib.ggml_mul(ctx, ce, inp.loss_scale)
-    return MaskedCE(loss, inp, n_rows)
+def build(runtime, ctx, logits, n_vocab: int, n_rows: int) -> MaskedCE:
+    """The masked loss over logits [V, N]; see ``MaskedCE``."""
+    return MaskedCE(runtime, ctx, logits, n_vocab, n_rows)
 
 
 def label_rows(targets: np.ndarray, n_vocab: int) -> np.ndarray:
-    """One-hot float32 label rows [N, V]; IGNORE rows are all zero."""
+    """One-hot float32 label rows [N, V]; IGNORE rows are all zero (the reference the
+    device-built labels are tested against)."""
     flat = targets.reshape(-1)
     out = np.zeros((flat.size, n_vocab), np.float32)
     ok = flat >= 0
     out[np.nonzero(ok)[0], flat[ok]] = 1.0
     return out
-
-
-def set_labels(ce: MaskedCE, targets: np.ndarray, n_vocab: int, pad_id: int | None,
-               n_valid_step: int | None = None, buggy: bool = False) -> int:
-    """Fill the loss inputs for one micro-batch; returns this micro-batch's valid count.
-
-    After the label tensor is written, ONE bulk strided read of its pad-token column finds any
-    row labelled with the pad token that is not a real target (a stray pad label, the bug
-    class this guards against); those entries are zeroed and the valid-row count is taken from
-    the same read.  ``n_valid_step`` is the valid count of the whole optimizer step (defaults
-    to this micro-batch's)."""
-    flat = targets.reshape(-1)
-    n = flat.size
-    ggml.from_numpy(ce.inputs.labels, label_rows(flat, n_vocab))
-    real = flat >= 0
-    if buggy:   # every row trained, CE's division by all rows kept; n_valid_step = micro-batches
-        ggml.from_numpy(ce.inputs.row_mask, np.ones((n, 1), np.float32))
-        ggml.from_numpy(ce.inputs.loss_scale, np.array([1.0 / (n_valid_step or 1)], np.float32))
-        return n
-    if pad_id is not None:
-        col = read_column(ce.inputs.labels, pad_id)
-        stray = (col != 0) & ~real                    # cannot happen with IGNORE targets
-        if stray.any():
-            zero_column_rows(ce.inputs.labels, pad_id, np.nonzero(stray)[0])
-        has_label = (col != 0) | (real & (flat != pad_id))
-    else:
-        has_label = real
-    n_valid = int(has_label.sum())
-    step = n_valid if n_valid_step is None else n_valid_step
-    ggml.from_numpy(ce.inputs.row_mask, has_label.astype(np.float32).reshape(n, 1))
-    ggml.from_numpy(ce.inputs.loss_scale,
-                    np.array([n / step if step > 0 else 0.0], np.float32))
-    return n_valid
 
 
 def read_column(labels, col: int) -> np.ndarray:

@@ -138,7 +138,7 @@ class EvalGraph:
         self.ctx = ggml.Context(n_tensors=size, graph_size=size)
         c = self.ctx.ptr
         self.fwd = model.graph.build(c, B, T, adapter.hook if adapter else None, rows=rows)
-        self.ce = loss_mod.build(c, self.fwd.logits, model.config.n_vocab, rows)
+        self.ce = loss_mod.build(model.runtime, c, self.fwd.logits, model.config.n_vocab, rows)
         self.pred = lib.ggml_argmax(c, lib.ggml_reshape_2d(c, self.fwd.logits,
                                                            model.config.n_vocab, rows))
         for t in (self.ce.loss, self.pred):
@@ -156,8 +156,7 @@ class EvalGraph:
         qwen35.set_inputs(self.fwd, qwen35.input_values(self.model.config, tok, sg))
         sel, tg = loss_mod.select_rows(tg, self.rows)
         ggml.from_numpy(self.fwd.inputs.rows, sel)
-        n = loss_mod.set_labels(self.ce, tg, self.model.config.n_vocab,
-                                self.model.tokenizer.pad_id)
+        n = self.ce.prepare(tg, self.model.tokenizer.pad_id)
         rt.compute(self.graph)
         mean = float(ggml.to_numpy(self.ce.loss).reshape(-1)[0])
         pred = ggml.to_numpy(self.pred).reshape(-1)
@@ -166,4 +165,5 @@ class EvalGraph:
 
     def close(self) -> None:
         self.model.runtime.forget_graph()
+        self.ce.close()
         self.ctx.close()

@@ -81,7 +81,8 @@ def test_eval_and_optimizer_graphs_run_on_cuda(model):
     g = GradGraph(model, ad, 1, 20)
     opt = Optimizer(model.runtime, g.acc, AdamW())
     try:
-        for graph in (ev.graph, opt.norm_graph, opt.update_graph):
+        for graph in (ev.graph, ev.ce.label_graph, g.ce.label_graph, opt.norm_graph,
+                      opt.update_graph):
             assert not unsupported_nodes(graph)
     finally:
         ev.close()

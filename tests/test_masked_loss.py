@@ -265,3 +265,62 @@ def test_row_selection_and_buckets():
     assert buckets == {128, 256, 384, 512}                   # a few graphs per batch shape
     assert all(k <= L.rows_bucket(k, N) <= N for k in range(N + 1))
     assert L.rows_bucket(3, 8) == 8 and L.rows_bucket(0, 40) == 16
+
+
+def test_labels_are_built_on_the_device_from_o_rows_uploads(setup, monkeypatch):
+    """The label tensor the CE op consumes equals numpy's one-hot of the targets (IGNORE rows
+    all zero; the bug reproduction's pad rows labelled with the pad token), while the host
+    uploads only O(rows) values for it: no [V, N] array crosses to the device."""
+    from pytrain import ggml
+    m, ad = setup
+    V = m.config.n_vocab
+    tokens, seg = batch([9, 5, 7], 12, seed=11)
+    tgt = L.shift_targets(tokens, np.ones_like(tokens), seg)
+    g = GradGraph(m, ad, B=3, T=12)
+    try:
+        m.runtime.alloc_graph(g.graph, g.ctx)
+        sent = []
+        real_from_numpy = ggml.from_numpy
+        monkeypatch.setattr(ggml, "from_numpy",
+                            lambda t, a: (sent.append(np.asarray(a).nbytes), real_from_numpy(t, a))[1])
+        n = g.ce.prepare(tgt, m.tokenizer.pad_id)
+        monkeypatch.setattr(ggml, "from_numpy", real_from_numpy)
+        N = tgt.size
+        assert n == int((tgt >= 0).sum()) and sum(sent) <= 13 * N + 4, sent
+        built = ggml.to_numpy(g.ce.inputs.labels).reshape(N, V)
+        np.testing.assert_array_equal(built, L.label_rows(tgt, V))
+        buggy = L.buggy_targets(tokens, seg, 480)
+        g.ce.prepare(buggy, m.tokenizer.pad_id, n_valid_step=1, buggy=True)
+        built = ggml.to_numpy(g.ce.inputs.labels).reshape(N, V)
+        np.testing.assert_array_equal(built, L.label_rows(buggy, V))
+        assert built[:, 480].sum() == (12 - 9 + 1) + (12 - 5 + 1) + (12 - 7 + 1)  # from each last token on
+    finally:
+        g.close()
+
+
+def test_a_stray_pad_label_in_the_built_tensor_is_found_and_removed(setup):
+    """What the ONE read of the pad-token column is for: a row labelled with the pad token
+    that is not a real target (planted here after the labels were built) is zeroed, masked
+    and not counted."""
+    from pytrain import ggml
+    from pytrain.ggml import ffi, lib
+    m, ad = setup
+    V, pad = m.config.n_vocab, m.tokenizer.pad_id
+    tokens, seg = batch([6, 3], 8, seed=12)
+    tgt = L.shift_targets(tokens, np.ones_like(tokens), seg)
+    g = GradGraph(m, ad, B=2, T=8)
+    try:
+        m.runtime.alloc_graph(g.graph, g.ctx)
+        g.ce.set_targets(tgt)
+        g.ce.build_labels()
+        stray_row = 8 + 5                                   # padding of row 1: IGNORE
+        assert tgt.reshape(-1)[stray_row] < 0
+        one = np.ones(1, np.float32)
+        lib.ggml_backend_tensor_set(g.ce.inputs.labels, ffi.from_buffer(one),
+                                    stray_row * V * 4 + pad * 4, 4)
+        n = g.ce.check_labels(tgt, pad)
+        assert n == int((tgt >= 0).sum())
+        col = L.read_column(g.ce.inputs.labels, pad)
+        assert col[stray_row] == 0 and ggml.to_numpy(g.ce.inputs.row_mask).reshape(-1)[stray_row] == 0
+    finally:
+        g.close()
