@@ -159,6 +159,11 @@ class TrainConfig:
     adam_beta1: float = _opt(0.9, "AdamW beta1", check=_unit_interval)
     adam_beta2: float = _opt(0.999, "AdamW beta2", check=_unit_interval)
     adam_eps: float = _opt(1e-8, "AdamW epsilon", check=_positive)
+    recompute: str = _opt("auto", "activation memory: off (one graph per step keeps every "
+                          "activation), layers (keep each layer's input only and recompute the "
+                          "layer in the backward: a second forward, a fraction of the memory), "
+                          "auto (layers when the one-graph step would need over 1/8 of the "
+                          "device's memory)", choices=("auto", "off", "layers"))
     loss_bug_repro: bool = _opt(False, "reproduces the unfixed masking bug for the regression "
                                 "experiments ONLY: pad labels trained, division by all rows, "
                                 "prompt not masked; never for real training")

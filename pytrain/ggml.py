@@ -384,6 +384,13 @@ class Runtime:
                 out.append(op_name(node))
         return out
 
+    def device_memory(self) -> int:
+        """Total memory of the primary device (system memory for the CPU), in bytes."""
+        dev = lib.ggml_backend_get_device(self.primary)
+        free, total = ffi.new("size_t *"), ffi.new("size_t *")
+        lib.ggml_backend_dev_memory(dev, free, total)
+        return int(total[0])
+
     def compute_buffer_types(self) -> list[str]:
         """The buffer type the scheduler allocates each backend's compute buffer in."""
         return [buffer_type_name(lib.ggml_backend_sched_get_buffer_type(self.sched, b))

@@ -19,10 +19,17 @@ from pytrain.tokenizer import Tokenizer
 from pytrain.weights import load_weights
 
 
+def layer_budget(config, T: int) -> int:
+    """Nodes (and tensors) a forward graph of one layer may need: the DeltaNet recurrence adds
+    a few dozen per chunk."""
+    from pytrain.models.delta_net import chunk_size
+    n_chunks = max(1, T // chunk_size(T))
+    return 2048 + (400 + 60 * n_chunks) * 3
+
+
 def graph_budget(config, T: int) -> int:
     """Nodes (and tensors) a forward + backward graph of this model may need."""
-    n_chunks = max(1, T // 64)
-    return 4096 + config.n_layer * (400 + 60 * n_chunks) * 3
+    return 2048 + config.n_layer * layer_budget(config, T)
 
 
 @dataclass

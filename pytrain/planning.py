@@ -58,9 +58,15 @@ def shape_model(config: Qwen35Config, file_type: str = "f32", device: str = "cpu
 
 def compute_bytes(runtime: ggml.Runtime, graph) -> int:
     """The compute buffer the scheduler would allocate for ``graph`` (all backends), without
-    allocating it."""
-    sizes = ffi.new("size_t[]", len(runtime.backends))
-    runtime._ensure_sched(ggml.sched_size(graph))
-    lib.ggml_backend_sched_reset(runtime.sched)
-    lib.ggml_backend_sched_reserve_size(runtime.sched, graph, sizes)
-    return int(sum(sizes[i] for i in range(len(runtime.backends))))
+    allocating it.  Measured by a scheduler of its own: ``reserve_size`` leaves the planned
+    sizes in the allocator without allocating, and a later graph that fits that plan would
+    then be placed into buffers that were never made."""
+    n = len(runtime.backends)
+    sched = lib.ggml_backend_sched_new(runtime._backend_arr, ffi.NULL, n, ggml.sched_size(graph),
+                                       False, True)
+    try:
+        sizes = ffi.new("size_t[]", n)
+        lib.ggml_backend_sched_reserve_size(sched, graph, sizes)
+        return int(sum(sizes[i] for i in range(n)))
+    finally:
+        lib.ggml_backend_sched_free(sched)

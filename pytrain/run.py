@@ -221,7 +221,7 @@ def open_session(cfg: Config, out: Path, log: Callable[[str], None]) -> Session:
         t = cfg.train
         hp = AdamW(lr=t.lr, beta1=t.adam_beta1, beta2=t.adam_beta2, eps=t.adam_eps,
                    weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm)
-        trainer = Trainer(model, adapter, hp, buggy_loss=t.loss_bug_repro)
+        trainer = Trainer(model, adapter, hp, buggy_loss=t.loss_bug_repro, recompute=t.recompute)
     except BaseException:
         model.close()
         raise

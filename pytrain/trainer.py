@@ -15,6 +15,8 @@ from pytrain.lora import LoraAdapter
 from pytrain.model import Model, graph_budget
 from pytrain.models import qwen35
 from pytrain.optimizer import Accumulators, AdamW, Optimizer
+from pytrain.planning import compute_bytes
+from pytrain.recompute import RecomputeGraph
 
 
 class NonFiniteLoss(RuntimeError):
@@ -40,27 +42,50 @@ class StepResult:
 
 class Trainer:
     def __init__(self, model: Model, adapter: LoraAdapter, hp: AdamW, buggy_loss: bool = False,
-                 max_graphs: int = 12):
+                 max_graphs: int = 12, recompute: str = "auto"):
         self.model, self.adapter, self.hp = model, adapter, hp
         self.buggy = buggy_loss
+        if recompute not in ("auto", "off", "layers"):
+            raise ValueError(f"recompute must be auto, off or layers, got {recompute!r}")
+        self.recompute = recompute
         self.acc = Accumulators(model.runtime, adapter.params())
         self.opt = Optimizer(model.runtime, self.acc, hp)
         self.graphs: dict[tuple[int, int, int | None], GradGraph] = {}   # (B, T, rows)
         self.max_graphs = max_graphs
+        self._auto: dict[tuple[int, int], bool] = {}
         self.eval_graphs: dict[tuple[int, int, int], EvalGraph] = {}
 
-    def graph(self, B: int, T: int, n_targets: int | None = None) -> GradGraph:
-        """The graph for a [B, T] micro-batch with ``n_targets`` targets (None: the head and
-        loss on every row, as the bug reproduction needs)."""
+    def graph(self, B: int, T: int, n_targets: int | None = None):
+        """The step graph for a [B, T] micro-batch with ``n_targets`` targets (None: the head
+        and loss on every row, as the bug reproduction needs): one ``GradGraph``, or a
+        ``RecomputeGraph`` (layer by layer, the head on row chunks) when ``recompute`` says so."""
         T = bucket_length(T)
-        rows = None if n_targets is None else loss_mod.rows_bucket(n_targets, B * T)
-        key = (B, T, rows)
+        if n_targets is not None and self._recompute(B, T):
+            key = (B, T, "layers")
+        else:
+            key = (B, T, None if n_targets is None else loss_mod.rows_bucket(n_targets, B * T))
         if key not in self.graphs:
             if len(self.graphs) >= self.max_graphs:   # drop the oldest shape
                 self._drop(next(iter(self.graphs)))
-            self.graphs[key] = GradGraph(self.model, self.adapter, B, T, acc=self.acc,
-                                         rows=rows)
+            if key[2] == "layers":
+                self.graphs[key] = RecomputeGraph(self.model, self.adapter, B, T, acc=self.acc)
+            else:
+                self.graphs[key] = GradGraph(self.model, self.adapter, B, T, acc=self.acc,
+                                             rows=key[2])
         return self.graphs[key]
+
+    def _recompute(self, B: int, T: int) -> bool:
+        """``auto``: recompute when the one-graph step's compute buffer (measured by the
+        scheduler without allocating) would exceed 1/8 of the device's memory."""
+        if self.recompute != "auto":
+            return self.recompute == "layers"
+        if (B, T) not in self._auto:
+            g = GradGraph(self.model, self.adapter, B, T, acc=self.acc,
+                          rows=loss_mod.rows_bucket(B * T, B * T))
+            need = compute_bytes(self.model.runtime, g.graph)
+            g.close()
+            self._auto[(B, T)] = need > self.model.runtime.device_memory() / 8
+        return self._auto[(B, T)]
 
     def _drop(self, key) -> None:
         g = self.graphs.pop(key)

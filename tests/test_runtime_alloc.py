@@ -14,11 +14,11 @@ from pytrain.ggml import ffi, lib
 N = 16
 
 
-def persistent(rt, value):
+def persistent(rt, value, n=N):
     ctx = ggml.Context(n_tensors=1)
-    t = lib.ggml_new_tensor_1d(ctx.ptr, lib.GGML_TYPE_F32, N)
+    t = lib.ggml_new_tensor_1d(ctx.ptr, lib.GGML_TYPE_F32, n)
     rt.alloc(ctx)
-    ggml.from_numpy(t, np.full(N, value, np.float32))
+    ggml.from_numpy(t, np.full(n, value, np.float32))
     return ctx, t
 
 
@@ -53,12 +53,17 @@ def test_a_reallocated_graph_never_keeps_a_pointer_into_a_freed_buffer():
     yv, zv = run(2.0)
     assert np.all(yv == 6.0) and zv == (6.0 + 3.0) * N // 2
     stale = ggml.address(x.buffer)
+    size = int(lib.ggml_backend_buffer_get_size(x.buffer))
     # the scheduler is recreated for a bigger graph, which frees its compute buffers; new
-    # persistent buffers follow (as a new batch shape's seed buffer does), and malloc hands
-    # one of them the freed buffer's address
+    # persistent buffers of the same size follow (as a new batch shape's seed buffer does),
+    # until malloc hands one of them the freed buffer's address
     rt._ensure_sched(4 * rt.graph_size)
-    keep += [persistent(rt, 0.0) for _ in range(8)]
-    reused = stale in {ggml.address(b) for b in rt._buffers}
+    reused = False
+    for _ in range(32):
+        keep.append(persistent(rt, 0.0, max(1, size // 4)))
+        reused = stale in {ggml.address(b) for b in rt._buffers}
+        if reused:
+            break
 
     yv, zv = run(5.0)
     assert np.all(yv == 15.0) and zv == (15.0 + 3.0) * N // 2

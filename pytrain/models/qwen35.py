@@ -145,14 +145,8 @@ class Qwen35Graph:
         return self.mm(ctx, p + "ffn_down.weight", lib.ggml_mul(ctx, lib.ggml_silu(ctx, gate), up), lora)
 
     # -- the whole model -------------------------------------------------------------
-    def build(self, ctx, B: int, T: int, lora: LoraFn | None = None,
-              rows: int | None = None) -> Forward:
-        """The forward graph for B rows of T tokens (T already padded: see padded_length).
-
-        The LM head is the largest matmul of a small model and its [V, N] logits the largest
-        tensors, so it can run on fewer positions: with ``rows``, on R positions picked per
-        batch through the I32 input ``inputs.rows`` ([V, R, 1]; the loss's target positions,
-        or the last position of each row for generation)."""
+    def new_inputs(self, ctx, B: int, T: int) -> GraphInputs:
+        """The per-batch inputs of a [B, T] graph (T already padded: see padded_length)."""
         c = self.c
         C = dn.chunk_size(T)
         assert T % C == 0, f"T={T} is not a multiple of the chunk size {C}"
@@ -170,28 +164,49 @@ class Qwen35Graph:
             lib.ggml_set_input(inp.conv_keep)
         for t in (inp.tokens, inp.pos, inp.kq_mask):
             lib.ggml_set_input(t)
+        return inp
 
-        x = lib.ggml_get_rows(ctx, self.w["token_embd.weight"], inp.tokens)   # [E, T·B]
-        for il in range(c.n_layer):
-            p = f"blk.{il}."
-            h = self.norm(ctx, x, p + "attn_norm.weight")
-            if c.recurrent[il]:
-                h = self.delta_net(ctx, il, h, inp, B, T, lora, C)
-            else:
-                h = self.attention(ctx, il, h, inp, B, T, lora)
-            x = lib.ggml_add(ctx, x, h)
-            x = lib.ggml_add(ctx, x, self.ffn(ctx, il, self.norm(ctx, x, p + "post_attention_norm.weight"), lora))
+    def embed(self, ctx, inp: GraphInputs):
+        return lib.ggml_get_rows(ctx, self.w["token_embd.weight"], inp.tokens)   # [E, T·B]
+
+    def layer(self, ctx, il: int, x, inp: GraphInputs, B: int, T: int, lora: LoraFn | None):
+        """x [E, T·B] -> the output of layer ``il``."""
+        p = f"blk.{il}."
+        h = self.norm(ctx, x, p + "attn_norm.weight")
+        if self.c.recurrent[il]:
+            h = self.delta_net(ctx, il, h, inp, B, T, lora, dn.chunk_size(T))
+        else:
+            h = self.attention(ctx, il, h, inp, B, T, lora)
+        x = lib.ggml_add(ctx, x, h)
+        return lib.ggml_add(ctx, x, self.ffn(ctx, il, self.norm(ctx, x, p + "post_attention_norm.weight"), lora))
+
+    def head(self, ctx, x, inp: GraphInputs, B: int, T: int, rows: int | None = None):
+        """x [E, T·B] after the last layer -> logits [V, T, B], or [V, R, 1] on the R rows of
+        the I32 input ``inp.rows`` (made here)."""
+        c = self.c
         x = self.norm(ctx, x, "output_norm.weight")
-        T_out, B_out = T, B
         if rows is not None:                                               # [E, R]
-            inp.rows = lib.ggml_new_tensor_1d(ctx, i32, rows)
+            inp.rows = lib.ggml_new_tensor_1d(ctx, lib.GGML_TYPE_I32, rows)
             lib.ggml_set_input(inp.rows)
             x = lib.ggml_get_rows(ctx, x, inp.rows)
-            T_out, B_out = rows, 1
+            T, B = rows, 1
         head = "token_embd.weight" if c.tied_embeddings else "output.weight"
-        logits = lib.ggml_mul_mat(ctx, self.w[head], x)                   # [V, T_out·B_out]
-        logits = lib.ggml_reshape_3d(ctx, logits, c.n_vocab, T_out, B_out)
-        return Forward(logits, inp, B, T)
+        logits = lib.ggml_mul_mat(ctx, self.w[head], x)                   # [V, T·B]
+        return lib.ggml_reshape_3d(ctx, logits, c.n_vocab, T, B)
+
+    def build(self, ctx, B: int, T: int, lora: LoraFn | None = None,
+              rows: int | None = None) -> Forward:
+        """The forward graph for B rows of T tokens (T already padded: see padded_length).
+
+        The LM head is the largest matmul of a small model and its [V, N] logits the largest
+        tensors, so it can run on fewer positions: with ``rows``, on R positions picked per
+        batch through the I32 input ``inputs.rows`` ([V, R, 1]; the loss's target positions,
+        or the last position of each row for generation)."""
+        inp = self.new_inputs(ctx, B, T)
+        x = self.embed(ctx, inp)
+        for il in range(self.c.n_layer):
+            x = self.layer(ctx, il, x, inp, B, T, lora)
+        return Forward(self.head(ctx, x, inp, B, T, rows), inp, B, T)
 
 
 # --------------------------------------------------------------------------- host inputs

@@ -1,0 +1,199 @@
+"""A training step that keeps one layer's activations at a time: forward layer by layer,
+keeping only each layer's input, then backward layer by layer from the top, recomputing that
+layer's forward first (activation checkpointing at layer granularity).
+
+Why: one graph for a whole step keeps every activation the backward needs.  At the Qwen3.5-2B
+shape that is ~1.45 GiB per DeltaNet layer per 4096 tokens and 34 GiB for batch 4 x 1024
+(``scripts/bench_memory.py``), more than HF + PEFT's whole process.  Here the compute buffer
+holds one layer's graph, and the LM head and loss run on chunks of the target rows, so the
+vocabulary-sized tensors are [V, chunk] instead of [V, rows].  The price is a second forward
+of the layers above the first adapter.
+
+The backward of layer l is the gradient of the surrogate Σ layer_l(x_l) ⊙ g_{l+1}, where
+g_{l+1} = dL/dx_{l+1} comes from the layer above: its gradients are g_{l+1}ᵀ ∂layer_l/∂θ, the
+chain rule, computed by ggml's autodiff on the same ops as the one-graph step.
+"""
+from __future__ import annotations
+
+import re
+
+import numpy as np
+
+from pytrain import ggml, loss as loss_mod
+from pytrain.ggml import lib
+from pytrain.grad_graph import pad_batch
+from pytrain.lora import LoraAdapter
+from pytrain.model import Model, layer_budget
+from pytrain.models import qwen35
+from pytrain.optimizer import Accumulators
+
+_BLOCK = re.compile(r"^blk\.(\d+)\.")
+HEAD_CHUNK_BYTES = 256 << 20      # one [V, chunk] F32 tensor of the head and loss at most
+
+
+def first_adapted_layer(names: list[str]) -> int:
+    """The lowest block an adapter touches; only blocks from there up need a backward."""
+    layers = []
+    for n in names:
+        m = _BLOCK.match(n)
+        if m is None:
+            raise ValueError(f"layer-wise recompute needs adapters inside blocks; {n!r} is not")
+        layers.append(int(m.group(1)))
+    return min(layers)
+
+
+def head_chunk(n_vocab: int, n_rows: int) -> int:
+    """Rows per head-and-loss graph: [V, chunk] F32 within HEAD_CHUNK_BYTES, a multiple of 16."""
+    fit = max(16, (HEAD_CHUNK_BYTES // (4 * n_vocab)) // 16 * 16)
+    return min(fit, -(-n_rows // 16) * 16)
+
+
+class _Graph:
+    """One graph in a context of its own."""
+
+    def __init__(self, size: int, grads: bool = False):
+        self.ctx = ggml.Context(n_tensors=size, graph_size=size, grads=grads)
+        self.c = self.ctx.ptr
+        self.size = size
+        self.graph = None
+
+    def close(self) -> None:
+        self.ctx.close()
+
+
+class RecomputeGraph:
+    """Same use as ``GradGraph``: ``accumulate`` adds one micro-batch's gradients into the
+    shared accumulators and returns its share of the step loss."""
+
+    def __init__(self, model: Model, adapter: LoraAdapter, B: int, T: int,
+                 acc: Accumulators | None = None):
+        cfg, rt = model.config, model.runtime
+        self.model, self.adapter = model, adapter
+        self.acc = acc or Accumulators(rt, adapter.params())
+        self.own_acc = acc is None
+        self.B, self.T = B, qwen35.padded_length(T)
+        self.l0 = first_adapted_layer(adapter.names)
+        L, E, N, T = cfg.n_layer, cfg.n_embd, B * self.T, self.T
+        g = model.graph
+        f32 = lib.GGML_TYPE_F32
+        self.rows = head_chunk(cfg.n_vocab, N)
+
+        # persistent: the batch's inputs (shared by every graph), each layer's input, the
+        # gradient handed down (two, alternating), d(loss)/d(loss) = 1
+        self.pctx = ggml.Context(n_tensors=32 + (L - self.l0 + 1) + 3)
+        self.inp = g.new_inputs(self.pctx.ptr, B, T)
+        self.xs = {l: lib.ggml_new_tensor_2d(self.pctx.ptr, f32, E, N)
+                   for l in range(self.l0, L + 1)}
+        self.gs = [lib.ggml_new_tensor_2d(self.pctx.ptr, f32, E, N) for _ in range(2)]
+        self.seed = lib.ggml_new_tensor_1d(self.pctx.ptr, f32, 1)
+        self.pbuf = rt.alloc(self.pctx)
+        ggml.from_numpy(self.seed, np.ones(1, np.float32))
+        self.params = {ggml.address(p): p for p in adapter.params()}
+        size = layer_budget(cfg, T)
+
+        # forward: embedding and the frozen layers below the first adapter, then one graph per
+        # layer, each writing its output into the next layer's input
+        self.pre = _Graph(size * (self.l0 + 1))
+        x = g.embed(self.pre.c, self.inp)
+        for il in range(self.l0):
+            x = g.layer(self.pre.c, il, x, self.inp, B, T, None)
+        self.pre.graph = ggml.new_graph_for(self.pre.c, lib.ggml_cpy(self.pre.c, x, self.xs[self.l0]),
+                                            size=self.pre.size)
+        self.fwd = []
+        for il in range(self.l0, L):
+            fg = _Graph(size)
+            y = g.layer(fg.c, il, self.xs[il], self.inp, B, T, adapter.hook)
+            fg.graph = ggml.new_graph_for(fg.c, lib.ggml_cpy(fg.c, y, self.xs[il + 1]), size=size)
+            self.fwd.append(fg)
+
+        # head + loss on a chunk of rows: gradient of x_L accumulated into gs[0]
+        hg = _Graph(4096, grads=True)
+        lib.ggml_set_param(self.xs[L])
+        logits = g.head(hg.c, self.xs[L], self.inp, B, T, self.rows)
+        self.ce = loss_mod.build(rt, hg.c, logits, cfg.n_vocab, self.rows)
+        gf = ggml.new_graph(hg.ctx, 4096, grads=True)
+        lib.ggml_build_forward_expand(gf, self.ce.loss)
+        hg.graph = ggml.build_backward(hg.ctx, gf, self.ce.loss,
+                                       {ggml.address(self.xs[L]): self.gs[0]}, self.seed)
+        self.head = hg
+
+        # backward of layer l: surrogate Σ y ⊙ g_{l+1}; LoRA gradients into the accumulators,
+        # x_l's gradient copied into the other buffer
+        self.bwd = {}
+        for il in reversed(range(self.l0, L)):
+            bg = _Graph(size * 2, grads=True)
+            g_in, g_out = self.gs[(L - 1 - il) % 2], self.gs[(L - il) % 2]
+            x_in = self.xs[il]
+            lib.ggml_set_param(x_in)
+            y = g.layer(bg.c, il, x_in, self.inp, B, T, adapter.hook)
+            surrogate = lib.ggml_sum(bg.c, lib.ggml_mul(bg.c, y, g_in))
+            gf = ggml.new_graph(bg.ctx, size * 2, grads=True)
+            lib.ggml_build_forward_expand(gf, surrogate)
+            accs = {a: self.acc.grad[ggml.name(p)] for a, p in self.params.items()}
+            bg.graph = ggml.build_backward(bg.ctx, gf, surrogate, accs, self.seed)
+            if il > self.l0:           # the lowest adapted layer hands nothing further down
+                dx = ggml.grad_of(bg.graph, x_in)
+                lib.ggml_build_forward_expand(bg.graph, lib.ggml_cpy(bg.c, dx, g_out))
+            self.bwd[il] = bg
+
+    def _run(self, graph_obj: _Graph) -> None:
+        rt = self.model.runtime
+        rt.alloc_graph(graph_obj.graph, graph_obj.ctx)
+        rt.compute(graph_obj.graph)
+
+    def accumulate(self, tokens: np.ndarray, seg: np.ndarray, targets: np.ndarray,
+                   n_valid_step: int | None = None, buggy: bool = False) -> tuple[float, int]:
+        if buggy:
+            raise ValueError("the bug reproduction trains every row in one graph: use GradGraph")
+        cfg, rt = self.model.config, self.model.runtime
+        pad = self.model.tokenizer.pad_id or 0
+        tok, sg, tg = pad_batch(self.B, self.T, tokens, seg, targets, pad)
+        qwen35.set_inputs(qwen35.Forward(None, self.inp, self.B, self.T),
+                          qwen35.input_values(cfg, tok, sg))
+        self._run(self.pre)
+        for fg in self.fwd:
+            self._run(fg)
+        # head and loss over the target rows, a chunk at a time
+        g_top = self.gs[0]
+        lib.ggml_backend_tensor_memset(g_top, 0, 0, lib.ggml_nbytes(g_top))
+        flat = tg.reshape(-1)
+        idx = np.nonzero(flat >= 0)[0]
+        total, n_valid = 0.0, 0
+        n_step = n_valid_step if n_valid_step is not None else int(idx.size)
+        for start in range(0, max(idx.size, 1), self.rows):
+            part = idx[start:start + self.rows]
+            sel = np.zeros(self.rows, np.int32)
+            sel[:part.size] = part
+            ctg = np.full(self.rows, loss_mod.IGNORE, np.int64)
+            ctg[:part.size] = flat[part]
+            rt.alloc_graph(self.head.graph, self.head.ctx)
+            ggml.from_numpy(self.inp.rows, sel)
+            n_valid += self.ce.prepare(ctg, self.model.tokenizer.pad_id, n_step)
+            rt.compute(self.head.graph)
+            total += float(ggml.to_numpy(self.ce.loss).reshape(-1)[0])
+        for il in reversed(range(self.l0, cfg.n_layer)):
+            self._run(self.bwd[il])      # writes dL/dx_il over the buffer the layer above read
+        return total, n_valid
+
+    def run(self, tokens: np.ndarray, seg: np.ndarray, targets: np.ndarray,
+            n_valid_step: int | None = None) -> dict:
+        """Loss and fresh gradients of one micro-batch (zeroes the accumulators first)."""
+        self.acc.zero_grads()
+        loss, n_valid = self.accumulate(tokens, seg, targets, n_valid_step)
+        return {"loss": loss, "n_valid": n_valid, "grads": self.acc.grads()}
+
+    def graphs(self) -> list:
+        return [self.pre.graph, *(f.graph for f in self.fwd), self.head.graph,
+                *(b.graph for b in self.bwd.values())]
+
+    def close(self) -> None:
+        rt = self.model.runtime
+        rt.forget_graph()
+        self.ce.close()
+        for gr in [self.pre, *self.fwd, self.head, *self.bwd.values()]:
+            gr.close()
+        rt.free(self.pbuf)
+        self.pctx.close()
+        if self.own_acc:
+            rt.free(self.acc.buffer)
+            self.acc.ctx.close()

@@ -1,0 +1,115 @@
+"""Layer-wise recompute (``pytrain.recompute``) gives the one-graph step's loss and LoRA
+gradients, and needs a fraction of its compute buffer."""
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import pytrain
+from pytrain import loss as L
+from pytrain import lora
+from pytrain import recompute as R
+from pytrain.grad_graph import GradGraph
+from pytrain.lora_targets import select_targets
+
+FIX = Path(__file__).resolve().parent / "fixtures" / "qwen35"
+ONE_CHUNK = R.HEAD_CHUNK_BYTES          # the default: the fixtures' targets fit one chunk
+
+
+def adapted(path):
+    m = pytrain.load_model(path, device="cpu", threads=2)
+    ad = lora.create(m.runtime, m.config, select_targets(m.config), rank=4, alpha=8, seed=0)
+    rng = np.random.default_rng(0)
+    vals = ad.get()
+    for k in vals:                  # B != 0 so that A gets a gradient too
+        if k.endswith("lora_b"):
+            vals[k] = rng.normal(0, 0.05, vals[k].shape).astype(np.float32)
+    ad.set(vals)
+    return m, ad
+
+
+def packed_batch(seed=0, B=3, T=40):
+    """Rows with padding, two packed samples and prompt tokens masked."""
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, 480, (B, T))
+    seg = np.zeros((B, T), np.int64)
+    seg[1, 30:] = -1
+    seg[2, 20:] = 1
+    return tokens, seg, L.shift_targets(tokens, rng.random((B, T)) < 0.6, seg)
+
+
+@pytest.mark.parametrize("fixture", ["gqa-f32.gguf", "untied-f32.gguf"])
+@pytest.mark.parametrize("chunk_bytes", [ONE_CHUNK, 4 * 1024 * 16])
+def test_layer_recompute_equals_the_one_graph_step(fixture, chunk_bytes, monkeypatch):
+    """Same loss, valid count and LoRA gradients (the same ops run, a layer at a time), also
+    when the head and loss run on several chunks of 16 rows (66 targets here)."""
+    monkeypatch.setattr(R, "HEAD_CHUNK_BYTES", chunk_bytes)
+    m, ad = adapted(FIX / fixture)
+    try:
+        tokens, seg, tgt = packed_batch()
+        g = GradGraph(m, ad, 3, 40)
+        one = g.run(tokens, seg, tgt)
+        g.close()
+        r = R.RecomputeGraph(m, ad, 3, 40)
+        assert r.l0 == min(int(n.split(".")[1]) for n in ad.names) > 0
+        n_chunks = -(-one["n_valid"] // r.rows)
+        assert (n_chunks > 1) == (chunk_bytes != ONE_CHUNK)
+        rec = r.run(tokens, seg, tgt)
+        r.close()
+    finally:
+        m.close()
+    assert rec["n_valid"] == one["n_valid"] > 0
+    assert rec["loss"] == pytest.approx(one["loss"], rel=1e-6)
+    for k, v in one["grads"].items():
+        scale = float(np.abs(v).max())
+        assert scale > 0
+        np.testing.assert_allclose(rec["grads"][k], v, atol=1e-6 * scale, rtol=0, err_msg=k)
+
+
+def test_training_with_recompute_gives_the_same_adapter():
+    """Three AdamW steps of two micro-batches each, recompute on, off and auto (which measures
+    the one-graph step with a scheduler of its own, then trains one graph: this model is
+    tiny; measuring with the runtime's scheduler once left a plan without buffers and the
+    next step crashed)."""
+    from pytrain.data import Example, make_batches
+    from pytrain.optimizer import AdamW
+    from pytrain.trainer import Trainer
+    rng = np.random.default_rng(3)
+    ex = [Example(rng.integers(0, 480, n).astype(np.int32), rng.random(n) < 0.7)
+          for n in (17, 30, 9, 24, 31, 12, 20, 26, 14, 33, 8, 21)]
+    batches = make_batches(ex, 2, seed=1)
+    out = {}
+    for mode in ("off", "layers", "auto"):
+        m, ad = adapted(FIX / "gqa-f32.gguf")
+        tr = Trainer(m, ad, AdamW(lr=1e-2), recompute=mode)
+        losses = [tr.step(batches[i:i + 2], 1e-2).loss for i in (0, 2, 4)]
+        kinds = {type(g).__name__ for g in tr.graphs.values()}
+        out[mode] = (losses, ad.get(), kinds)
+        tr.close()
+        m.close()
+    assert out["off"][2] == out["auto"][2] == {"GradGraph"}
+    assert out["layers"][2] == {"RecomputeGraph"}
+    for mode in ("layers", "auto"):
+        np.testing.assert_allclose(out[mode][0], out["off"][0], rtol=1e-6)
+        for k, v in out["off"][1].items():
+            np.testing.assert_allclose(out[mode][1][k], v, atol=1e-6, rtol=1e-5, err_msg=k)
+
+
+def test_recompute_needs_a_fraction_of_the_memory_at_the_2b_shape():
+    """Measured by the scheduler without allocating: batch 4 x 1024 of the Qwen3.5-2B shape,
+    half the tokens targets.  The one-graph step needs ~34 GiB; layer by layer the largest
+    graph needs a few (bench_results/memory.md has the table)."""
+    from pytrain.planning import QWEN35_2B, compute_bytes, shape_model
+    m = shape_model(QWEN35_2B, "f16")
+    try:
+        ad = lora.create(m.runtime, m.config, select_targets(m.config), 16, 32.0)
+        g = GradGraph(m, ad, 4, 1024, rows=2048)
+        one = compute_bytes(m.runtime, g.graph)
+        g.close()
+        r = R.RecomputeGraph(m, ad, 4, 1024)
+        peak = max(compute_bytes(m.runtime, gr) for gr in r.graphs())
+        r.close()
+    finally:
+        m.close()
+    assert one > 30 * 2**30
+    assert peak < one / 8, (peak / 2**30, one / 2**30)
