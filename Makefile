@@ -5,7 +5,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 CUDA   ?= 0
 
-.PHONY: all build llama-cpp test demo experiments doctor clean distclean
+.PHONY: all build llama-cpp cuda-check test demo experiments doctor clean distclean
 
 all: build
 
@@ -23,7 +23,13 @@ build: $(VENV)/.deps
 llama-cpp: build
 	$(PY) scripts/build_llama_cpp.py
 
-test: build llama-cpp
+# the ggml-cuda files pytrain patches, compiled with nvcc and the CUDA build's flags (about a
+# minute; cuBLAS headers from the pinned nvidia-cublas wheel when the toolkit has none); a
+# machine without nvcc skips it.  A full CUDA build is `make build CUDA=1`.
+cuda-check: build
+	$(PY) native/build.py --cuda-check --if-nvcc
+
+test: build llama-cpp cuda-check
 	$(PY) -m pytest -q
 
 demo: build

@@ -295,6 +295,7 @@ def cmake_build(cuda: bool, jobs: int, options: list[str]) -> Path:
     if prefix.exists():
         shutil.rmtree(prefix)
     _run(["cmake", "--install", str(bdir)], "cmake install")
+    (prefix / "options.json").write_text(json.dumps(options) + "\n")   # for --prebuilt
     return prefix
 
 
@@ -323,12 +324,14 @@ def install_libs(prefix: Path, out_dir: Path) -> list[str]:
 
 
 def build(cuda: bool = False, jobs: int | None = None, force: bool = False,
-          out_dir: Path = PKG_NATIVE) -> dict:
+          out_dir: Path = PKG_NATIVE, prebuilt: Path | None = None) -> dict:
     jobs = jobs or max(1, os.cpu_count() or 1)
     out_dir.mkdir(parents=True, exist_ok=True)
     stamp = out_dir / "build_info.json"
-    check_tools(cuda)
-    options = GGML_OPTIONS + (cuda_options(cuda_toolkit()) if cuda else [])
+    check_tools(cuda and prebuilt is None)
+    options = GGML_OPTIONS + (cuda_options(cuda_toolkit()) if cuda and prebuilt is None else [])
+    if prebuilt is not None:      # an install prefix built elsewhere by this script
+        options = json.loads((prebuilt / "options.json").read_text())
     if stamp.exists() and not force:
         info = json.loads(stamp.read_text())
         if (info.get("cuda") == cuda and info.get("archive_sha256") == ARCHIVE_SHA256
@@ -339,7 +342,7 @@ def build(cuda: bool = False, jobs: int | None = None, force: bool = False,
     stamp.unlink(missing_ok=True)  # from here on, an interrupted build is visibly incomplete
     extract_source()
     t0 = time.monotonic()
-    prefix = cmake_build(cuda, jobs, options)
+    prefix = prebuilt if prebuilt is not None else cmake_build(cuda, jobs, options)
     libs = install_libs(prefix, out_dir)
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import ffi  # noqa: E402  (native/ffi.py, next to this file)
@@ -426,6 +429,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="where the libraries and the cffi module go (default: the package)")
     ap.add_argument("--source-only", action="store_true",
                     help="only fetch, verify and extract the pinned source; print its path")
+    ap.add_argument("--prebuilt", type=Path, default=None, metavar="PREFIX",
+                    help="install the libraries of a ggml install prefix this script built "
+                         "elsewhere (its options.json says how) and compile only the cffi "
+                         "module: for a GPU machine that cannot download or should not wait")
     ap.add_argument("--cuda-check", action="store_true",
                     help="compile only the ggml-cuda files pytrain patches, with nvcc and the "
                          "CUDA build's flags (seconds, no GPU needed)")
@@ -445,7 +452,7 @@ def main(argv: list[str] | None = None) -> int:
                 return 0
             print(json.dumps(cuda_check(), indent=2))
             return 0
-        build(cuda=a.cuda, jobs=a.jobs, force=a.force, out_dir=a.out)
+        build(cuda=a.cuda, jobs=a.jobs, force=a.force, out_dir=a.out, prebuilt=a.prebuilt)
     except BuildError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

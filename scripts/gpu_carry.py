@@ -1,0 +1,102 @@
+#!/usr/bin/env python3
+"""Pack what ``scripts/gpu_check.sh`` needs on a GPU machine that reaches no package index,
+into ``.gpu/`` (git-ignored; the device tool's ``carry`` takes it along):
+
+  .gpu/src.tar.xz      the pinned, verified, patched source, only the parts the CUDA ggml and
+                       llama.cpp's libllama builds read, in the cache layout native/build.py
+                       expects (its marker says which archive and patch set)
+  .gpu/whl/            wheels for the GPU machine's Python (3.12) of the dependencies its
+                       image lacks: cffi, pycparser, gguf
+  .gpu/prefix.tar.xz   optional (--prefix DIR): a CUDA ggml install prefix built here by
+                       ``native/build.py --cuda``, so the GPU machine only compiles the cffi
+                       module (``--prebuilt``) instead of spending ~6 minutes of device time
+
+Usage:  python scripts/gpu_carry.py [--prefix ~/.cache/pytrain/install/llama_cpp_python-0.3.36-cuda]
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+OUT = ROOT / ".gpu"
+WHEELS = ["cffi==2.1.1", "pycparser==3.12", "gguf==0.19.0"]   # PyYAML, requests: in the image
+# ggml backends the CUDA build does not configure (kept out to stay under the carry limit)
+SKIP = ("ggml-vulkan", "ggml-sycl", "ggml-metal", "ggml-opencl", "ggml-cann", "ggml-webgpu",
+        "ggml-zdnn", "ggml-hexagon", "ggml-musa", "ggml-rpc", "ggml-blas", "ggml-zendnn",
+        "ggml-virtgpu", "ggml-openvino")
+
+
+def _native_build():
+    spec = importlib.util.spec_from_file_location("_pytrain_native_build",
+                                                  ROOT / "native" / "build.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def pack_source(nb) -> Path:
+    root = nb.extract_source()
+    llama = Path("vendor") / "llama.cpp"
+    dest = OUT / "src.tar.xz"
+
+    def keep(info: tarfile.TarInfo):
+        parts = Path(info.name).parts
+        if any(p in SKIP for p in parts) or any(p in ("docs", "examples", ".git") for p in parts):
+            return None
+        return info
+
+    with tarfile.open(dest, "w:xz") as tar:
+        base = Path(root.name)
+        tar.add(root / ".pytrain-extracted", base / ".pytrain-extracted")
+        for name in ("CMakeLists.txt", "cmake", "ggml", "src", "include", "vendor", "LICENSE",
+                     "licenses"):
+            p = root / llama / name
+            if p.exists():
+                tar.add(p, base / llama / name, filter=keep)
+    return dest
+
+
+def fetch_wheels() -> Path:
+    d = OUT / "whl"
+    d.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+           "--python-version", "3.12", "--implementation", "cp", "--quiet"]
+    for plat in ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64",
+                 "manylinux2014_x86_64", "any"):
+        cmd += ["--platform", plat]
+    subprocess.run(cmd + ["-d", str(d)] + WHEELS, check=True)
+    return d
+
+
+def pack_prefix(prefix: Path) -> Path:
+    dest = OUT / "prefix.tar.xz"
+    with tarfile.open(dest, "w:xz") as tar:
+        tar.add(prefix, "prefix")
+    return dest
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--prefix", type=Path, help="a CUDA ggml install prefix to carry")
+    a = ap.parse_args()
+    OUT.mkdir(exist_ok=True)
+    made = [pack_source(_native_build()), fetch_wheels()]
+    if a.prefix:
+        made.append(pack_prefix(a.prefix))
+    total = 0
+    for p in made:
+        size = sum(f.stat().st_size for f in ([p] if p.is_file() else p.iterdir()))
+        total += size
+        print(f"{p.relative_to(ROOT)}: {size / 2**20:.1f} MiB")
+    print(f"total {total / 2**20:.1f} MiB (the device tool carries 64 MiB with the working tree)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
