@@ -1,11 +1,14 @@
 """Benchmark: LoRA training tokens/s and peak memory of pytrain against HF transformers + PEFT
-on CPU, plus the cost of the masked loss's host work at Qwen3.5's real vocabulary (248320).
+on CPU, plus the cost of the masked loss's label work at Qwen3.5's real vocabulary (248320).
 
 Why: pytrain's training step should cost no more than the reference stack's on the same model,
-the same batch and the same thread count; and the masked loss's safety read (one strided read
-of the label tensor's pad-token column per micro-batch, ``pytrain/loss.py: read_column`` inside
-``set_labels``) must stay a negligible share of a step.  A benchmark, not a test: nothing is
-asserted about speed.  Writes a markdown table to ``bench_results/train.md``.
+the same batch and the same thread count; and the masked loss's per-micro-batch label work
+(``pytrain/loss.py: MaskedCE.prepare`` = ``set_targets``, an O(N) upload; ``build_labels``, the
+one-hot [V, N] label tensor filled on the backend; ``check_labels`` with its safety read, ONE
+strided read of the label tensor's pad-token column, ``read_column``) must stay a negligible
+share of a step.  A benchmark, not a test: nothing is asserted about speed.  Writes a markdown
+table to ``bench_results/train.md`` (``--labels-only``: the label comparison alone, to
+``bench_results/labels.md``).
 
 Models (``--models``, comma-separated, default ``default,mid,mid-v248k``):
     default    the embedded ``pytrain/data/default-model.gguf`` (``--default-gguf``; skipped with a
@@ -43,9 +46,11 @@ On a shared machine ``--nice -20`` (root) runs each worker in its own session (s
 autogroup) at niceness -20, so that other jobs yield the cores while it runs; without it, ggml's
 spinning thread pool loses far more than torch whenever another process takes a core.  "tokens" = all real tokens of the batch (B*T); "target tokens" = tokens with a label.
 pytrain's steps are split into phases by wrapping pytrain functions at runtime (no pytrain code
-changes): host input upload (``qwen35.input_values``/``set_inputs``), ``loss.set_labels``, graph
-allocation (``Runtime.alloc_graph``), compute of the forward+backward graph, compute of the
-optimizer graphs, and the rest.
+changes): host input upload (``qwen35.input_values``/``set_inputs``), the labels
+(``MaskedCE.prepare``, split into ``set_targets``: host + O(N) upload; ``build_labels``: the
+fill + SET_ROWS graph on the backend; ``read_column``: the pad-column read inside
+``check_labels``), graph allocation (``Runtime.alloc_graph``), compute of the forward+backward
+graph, compute of the optimizer graphs, and the rest.
 
 Profile (``--no-profile`` skips): one extra pytrain step in its own process with a ggml
 scheduler eval callback that computes the graph node by node and times each node (adds per-node
@@ -53,14 +58,23 @@ dispatch overhead, so the total is larger than a real step; shares are what matt
 op and by part of the model (LM head + CE over the vocabulary, attention layers, DeltaNet
 layers, FFN, LoRA); and one HF step under torch.profiler (top ops by self CPU time).
 
-Pad-column read (``--no-padread`` skips): a real backend F32 label tensor [248320, N] for
-N = B*T = 512 and 2048 (``pytrain.ggml``), filled by ``loss.set_labels`` with half the rows
-masked; times ``loss.read_column`` cold (right after the label upload, as inside set_labels) and
-warm (repeated), and the whole ``set_labels`` split into the one-hot build (``label_rows``), the
-upload (``from_numpy``) and the rest; shares are taken against the measured mid-v248k step (N =
-512) and a measured pytrain step of batch 8 x 256 on the same model (N = 2048; ``--no-big-step``
-skips it and the N = 512 step is scaled x4 instead, said so in the table).  The pytrain workers
-also time ``set_labels``' parts (and the pad-column read) inside the real training step.
+Label work, before and now (``--no-labels`` skips; ``--labels-only`` runs only this): the label
+tensor of a real ``MaskedCE`` (``loss.build`` over a logits tensor [248320, N] in a small graph
+allocated by ``Runtime.alloc_graph``, as the trainer's graphs are), N = B*T = 512 and 2048
+(``--label-rows``), half the rows masked, no pad-id target.  Each repetition fills it both ways
+on the same tensor, in alternating order:
+    before (host one-hot, the previous pytrain; re-implemented here for comparison only, as
+            ``loss.set_labels`` did it): numpy ``loss.label_rows`` [N, V] float32, its upload with
+            ``ggml.from_numpy``, ``loss.read_column`` of the pad column, row mask + scale upload;
+    now (built on the device): ``MaskedCE.set_targets`` (flat indices i*V + target_i and the row
+            mask, O(N)), ``build_labels`` (fill 0 + SET_ROWS of ones on the backend),
+            ``check_labels`` (of which ``read_column``, timed by wrapping it).
+The pad-column read is also timed warm (repeated).  The device-built tensor is checked equal to
+numpy's one-hot once per N.  Shares are taken against the measured mid-v248k step (batch 2 x 256,
+N = 512) and a measured pytrain step of batch 8 x 256 on the same model (N = 2048;
+``--no-big-step`` skips it and the N = 512 step is scaled x4 instead, said so in the table); with
+``--labels-only`` the steps come from an earlier run's json (``--step-from``, default
+bench_results/train.json), whose date and commit the report names.
 
 LM-head backward alternatives (``--no-head`` skips): the head's dX product at E = 512, N = 512,
 V = 151936 and 248320, computed alone as ggml's autodiff emits it (OUT_PROD with a transposed
@@ -71,6 +85,7 @@ stack of scripts/requirements-reference.txt in /opt/refenv):
 
     python3 scripts/bench_train.py                            # -> bench_results/train.md
     python3 scripts/bench_train.py --models mid --steps 3 --no-profile --out /tmp/train.md
+    python3 scripts/bench_train.py --labels-only --out bench_results   # -> labels.md + labels.json
 
 bench_results/train.md was made on a shared 2-core machine with
 
@@ -79,7 +94,9 @@ bench_results/train.md was made on a shared 2-core machine with
     python3 scripts/bench_train.py --report-from /tmp/train.json --threads 2,1 --note "..."
 
 (``--json`` keeps the raw results; ``--report-from`` rewrites the markdown from one or more of
-them, adding ``--note`` lines).  The whole run takes ~20 minutes on 2 cores; the mid-v248k model
+them, adding ``--note`` lines; a json written before the device-built labels, whose phases time
+``loss.set_labels``, is refused with a message naming the version of this script that renders
+it; ``--report-from bench_results/labels.json --out bench_results`` rewrites labels.md).  The whole run takes ~20 minutes on 2 cores; the mid-v248k model
 is generated on first use (~30 s, ~0.6 GB under the cache).
 """
 from __future__ import annotations
@@ -175,22 +192,30 @@ class _Phases:
             return w
 
         grad_graphs = lambda: {ggml.address(g.graph) for g in trainer.graphs.values()}  # noqa: E731
-        inside = {"set_labels": False}
-        set_labels0 = L.set_labels
+        const = lambda k: (lambda *a, **kw: k)  # noqa: E731
+        CE = L.MaskedCE
+        inside = {"set_targets": False}
+        set_targets0 = CE.set_targets
 
-        def set_labels(*a, **k):
-            inside["set_labels"] = True
+        def set_targets(*a, **k):
+            inside["set_targets"] = True
             try:
-                return set_labels0(*a, **k)
+                return set_targets0(*a, **k)
             finally:
-                inside["set_labels"] = False
+                inside["set_targets"] = False
 
-        # sub-phases of set_labels (keys with a dot are not added into the step's sum)
-        L.set_labels = timed(lambda *a, **k: "set_labels", set_labels)
-        L.label_rows = timed(lambda *a, **k: "set_labels.label_rows", L.label_rows)
-        L.read_column = timed(lambda *a, **k: "set_labels.read_column", L.read_column)
-        ggml.from_numpy = timed(lambda *a, **k: "set_labels.upload" if inside["set_labels"] else "from_numpy.other",
-                                ggml.from_numpy)
+        # "labels" = the whole MaskedCE.prepare of a micro-batch; keys with a dot are its parts
+        # (sub-phases, not added into the step's sum): set_targets (host + O(N) upload, of which
+        # the from_numpy calls), build_labels (fill + SET_ROWS on the backend), check_labels (of
+        # which the pad-column read_column).  Methods are patched on the class, so prepare's
+        # self.set_targets(...) etc. and check_labels' module-level read_column hit the wrappers.
+        CE.prepare = timed(const("labels"), CE.prepare)
+        CE.set_targets = timed(const("labels.set_targets"), set_targets)
+        CE.build_labels = timed(const("labels.build_labels"), CE.build_labels)
+        CE.check_labels = timed(const("labels.check_labels"), CE.check_labels)
+        L.read_column = timed(const("labels.read_column"), L.read_column)
+        ggml.from_numpy = timed(lambda *a, **k: ("labels.set_targets.upload" if inside["set_targets"]
+                                                 else "from_numpy.other"), ggml.from_numpy)
         qwen35.input_values = timed(lambda *a, **k: "inputs", qwen35.input_values)
         qwen35.set_inputs = timed(lambda *a, **k: "inputs", qwen35.set_inputs)
         ggml.Runtime.alloc_graph = timed(lambda *a, **k: "alloc_graph", ggml.Runtime.alloc_graph)
@@ -253,7 +278,9 @@ def pytrain_worker(a) -> None:
                lora_params=lora_param_count(m.config, names, RANK), lora_names=len(names),
                phases=phase_med, step_seconds=step_med, pad_id=m.tokenizer.pad_id,
                peak_rss=st["VmHWM"], rss_after_load=after_load["VmRSS"], rss_end_anon=st["RssAnon"],
-               rss_end_file=st["RssFile"], graph_nodes=_graph_nodes(tr), batch=[B, T], **stats)
+               rss_end_file=st["RssFile"], graph_nodes=_graph_nodes(tr), batch=[B, T],
+               loss_rows=sorted({int(g.ce.n_rows) for g in tr.graphs.values() if getattr(g, "ce", None)}),
+               **stats)
     res["tokens_per_s"] = B * T / res["median_s"]
     res["target_tokens_per_s"] = res["n_targets"] / res["median_s"]
     print("RESULT " + json.dumps(res), flush=True)
@@ -447,10 +474,43 @@ def hf_worker(a) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# pad-column read and set_labels at vocab 248320
+# label work at vocab 248320: before (host one-hot) and now (built on the device)
 # --------------------------------------------------------------------------------------------
 
-def padread_worker(a) -> None:
+def _old_set_labels(ce, targets, n_vocab: int, pad_id: int, read_column) -> dict:
+    """The previous pytrain's ``loss.set_labels`` (commit 9bbf5b4 and before), re-implemented
+    here for comparison only, against a MaskedCE's inputs: the one-hot rows built in numpy
+    (``loss.label_rows``, [N, V] float32), uploaded whole into the F32 [V, N] label tensor, then
+    ONE read of its pad-token column, then the row mask and the loss scale uploaded.  Returns the
+    parts' seconds."""
+    import numpy as np
+    from pytrain import ggml, loss as L
+    inp = ce.inputs
+    flat = targets.reshape(-1)
+    n = flat.size
+    t0 = time.perf_counter()
+    rows = L.label_rows(flat, n_vocab)
+    t1 = time.perf_counter()
+    ggml.from_numpy(inp.labels, rows)
+    t2 = time.perf_counter()
+    real = flat >= 0
+    col = read_column(inp.labels, pad_id)
+    t3 = time.perf_counter()
+    stray = (col != 0) & ~real
+    if stray.any():
+        L.zero_column_rows(inp.labels, pad_id, np.nonzero(stray)[0])
+    has_label = (col != 0) | (real & (flat != pad_id))
+    n_valid = int(has_label.sum())
+    ggml.from_numpy(inp.row_mask, has_label.astype(np.float32).reshape(n, 1))
+    ggml.from_numpy(inp.loss_scale, np.array([n / n_valid if n_valid else 0.0], np.float32))
+    t4 = time.perf_counter()
+    del rows
+    t5 = time.perf_counter()
+    return dict(label_rows=t1 - t0, upload=t2 - t1, read_column=t3 - t2, rest=t4 - t3, free=t5 - t4,
+                total=t5 - t0, n_valid=n_valid)
+
+
+def labels_worker(a) -> None:
     sys.path.insert(0, str(REPO))
     import numpy as np
     from pytrain import ggml, loss as L
@@ -459,48 +519,81 @@ def padread_worker(a) -> None:
     V = a.vocab
     pad_id = a.pad_id
     rng = np.random.default_rng(7)
+    last = {}
+    read0 = L.read_column
+
+    def read_column(*args):   # what check_labels calls (module global): its read timed alone
+        t0 = time.perf_counter()
+        try:
+            return read0(*args)
+        finally:
+            last["read"] = time.perf_counter() - t0
+
+    L.read_column = read_column
     out = {}
+    med = statistics.median
     for N in a.rows:
-        ctx = ggml.Context(n_tensors=3)
-        inp = L.LossInputs(labels=lib.ggml_new_tensor_2d(ctx.ptr, lib.GGML_TYPE_F32, V, N),
-                           row_mask=lib.ggml_new_tensor_2d(ctx.ptr, lib.GGML_TYPE_F32, 1, N),
-                           loss_scale=lib.ggml_new_tensor_1d(ctx.ptr, lib.GGML_TYPE_F32, 1))
-        buf = rt.alloc(ctx)
-        ce = L.MaskedCE(loss=None, inputs=inp, n_rows=N)
+        ctx = ggml.Context(n_tensors=32, graph_size=64)
+        logits = lib.ggml_new_tensor_2d(ctx.ptr, lib.GGML_TYPE_F32, V, N)
+        lib.ggml_set_input(logits)
+        ce = L.build(rt, ctx.ptr, logits, V, N)
+        lib.ggml_set_output(ce.loss)
+        graph = ggml.new_graph(ctx, 64)
+        lib.ggml_build_forward_expand(graph, ce.loss)
+        rt.alloc_graph(graph, ctx)                            # labels placed as the trainer's are
+        labels = ce.inputs.labels
         tg = rng.integers(0, V, N).astype(np.int64)
         tg[rng.permutation(N)[: N // 2]] = L.IGNORE          # half the rows masked
         tg[tg == pad_id] = pad_id + 1
-        L.set_labels(ce, tg, V, pad_id)                       # touch every page once
-        reps = a.reps
-        total, rows_t, up_t, cold, warm = [], [], [], [], []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            rows = L.label_rows(tg, V)
-            t1 = time.perf_counter()
-            ggml.from_numpy(inp.labels, rows)
-            t2 = time.perf_counter()
-            col = L.read_column(inp.labels, pad_id)           # cold: right after the upload
-            t3 = time.perf_counter()
-            for _ in range(20):
-                L.read_column(inp.labels, pad_id)
-            t4 = time.perf_counter()
-            del rows
-            rows_t.append(t1 - t0)
-            up_t.append(t2 - t1)
-            cold.append(t3 - t2)
-            warm.append((t4 - t3) / 20)
-            assert col.shape == (N,) and not col.any()
-            t5 = time.perf_counter()
-            L.set_labels(ce, tg, V, pad_id)
-            total.append(time.perf_counter() - t5)
-        med = statistics.median
-        out[str(N)] = dict(label_bytes=int(lib.ggml_nbytes(inp.labels)), read_cold=med(cold),
-                           read_warm=med(warm), label_rows=med(rows_t), upload=med(up_t),
-                           set_labels=med(total), reps=reps)
-        rt.free(buf)
+        n_real = int((tg >= 0).sum())
+        # touch every page once, then check that both ways give numpy's one-hot
+        assert ce.prepare(tg, pad_id) == n_real
+        ref = L.label_rows(tg, V)
+        got = ggml.to_numpy(labels).reshape(N, V)
+        assert np.array_equal(got, ref), "device-built labels differ from numpy's one-hot"
+        del got
+        ce.set_targets(np.full(N, L.IGNORE, np.int64))       # an all-zero tensor, so that the
+        ce.build_labels()                                     # old way's check is not vacuous
+        assert not read0(labels, int(tg[tg >= 0][0])).any()
+        assert _old_set_labels(ce, tg, V, pad_id, read0)["n_valid"] == n_real
+        got = ggml.to_numpy(labels).reshape(N, V)
+        assert np.array_equal(got, ref)
+        del got, ref
+        old, new = [], []
+        for rep in range(a.reps):
+            for way in (("old", "new") if rep % 2 == 0 else ("new", "old")):
+                if way == "old":
+                    d = _old_set_labels(ce, tg, V, pad_id, read_column)
+                    assert d["n_valid"] == n_real
+                else:
+                    t0 = time.perf_counter()
+                    ce.set_targets(tg)
+                    t1 = time.perf_counter()
+                    ce.build_labels()
+                    t2 = time.perf_counter()
+                    n_valid = ce.check_labels(tg, pad_id)
+                    t3 = time.perf_counter()
+                    assert n_valid == n_real
+                    d = dict(set_targets=t1 - t0, build_labels=t2 - t1, check_labels=t3 - t2,
+                             read_column=last["read"], total=t3 - t0)
+                t4 = time.perf_counter()
+                for _ in range(20):                           # warm: the same read repeated
+                    col = read0(labels, pad_id)
+                d["read_warm"] = (time.perf_counter() - t4) / 20
+                assert col.shape == (N,) and not col.any()
+                (old if way == "old" else new).append(d)
+        out[str(N)] = dict(
+            label_bytes=int(lib.ggml_nbytes(labels)), n_valid=n_real, reps=a.reps,
+            # bytes copied host -> backend per micro-batch
+            upload_old=N * V * 4 + N * 4 + 4, upload_new=N * 8 + N * 4 + 4,
+            old={k: med(d[k] for d in old) for k in old[0] if k != "n_valid"},
+            new={k: med(d[k] for d in new) for k in new[0]},
+            old_all=[d["total"] for d in old], new_all=[d["total"] for d in new])
+        rt.forget_graph()
+        ce.close()
         ctx.close()
     st = bf._proc_status()
-    print("RESULT " + json.dumps(dict(side="padread", vocab=V, pad_id=pad_id, rows=out,
+    print("RESULT " + json.dumps(dict(side="labels", vocab=V, pad_id=pad_id, rows=out, threads=int(a.threads),
                                       peak_rss=st["VmHWM"])), flush=True)
 
 
@@ -675,7 +768,141 @@ def _ms(s: float) -> str:
     return f"{s * 1e3:.3f} ms" if s < 0.01 else f"{s * 1e3:.1f} ms"
 
 
-def report(rows: list[dict], pad: dict | None, a, loads: list, info: list[str] | None = None,
+def _measured_steps(rows: list[dict], extra_steps: list, threads: int) -> dict[int, float]:
+    """Median pytrain step (s) of mid-v248k by tokens per step (B*T): 512 from the main rows at
+    ``threads``, others (batch 8 x 256) from the extra steps."""
+    measured = {int(x["pytrain"]["tokens"]): x["pytrain"]["median_s"] for x in extra_steps or []
+                if x.get("pytrain") and x["name"] == "mid-v248k" and x.get("threads", threads) == threads}
+    big = next((r for r in rows if r["name"] == "mid-v248k" and r.get("pytrain")
+                and r.get("threads") == threads), None)
+    if big:
+        measured.setdefault(512, big["pytrain"]["median_s"])
+    return measured
+
+
+def labels_section(lab: dict, measured: dict[int, float], step_what: str) -> list[str]:
+    """The masked loss's label work, before (host one-hot) and now (built on the device)."""
+    V = lab["vocab"]
+    step512 = measured.get(512)
+    lines = ["", f"## Masked-loss label work at vocab {V}: before (host one-hot) and now (built on the device)",
+             "",
+             f"The label tensor of a real `MaskedCE` (`loss.build` over logits [{V}, N], its graph allocated "
+             f"by `Runtime.alloc_graph` on the CPU backend, {lab.get('threads', '?')} threads), half its rows "
+             f"masked, no target equal to the pad id {lab['pad_id']}; both ways fill the same tensor in each "
+             f"repetition (alternating which goes first), median of {next(iter(lab['rows'].values()))['reps']}; "
+             f"ms per micro-batch. The device-built tensor was checked equal to numpy's one-hot (and the "
+             f"host-built one too) before timing.",
+             "",
+             "- **before (host one-hot, the previous pytrain)**: `loss.set_labels` as it was, re-implemented in "
+             "this script for comparison only: build = numpy `loss.label_rows` (N x V float32); write = its "
+             "upload into the label tensor (`ggml.from_numpy`, N·V·4 bytes); pad-column read = `loss.read_column` "
+             "right after the write; rest = row mask + loss scale uploads and freeing the numpy rows.",
+             "- **now (built on the device)**: `MaskedCE.prepare`: build = `set_targets` (flat one-positions "
+             "i·V + target_i as I64 and the F32 row mask, computed and uploaded: O(N)); write = `build_labels` "
+             "(fill 0 + SET_ROWS of ones, a small graph computed on the backend that owns the tensor); "
+             "pad-column read = the `read_column` inside `check_labels`; rest = the remainder of `check_labels` "
+             "(loss scale upload).",
+             f"- read warm = the same read repeated (20 times). Share = total / step, step = {step_what}"
+             + ("" if step512 else " (no mid-v248k step measured: no share)")
+             + "; a size without a measured step uses the N = 512 step scaled by tokens (said so in the row).",
+             "- N here = B*T, every row of the micro-batch; pytrain's trainer runs the head and the loss on the "
+             "micro-batch's target rows only (`loss.rows_bucket`: 256 rows for batch 2 x 256 with 254 targets, "
+             "1024 for 8 x 256), so these sizes are the all-rows case.",
+             "",
+             "| N = B*T | label tensor | way | build | write the label tensor | pad-column read (cold) | "
+             "read warm | rest | total per micro-batch | uploaded | share of step | step (s) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for N, d in lab["rows"].items():
+        scaled = int(N) not in measured
+        step = measured.get(int(N)) or (step512 * int(N) / 512 if step512 else None)
+        o, n = d["old"], d["new"]
+        ways = [("before (host one-hot)", [o["label_rows"], o["upload"], o["read_column"], o["read_warm"],
+                                           o["rest"] + o["free"], o["total"]], d["upload_old"]),
+                ("now (built on the device)", [n["set_targets"], n["build_labels"], n["read_column"],
+                                               n["read_warm"], n["check_labels"] - n["read_column"], n["total"]],
+                 d["upload_new"])]
+        st = (f"{step:.2f}" + (" (scaled from N = 512)" if scaled else " (measured)")) if step else "-"
+        for way, vals, up in ways:
+            share = f"{100 * vals[-1] / step:.2f}%" if step else "-"
+            lines.append(f"| {N} | {d['label_bytes'] / 2**20:.0f} MiB | {way} | "
+                         + " | ".join(_ms(v) for v in vals[:-1]) + f" | **{_ms(vals[-1])}** | "
+                         f"{_bytes(up)} | {share} | {st} |")
+        (_, b, _), (_, w, _) = ways
+        ratio = [f"{x / y:.1f}x" if y > 0 else "-" for x, y in zip(b, w)]
+        ratio[-1] = f"**{ratio[-1]}**"
+        lines.append(f"| {N} | | before / now | " + " | ".join(ratio) + f" | {d['upload_old'] / d['upload_new']:.0f}x | | |")
+    return lines
+
+
+def _bytes(n: int) -> str:
+    return f"{n / 2**20:.0f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
+
+
+def labels_info(a) -> list[str]:
+    """Header lines of labels.md: date, commit, machine, threads, the command."""
+    import platform
+    m = bf.machine_facts()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--", "pytrain", "scripts/bench_train.py"],
+                           capture_output=True, text=True, cwd=str(REPO)).stdout.split("\n")
+    dirty = sorted({ln[3:] for ln in dirty if ln.strip()})
+    py = sys.executable
+    try:
+        py = os.path.relpath(py, REPO) if Path(py).is_relative_to(REPO) else py
+    except ValueError:
+        pass
+    import shlex
+    cmd = f"{py} scripts/bench_train.py " + shlex.join(sys.argv[1:])
+    return [f"- date: {time.strftime('%Y-%m-%d %H:%M %Z')}; pytrain commit {m['commit']}"
+            + (f" (uncommitted changes in: {', '.join(dirty)})" if dirty else ""),
+            f"- CPU: {m['cpu']}, {os.cpu_count()} cores visible, {m['mem']} RAM; ggml threads "
+            f"**{a.thread_list[0]}**; worker at niceness {a.nice:+d}"
+            + (" in a session (scheduler autogroup) of its own" if a.nice < 0 else ""),
+            f"- ggml {m['ggml']}; python {platform.python_version()}",
+            f"- command: `{cmd}`"]
+
+
+def labels_report(j: dict, notes: list[str]) -> str:
+    """labels.md from a labels json (``--labels-only``)."""
+    lines = ["# Masked-loss labels at vocab 248320: host one-hot (before) vs built on the device (now)", "",
+             "Made by `scripts/bench_train.py --labels-only` (see its docstring). What one micro-batch's "
+             "label work costs in the previous pytrain (one-hot rows built in numpy and uploaded, then the "
+             "pad-column read) and now (`MaskedCE.prepare`: O(N) upload, fill + SET_ROWS on the backend, the "
+             "same read).", ""]
+    lines += j["info"]
+    la = j.get("loads") or []
+    if la:
+        lines.append(f"- load average (1, 5, 15 min) before: {', '.join(f'{x:.2f}' for x in la[0])}; after: "
+                     f"{', '.join(f'{x:.2f}' for x in la[-1])}; machine busy {j['labels'].get('busy_before', 0):.2f} "
+                     f"cores (other processes) before the worker started")
+    s = j.get("steps") or {}
+    measured = {int(k): v for k, v in (s.get("measured") or {}).items()}
+    lines += labels_section(j["labels"], measured, s.get("what") or "not measured")
+    notes = notes or j.get("notes") or []
+    if notes:
+        lines += ["", "Notes:", ""] + [f"- {n}" for n in notes]
+    return "\n".join(lines) + "\n"
+
+
+OLD_SCRIPT = "9bbf5b4"   # the last commit whose bench_train.py timed loss.set_labels
+
+
+def _refuse_old(js: list[dict], files) -> None:
+    """A json from before the device-built labels (phases timing loss.set_labels, a "pad"
+    section) is refused: this script cannot render it."""
+    for j, f in zip(js, files):
+        old = bool(j.get("pad")) or any("set_labels" in (x.get("pytrain") or {}).get("phases", {})
+                                       for x in (j.get("rows") or []) + (j.get("extra_steps") or []))
+        if old:
+            raise SystemExit(
+                f"{f}: written before pytrain built the labels on the device (its step phases time "
+                f"loss.set_labels, its \"pad\" section the host one-hot); this version of the script does not "
+                f"render it. Render it with the script of commit {OLD_SCRIPT}, e.g.\n"
+                f"  mkdir -p /tmp/pytrain-{OLD_SCRIPT} && git archive {OLD_SCRIPT} scripts | tar -x -C "
+                f"/tmp/pytrain-{OLD_SCRIPT} && python3 /tmp/pytrain-{OLD_SCRIPT}/scripts/bench_train.py "
+                f"--report-from {Path(f).resolve()} --out ...")
+
+
+def report(rows: list[dict], labels: dict | None, a, loads: list, info: list[str] | None = None,
            extra_steps: list | None = None, heads: dict | None = None) -> str:
     extra_steps = extra_steps or []
     hf = next((r["hf"] for r in rows if r.get("hf")), None)
@@ -735,11 +962,14 @@ def report(rows: list[dict], pad: dict | None, a, loads: list, info: list[str] |
         lines.append(f"- **{r['name']}**: {r['desc']}{n}; weights {r['weights']}{hfnote}")
 
     lines += ["", "## Where a pytrain step goes (median per step)", "",
-              "Host phases are timed by wrapping pytrain functions at runtime; `set_labels` is split into the "
-              "one-hot `label_rows` (numpy), the upload into the backend label tensor and the pad-column "
-              "`read_column` measured inside the real step.", "",
+              "Host phases are timed by wrapping pytrain functions at runtime. `labels` = "
+              "`MaskedCE.prepare` of each micro-batch, the one-hot labels built on the device: "
+              "`set_targets` (host + the O(N) upload of the flat one-positions and the row mask), "
+              "`build_labels` (the fill + SET_ROWS graph computed on the backend) and the pad-column "
+              "`read_column` (inside `check_labels`), measured inside the real step; N = the loss rows "
+              "of the step's graph (the micro-batch's target rows, `loss.rows_bucket`).", "",
               "| model | threads | batch | step (s) | compute fwd+bwd | compute optimizer | alloc_graph | inputs | "
-              "set_labels | of which label_rows / upload / pad-column read | rest |",
+              "labels (N) | of which set_targets / build_labels / pad-column read | rest |",
               "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows + [x for x in extra_steps if x.get("pytrain")]:
         p = r.get("pytrain")
@@ -748,12 +978,13 @@ def report(rows: list[dict], pad: dict | None, a, loads: list, info: list[str] |
         ph = p["phases"]
         st = p["step_seconds"]
         cells = [r["name"], str(r.get("threads", "?")), "x".join(map(str, p.get("batch", BATCH))), f"{st:.3f}"]
-        for k in ("compute fwd+bwd", "compute optimizer", "alloc_graph", "inputs", "set_labels"):
+        for k in ("compute fwd+bwd", "compute optimizer", "alloc_graph", "inputs", "labels"):
             v = ph.get(k, 0.0)
             cells.append(f"{_ms(v)} ({100 * v / st:.1f}%)")
-        cells.append(" / ".join(f"{_ms(ph.get('set_labels.' + k, 0.0))}" for k in ("label_rows", "upload"))
-                     + f" / {_ms(ph.get('set_labels.read_column', 0.0))} "
-                       f"({100 * ph.get('set_labels.read_column', 0.0) / st:.4f}%)")
+        cells[-1] += f" (N = {', '.join(map(str, p['loss_rows']))})" if p.get("loss_rows") else ""
+        rc = ph.get("labels.read_column", 0.0)
+        cells.append(" / ".join(_ms(ph.get("labels." + k, 0.0)) for k in ("set_targets", "build_labels"))
+                     + f" / {_ms(rc)} ({100 * rc / st:.4f}%)")
         v = ph.get("rest", 0.0)
         cells.append(f"{_ms(v)} ({100 * v / st:.1f}%)")
         lines.append("| " + " | ".join(cells) + " |")
@@ -783,38 +1014,10 @@ def report(rows: list[dict], pad: dict | None, a, loads: list, info: list[str] |
                 top = ", ".join(f"{k} {v:.3f} s" for k, v in hp["top"][:10])
                 lines.append(f"- **{name}** HF (profiled step {hp['wall']:.2f} s): top self-CPU ops: {top}")
 
-    if pad:
-        V = pad["vocab"]
-        big = next((r for r in rows if r["name"] == "mid-v248k" and r.get("pytrain")
-                    and r.get("threads") == a.thread_list[0]), None)
-        step512 = big["pytrain"]["median_s"] if big else None
-        measured = {int(x["pytrain"]["tokens"]): x["pytrain"]["median_s"] for x in extra_steps
-                    if x.get("pytrain") and x["name"] == "mid-v248k"}
-        if step512:
-            measured.setdefault(512, step512)
-        lines += ["", f"## Masked-loss host work at vocab {V}", "",
-                  f"A real backend F32 label tensor [{V}, N] (`pytrain.ggml`), half its rows masked, pad id "
-                  f"{pad['pad_id']}. `read_column` = the ONE strided read of the pad-token column per "
-                  f"micro-batch (cold: right after the label upload, as inside `set_labels`; warm: "
-                  f"repeated). `set_labels` = the whole call: one-hot `label_rows` (numpy, N x V float32) + "
-                  f"upload (`from_numpy` into the backend tensor) + the read + row mask / scale. "
-                  f"Step = the measured pytrain step of **mid-v248k** (batch 2 x 256, N = 512)"
-                  + ("" if step512 else " (not measured in this run)")
-                  + "; for N = 2048 the measured pytrain step of batch 8 x 256 on the same model when it ran "
-                    "(`--big-step`), else the N = 512 step scaled x4 by tokens (said so in the row).", "",
-                  "| N = B*T | label tensor | read_column cold | read_column warm | share of step (cold read) | "
-                  "set_labels | of which label_rows | of which upload | set_labels share of step | step (s) |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
-        for N, d in pad["rows"].items():
-            scaled = int(N) not in measured
-            step = measured.get(int(N)) or (step512 * int(N) / 512 if step512 else None)
-            sc = f"{100 * d['read_cold'] / step:.4f}%" if step else "-"
-            ss = f"{100 * d['set_labels'] / step:.1f}%" if step else "-"
-            lines.append(f"| {N} | {d['label_bytes'] / 2**20:.0f} MiB | {_ms(d['read_cold'])} | "
-                         f"{_ms(d['read_warm'])} | {sc} | {_ms(d['set_labels'])} | {_ms(d['label_rows'])} | "
-                         f"{_ms(d['upload'])} | {ss} | "
-                         + (f"{step:.2f}{' (scaled from N = 512)' if scaled else ' (measured)'}" if step else "-")
-                         + " |")
+    if labels:
+        lines += labels_section(labels, _measured_steps(rows, extra_steps, a.thread_list[0]),
+                                "the measured pytrain step of **mid-v248k** in this run (batch 2 x 256, N = 512; "
+                                "for N = 2048 batch 8 x 256 when it ran, i.e. without `--no-big-step`)")
 
     if heads:
         lines += ["", "## LM-head backward alternatives (vocab-sized matmuls alone)", "",
@@ -853,11 +1056,73 @@ def report(rows: list[dict], pad: dict | None, a, loads: list, info: list[str] |
     return "\n".join(lines) + "\n"
 
 
+def run_labels(a) -> dict | None:
+    """The label work before/now in its own worker process (first thread count)."""
+    rec = dict(name="labels", vocab=V_REAL)
+    extra = ["--rows", *a.label_rows.split(","), "--pad-id", "248044", "--reps", str(a.reps)]
+    lab = run_worker(a.pytrain_python, "labels", rec, a, a.thread_list[0], extra=extra)
+    for N, d in (lab or {}).get("rows", {}).items():
+        o, n = d["old"], d["new"]
+        print(f"  [labels] N={N}: before (host one-hot) {_ms(o['total'])} = label_rows {_ms(o['label_rows'])} "
+              f"+ upload {_ms(o['upload'])} + read {_ms(o['read_column'])} + rest; now (device) "
+              f"{_ms(n['total'])} = set_targets {_ms(n['set_targets'])} + build_labels {_ms(n['build_labels'])} "
+              f"+ check_labels {_ms(n['check_labels'])} (read {_ms(n['read_column'])}); "
+              f"before/now {o['total'] / n['total']:.1f}x", flush=True)
+    return lab
+
+
+def _labels_paths(out: Path | None) -> tuple[Path, Path]:
+    """labels.md and labels.json for --labels-only: ``out`` a folder or a .md path."""
+    out = out or REPO / "bench_results"
+    md = out if out.suffix == ".md" else out / "labels.md"
+    return md, md.with_suffix(".json")
+
+
+def labels_only(a) -> int:
+    """--labels-only: the label work alone -> labels.md + labels.json; shares against the
+    mid-v248k steps of an earlier run (--step-from)."""
+    md_path, json_path = _labels_paths(a.out)
+    steps = dict(measured={}, what=None)
+    if a.step_from and a.step_from.exists():
+        sj = json.loads(a.step_from.read_text())
+        m = _measured_steps(sj.get("rows") or [], sj.get("extra_steps") or [], a.thread_list[0])
+        when = next((ln[2:] for ln in sj.get("info") or [] if ln.startswith("- date:")), "date unknown")
+        old = any("set_labels" in (x.get("pytrain") or {}).get("phases", {})
+                  for x in (sj.get("rows") or []) + (sj.get("extra_steps") or []))
+        try:
+            src = a.step_from.resolve().relative_to(REPO)
+        except ValueError:
+            src = a.step_from
+        steps = dict(measured={str(k): v for k, v in m.items()},
+                     what=f"the pytrain step of **mid-v248k** ({a.thread_list[0]} threads) measured in "
+                          f"`{src}` ({when}): batch 2 x 256 for N = 512, 8 x 256 for N = 2048"
+                          + ("; that run still built the labels on the host (for its loss rows, the target "
+                             "rows: N = 256 at 2 x 256, 1024 at 8 x 256), so its steps include that cost"
+                             if old else ""))
+        if not m:
+            print(f"[labels] no mid-v248k step at {a.thread_list[0]} threads in {a.step_from}: no shares", flush=True)
+    loads = [os.getloadavg()]
+    lab = run_labels(a)
+    loads.append(os.getloadavg())
+    if not lab:
+        return 1
+    j = dict(kind="labels", labels=lab, steps=steps, loads=loads, info=labels_info(a),
+             notes=a.notes)
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps(j, default=str, indent=1))
+    md = labels_report(j, a.notes)
+    print()
+    print(md)
+    md_path.write_text(md)
+    print(f"wrote {md_path} and {json_path}")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="default,mid,mid-v248k")
     ap.add_argument("--threads", default="2",
-                    help="thread counts, comma-separated (e.g. 2,1); profile and pad-read use the first")
+                    help="thread counts, comma-separated (e.g. 2,1); profile and the label work use the first")
     ap.add_argument("--steps", type=int, default=5, help="clean timed steps wanted per side")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "pytrain" / "bench")
@@ -870,16 +1135,26 @@ def main() -> int:
                     help="niceness of the worker processes; on a shared machine -20 (root) gives them the "
                          "cores while they run (each in its own session / autogroup)")
     ap.add_argument("--no-profile", dest="do_profile", action="store_false")
-    ap.add_argument("--no-padread", dest="do_padread", action="store_false")
+    ap.add_argument("--no-labels", "--no-padread", dest="do_labels", action="store_false",
+                    help="skip the label work before/now (host one-hot vs built on the device)")
+    ap.add_argument("--labels-only", action="store_true",
+                    help="only the label work before/now; --out: a folder (labels.md + labels.json "
+                         "there) or a .md path (the json beside it)")
+    ap.add_argument("--step-from", type=Path, default=REPO / "bench_results" / "train.json",
+                    help="with --labels-only: the earlier run (--json) whose mid-v248k steps the shares "
+                         "are taken against")
     ap.add_argument("--no-big-step", dest="big_step", action="store_false",
                     help="skip the pytrain step of batch 8 x 256 (N = 2048) on mid-v248k")
     ap.add_argument("--no-head", dest="do_head", action="store_false",
                     help="skip the LM-head backward alternatives")
-    ap.add_argument("--pad-rows", default="512,2048")
+    ap.add_argument("--label-rows", "--pad-rows", dest="label_rows", default="512,2048",
+                    help="N (rows of the label tensor) for the label work")
     ap.add_argument("--quiet-wait", type=float, default=120.0,
                     help="before each process, wait up to this many seconds for other processes to "
                          "use < 0.3 cores (0: do not wait)")
-    ap.add_argument("--out", type=Path, default=REPO / "bench_results" / "train.md")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="the markdown (default bench_results/train.md; with --labels-only the folder "
+                         "bench_results, or a .md path)")
     ap.add_argument("--note", dest="notes", action="append", default=[])
     ap.add_argument("--json", type=Path, default=None, help="also save the raw results here")
     ap.add_argument("--report-from", type=Path, nargs="+", default=None,
@@ -887,7 +1162,7 @@ def main() -> int:
     # internal
     ap.add_argument("--make", choices=sorted(bf.SPECS), help=argparse.SUPPRESS)
     ap.add_argument("--into", type=Path, help=argparse.SUPPRESS)
-    ap.add_argument("--worker", choices=["pytrain", "hf", "padread", "headbwd"], help=argparse.SUPPRESS)
+    ap.add_argument("--worker", choices=["pytrain", "hf", "labels", "headbwd"], help=argparse.SUPPRESS)
     ap.add_argument("--profile", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--runs", type=int, default=5, help=argparse.SUPPRESS)
     ap.add_argument("--gguf", help=argparse.SUPPRESS)
@@ -896,7 +1171,8 @@ def main() -> int:
     ap.add_argument("--vocab", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--pad-id", type=int, default=248044, help=argparse.SUPPRESS)
     ap.add_argument("--rows", type=int, nargs="*", help=argparse.SUPPRESS)
-    ap.add_argument("--reps", type=int, default=5, help=argparse.SUPPRESS)
+    ap.add_argument("--reps", type=int, default=5,
+                    help="repetitions of each way in the label work (median); LM-head variants: 3")
     ap.add_argument("--seed", type=int, default=1234, help=argparse.SUPPRESS)
     a = ap.parse_args()
 
@@ -914,16 +1190,28 @@ def main() -> int:
     if a.worker == "headbwd":
         headbwd_worker(a)
         return 0
-    if a.worker == "padread":
-        padread_worker(a)
+    if a.worker == "labels":
+        labels_worker(a)
         return 0
 
     a.thread_list = [int(t) for t in str(a.threads).split(",") if t.strip()]
-    if a.report_from:   # merge earlier runs: rows in order, the first pad-read found, all loads
+    if a.report_from:   # merge earlier runs: rows in order, the first label work found, all loads
         js = [json.loads(f.read_text()) for f in a.report_from]
+        if any(j.get("kind") == "labels" for j in js):   # a --labels-only run: labels.md
+            if len(js) > 1:
+                raise SystemExit("--report-from: a labels json (--labels-only) is rendered alone")
+            md_path, _ = _labels_paths(a.out)
+            md = labels_report(js[0], a.notes)
+            print(md)
+            md_path.parent.mkdir(parents=True, exist_ok=True)
+            md_path.write_text(md)
+            print(f"wrote {md_path}")
+            return 0
+        _refuse_old(js, a.report_from)
+        a.out = a.out or REPO / "bench_results" / "train.md"
         a.notes = a.notes or [n for j in js for n in j.get("notes", [])]
-        pad = next((j["pad"] for j in js if j.get("pad")), None)
-        md = report([r for j in js for r in j["rows"]], pad, a, [x for j in js for x in j["loads"]],
+        labels = next((j["labels"] for j in js if j.get("labels")), None)
+        md = report([r for j in js for r in j["rows"]], labels, a, [x for j in js for x in j["loads"]],
                     js[0].get("info"), [x for j in js for x in j.get("extra_steps") or []],
                     next((j["heads"] for j in js if j.get("heads")), None))
         print(md)
@@ -931,6 +1219,9 @@ def main() -> int:
         a.out.write_text(md)
         print(f"wrote {a.out}")
         return 0
+    if a.labels_only:
+        return labels_only(a)
+    a.out = a.out or REPO / "bench_results" / "train.md"
     loads = [os.getloadavg()]
     rows = []
     for name in [m.strip() for m in a.models.split(",") if m.strip()]:
@@ -970,27 +1261,18 @@ def main() -> int:
         if heads:
             for V, d in heads["rows"].items():
                 print(f"  [head] V={V}: " + ", ".join(f"{k} {v:.3f} s" for k, v in d.items()), flush=True)
-    pad = None
-    if a.do_padread:
-        rec = dict(name="padread", vocab=V_REAL)
-        extra = ["--rows", *a.pad_rows.split(","), "--pad-id", "248044"]
-        pad = run_worker(a.pytrain_python, "padread", rec, a, a.thread_list[0], extra=extra)
-        if pad:
-            for N, d in pad["rows"].items():
-                print(f"  [padread] N={N}: read_column cold {_ms(d['read_cold'])}, warm {_ms(d['read_warm'])}; "
-                      f"set_labels {_ms(d['set_labels'])} (label_rows {_ms(d['label_rows'])}, upload "
-                      f"{_ms(d['upload'])})", flush=True)
+    labels = run_labels(a) if a.do_labels else None
     loads.append(os.getloadavg())
-    if not rows and not pad and not heads:
+    if not rows and not labels and not heads:
         print("nothing was benchmarked")
         return 1
     info = machine_info(a)
     if a.json:
-        a.json.write_text(json.dumps(dict(rows=rows, pad=pad, loads=loads, info=info, notes=a.notes,
+        a.json.write_text(json.dumps(dict(rows=rows, labels=labels, loads=loads, info=info, notes=a.notes,
                                           extra_steps=extra_steps, heads=heads),
                                      default=str, indent=1))
         print(f"raw results in {a.json}")
-    md = report(rows, pad, a, loads, info, extra_steps, heads)
+    md = report(rows, labels, a, loads, info, extra_steps, heads)
     print()
     print(md)
     a.out.parent.mkdir(parents=True, exist_ok=True)
