@@ -231,22 +231,7 @@ def cuda_toolkit() -> CudaToolkit:
             return CudaToolkit(root, d, None, has_driver)
     wheel = fetch_pinned(CUBLAS_PROJECT, CUBLAS_VERSION, CUBLAS_WHEEL, CUBLAS_SHA256,
                          source=False)
-    dest = cache_dir() / f"cublas-{CUBLAS_VERSION}"
-    marker = dest / ".pytrain-extracted"
-    if not (marker.exists() and marker.read_text() == CUBLAS_SHA256):
-        import zipfile
-        log(f"extracting {wheel.name}")
-        tmp = Path(tempfile.mkdtemp(dir=cache_dir(), prefix=".cublas-"))
-        try:
-            with zipfile.ZipFile(wheel) as z:
-                z.extractall(tmp)
-            marker_tmp = tmp / ".pytrain-extracted"
-            marker_tmp.write_text(CUBLAS_SHA256)
-            if dest.exists():
-                shutil.rmtree(dest)
-            os.replace(tmp, dest)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+    dest = _extract_wheel(wheel, cache_dir() / f"cublas-{CUBLAS_VERSION}", CUBLAS_SHA256)
     base = dest / "nvidia" / "cu13"
     return CudaToolkit(root, base / "lib", base / "include", has_driver)
 
@@ -257,7 +242,7 @@ def cuda_options(tk: CudaToolkit) -> list[str]:
     args = ["-DGGML_CUDA=ON", "-DGGML_CUDA_FA=OFF", "-DGGML_CUDA_NCCL=OFF",
             f"-DCMAKE_CUDA_ARCHITECTURES={arch}", f"-DCMAKE_CUDA_COMPILER={tk.root / 'bin' / 'nvcc'}",
             f"-DCUDAToolkit_ROOT={tk.root}",
-            f"-DCMAKE_INSTALL_RPATH=$ORIGIN;{tk.cublas_lib}"]
+            f"-DCMAKE_INSTALL_RPATH=$ORIGIN;{tk.cublas_lib}"]   # replaces the plain $ORIGIN
     if not tk.has_driver:          # no libcuda to link the VMM pool against (a build machine)
         args.append("-DGGML_CUDA_NO_VMM=ON")
     if tk.cublas_include is not None:
@@ -268,12 +253,83 @@ def cuda_options(tk: CudaToolkit) -> list[str]:
     return args
 
 
+# OpenBLAS for ggml's BLAS backend (MUL_MAT and OUT_PROD through sgemm: the frozen LM head's
+# backward ran at 44 GFLOP/s as ggml-cpu's OUT_PROD, 161 through BLAS on this project's
+# machines).  The PyPI wheel scipy-openblas32, pinned and verified like the source archive:
+# library and headers, no root or system package needed.  It prefixes every symbol with
+# scipy_ (so it never clashes with another OpenBLAS in the process); a two-line header maps
+# the names ggml-blas calls, and patch 0004 lets ggml take the library by path (CMake's
+# FindBLAS only accepts the plain Fortran names).  PYTRAIN_BLAS=0 builds without it.
+OPENBLAS_PROJECT = "scipy-openblas32"
+OPENBLAS_VERSION = "0.3.34.481.3"
+OPENBLAS_WHEEL = "scipy_openblas32-0.3.34.481.3-py3-none-manylinux_2_27_x86_64.manylinux_2_28_x86_64.whl"
+OPENBLAS_SHA256 = "0595f94cd58c1f8a0d90c975621f4587337a003916b1979e834ebdf2cb5d9504"
+OPENBLAS_LIB = "libscipy_openblas.so"
+_OPENBLAS_NAMES = ("cblas_sgemm", "openblas_set_num_threads", "openblas_get_parallel")
+
+
+def _extract_wheel(wheel: Path, dest: Path, sha256: str) -> Path:
+    """A verified wheel unpacked once into the cache (a marker, written last, names it)."""
+    marker = dest / ".pytrain-extracted"
+    if marker.exists() and marker.read_text() == sha256:
+        return dest
+    import zipfile
+    log(f"extracting {wheel.name}")
+    tmp = Path(tempfile.mkdtemp(dir=cache_dir(), prefix=".wheel-"))
+    try:
+        with zipfile.ZipFile(wheel) as z:
+            z.extractall(tmp)
+        (tmp / ".pytrain-extracted").write_text(sha256)
+        if dest.exists():
+            shutil.rmtree(dest)
+        os.replace(tmp, dest)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dest
+
+
+def blas_wanted() -> bool:
+    return os.environ.get("PYTRAIN_BLAS", "1") not in ("", "0")
+
+
+def openblas() -> tuple[Path, Path]:
+    """(the OpenBLAS library, an include folder whose cblas.h maps ggml's names onto it)."""
+    wheel = fetch_pinned(OPENBLAS_PROJECT, OPENBLAS_VERSION, OPENBLAS_WHEEL, OPENBLAS_SHA256,
+                         source=False)
+    root = _extract_wheel(wheel, cache_dir() / f"openblas-{OPENBLAS_VERSION}", OPENBLAS_SHA256)
+    pkg = root / "scipy_openblas32"
+    shim = root / "pytrain-include"
+    shim.mkdir(exist_ok=True)
+    header = (f'/* pytrain: scipy-openblas32 prefixes its symbols with scipy_ */\n'
+              f'#include "{pkg / "include" / "cblas.h"}"\n'
+              + "".join(f"#define {n} scipy_{n}\n" for n in _OPENBLAS_NAMES))
+    if not (shim / "cblas.h").exists() or (shim / "cblas.h").read_text() != header:
+        (shim / "cblas.h").write_text(header)
+    return pkg / "lib" / OPENBLAS_LIB, shim
+
+
+def blas_options() -> list[str]:
+    if not blas_wanted():
+        return ["-DGGML_BLAS=OFF"]
+    lib, include = openblas()
+    return ["-DGGML_BLAS=ON", "-DGGML_BLAS_VENDOR=OpenBLAS", f"-DGGML_BLAS_LIBRARIES={lib}",
+            f"-DBLAS_INCLUDE_DIRS={include}"]
+
+
 # ggml's own CMake defaults leave GGML_LLAMAFILE off when ggml is built alone (llama.cpp's
 # CMake turns it on): its tinyBLAS F32/F16/BF16 matmul made pytrain's forward 1.6-2.4x faster
 # on this project's machines (bench_results/forward.md).
 GGML_OPTIONS = ["-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=ON", "-DGGML_NATIVE=ON",
                 "-DGGML_LLAMAFILE=ON", "-DGGML_BUILD_TESTS=OFF", "-DGGML_BUILD_EXAMPLES=OFF",
-                "-DGGML_CCACHE=OFF"]
+                "-DGGML_CCACHE=OFF", "-DCMAKE_INSTALL_RPATH=$ORIGIN"]
+
+
+def ggml_options(cuda: bool) -> list[str]:
+    """Every CMake option of a build: recorded in its stamp, so a change rebuilds."""
+    opts = GGML_OPTIONS + blas_options()
+    if cuda:   # its rpath option also names cuBLAS; CMake keeps the last one
+        opts += cuda_options(cuda_toolkit())
+    return opts
 
 
 def cmake_configure(variant: str, options: list[str]) -> Path:
@@ -308,7 +364,7 @@ def _run(cmd: list[str], what: str) -> None:
                          f"Remove {cache_dir() / 'build'} and retry if the tree is stale")
 
 
-def install_libs(prefix: Path, out_dir: Path) -> list[str]:
+def install_libs(prefix: Path, out_dir: Path, options: list[str]) -> list[str]:
     """Copy the shared libraries into the package (swapped in as a whole directory)."""
     lib_dir = out_dir / "lib"
     tmp = Path(tempfile.mkdtemp(dir=out_dir, prefix=".lib-"))
@@ -317,6 +373,11 @@ def install_libs(prefix: Path, out_dir: Path) -> list[str]:
     for so in sorted((prefix / "lib").glob("libggml*.so*")):
         shutil.copy2(so, tmp / so.name, follow_symlinks=False)  # keep soname links as links
         names.append(so.name)
+    for opt in options:                # the BLAS library libggml-blas links by its soname
+        if opt.startswith("-DGGML_BLAS_LIBRARIES="):
+            blas_lib = Path(opt.split("=", 1)[1])
+            shutil.copy2(blas_lib, tmp / blas_lib.name)
+            names.append(blas_lib.name)
     if lib_dir.exists():
         shutil.rmtree(lib_dir)
     os.replace(tmp, lib_dir)
@@ -329,9 +390,10 @@ def build(cuda: bool = False, jobs: int | None = None, force: bool = False,
     out_dir.mkdir(parents=True, exist_ok=True)
     stamp = out_dir / "build_info.json"
     check_tools(cuda and prebuilt is None)
-    options = GGML_OPTIONS + (cuda_options(cuda_toolkit()) if cuda and prebuilt is None else [])
     if prebuilt is not None:      # an install prefix built elsewhere by this script
         options = json.loads((prebuilt / "options.json").read_text())
+    else:
+        options = ggml_options(cuda)
     if stamp.exists() and not force:
         info = json.loads(stamp.read_text())
         if (info.get("cuda") == cuda and info.get("archive_sha256") == ARCHIVE_SHA256
@@ -343,7 +405,7 @@ def build(cuda: bool = False, jobs: int | None = None, force: bool = False,
     extract_source()
     t0 = time.monotonic()
     prefix = prebuilt if prebuilt is not None else cmake_build(cuda, jobs, options)
-    libs = install_libs(prefix, out_dir)
+    libs = install_libs(prefix, out_dir, options)
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import ffi  # noqa: E402  (native/ffi.py, next to this file)
     module = ffi.compile_module(include_dir=prefix / "include", lib_dir=out_dir / "lib",
@@ -358,6 +420,7 @@ def build(cuda: bool = False, jobs: int | None = None, force: bool = False,
         "patches_sha256": patches_digest(),
         "source": str(source_root()),
         "cuda": cuda,
+        "blas": f"{OPENBLAS_PROJECT}=={OPENBLAS_VERSION}" if "-DGGML_BLAS=ON" in options else None,
         "options": options,
         "libs": libs,
         "module": module,
@@ -388,7 +451,7 @@ def cuda_check() -> dict:
     toolkit lacks it (ggml-cuda's headers include cublas_v2.h)."""
     check_tools(cuda=True)
     extract_source()
-    options = GGML_OPTIONS + cuda_options(cuda_toolkit())
+    options = ggml_options(cuda=True)
     t0 = time.monotonic()
     bdir = cmake_configure("cuda-check", options)
     t_conf = time.monotonic() - t0

@@ -17,7 +17,8 @@ def report() -> str:
         f"ggml {info['ggml_version']} from {info['archive_project']} ({info['archive']})",
         f"  sha256 {info['archive_sha256']}",
         f"  source {info['source']}",
-        f"  backends built: cpu{' + cuda' if info['cuda'] else ''}",
+        f"  backends built: cpu{' + cuda' if info['cuda'] else ''}"
+        f"{' + blas (' + info['blas'] + ')' if info.get('blas') else ''}",
         f"  patches: {', '.join(info.get('patches', [])) or 'none'}",
         f"  cmake: {' '.join(o for o in info.get('options', []) if o.startswith('-DGGML_'))}",
         "devices:",

@@ -20,6 +20,15 @@ NATIVE_DIR = Path(__file__).resolve().parent / "_native"
 if not (NATIVE_DIR / "build_info.json").exists():
     raise ImportError(f"pytrain's native ggml build in {NATIVE_DIR} is missing or incomplete; "
                       f"build it with `make build` or `python native/build.py`")
+# With the BLAS backend, ggml-cpu's OpenMP threads must not spin while OpenBLAS's threads work
+# between them: with the default (active) wait on this project's 2-core machines a training
+# step of the small default model took 1.0 s instead of 0.17, a mid-size one 3.4 s instead of
+# 1.7.  libgomp reads the policy once, when it loads with ggml, so it is set before that
+# (unless the caller chose one, or loaded OpenMP first).
+if (json.loads((NATIVE_DIR / "build_info.json").read_text()).get("blas")
+        and os.environ.get("PYTRAIN_BLAS", "1") not in ("", "0")):
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 try:
     from pytrain._native._ggml import ffi, lib  # type: ignore[import-not-found]
 except ImportError as e:  # pragma: no cover - depends on the build
@@ -247,6 +256,19 @@ def default_threads() -> int:
                else (os.cpu_count() or 1))
 
 
+def _init_blas(threads: int):
+    """The BLAS backend with ``threads`` threads, or None when the build has none."""
+    dev = lib.ggml_backend_dev_by_type(lib.GGML_BACKEND_DEVICE_TYPE_ACCEL)
+    if dev == ffi.NULL or ffi.string(lib.ggml_backend_dev_name(dev)).decode() != "BLAS":
+        return None
+    backend = lib.ggml_backend_dev_init(dev, ffi.NULL)
+    reg = lib.ggml_backend_dev_backend_reg(dev)
+    fn = lib.ggml_backend_reg_get_proc_address(reg, b"ggml_backend_set_n_threads")
+    if fn != ffi.NULL:
+        ffi.cast("ggml_backend_set_n_threads_t", fn)(backend, threads)
+    return backend
+
+
 class CPUFallbackError(RuntimeError):
     """A GPU run would execute some ops on the CPU, copying their inputs every step."""
 
@@ -258,7 +280,7 @@ class Runtime:
     """
 
     def __init__(self, device: str = "auto", threads: int | None = None,
-                 graph_size: int = 8192, allow_cpu_fallback: bool = False):
+                 graph_size: int = 8192, allow_cpu_fallback: bool = False, blas: bool = True):
         if device not in ("cpu", "cuda", "auto"):
             raise ValueError(f"device must be 'cpu', 'cuda' or 'auto', got {device!r}")
         self.threads = threads or default_threads()
@@ -274,7 +296,14 @@ class Runtime:
         self.cpu = lib.ggml_backend_init_by_type(lib.GGML_BACKEND_DEVICE_TYPE_CPU, ffi.NULL)
         lib.ggml_backend_cpu_set_n_threads(self.cpu, self.threads)
         self.gpu = gpu
-        self.backends = [b for b in (gpu, self.cpu) if b is not None]
+        # ggml's BLAS backend (OpenBLAS) takes the large matmuls and OUT_PRODs off the CPU
+        # backend when the build has it; listed before the CPU so the scheduler gives it those
+        # ops, never with a GPU (it would only hide CPU fallbacks).  PYTRAIN_BLAS=0 leaves it
+        # out (benchmarks compare both).
+        self.blas = None
+        if gpu is None and blas and os.environ.get("PYTRAIN_BLAS", "1") not in ("", "0"):
+            self.blas = _init_blas(self.threads)
+        self.backends = [b for b in (gpu, self.blas, self.cpu) if b is not None]
         self.primary = self.backends[0]
         self.device = "cuda" if gpu is not None else "cpu"
         self._backend_arr = ffi.new("ggml_backend_t[]", self.backends)
@@ -385,8 +414,9 @@ class Runtime:
         return out
 
     def device_memory(self) -> int:
-        """Total memory of the primary device (system memory for the CPU), in bytes."""
-        dev = lib.ggml_backend_get_device(self.primary)
+        """Total memory of the device the step runs on (system memory for the CPU, whose
+        buffers the BLAS backend shares), in bytes."""
+        dev = lib.ggml_backend_get_device(self.gpu if self.gpu is not None else self.cpu)
         free, total = ffi.new("size_t *"), ffi.new("size_t *")
         lib.ggml_backend_dev_memory(dev, free, total)
         return int(total[0])

@@ -29,6 +29,20 @@ def setup():
     m.close()
 
 
+# Two computations of the same float32 gradient that differ only in how sums are grouped: the
+# BLAS backend takes the matmuls whose dims are all >= 32 and blocks its GEMMs by matrix shape,
+# ggml-cpu takes the smaller ones, so a wider padding or another batch split regroups them.
+# Equal to 5e-5 of the tensor's largest entry; measured: at most 1.2e-5 of it (batch of 4 vs
+# four micro-batches of 1, where the one runs through BLAS and the four through ggml-cpu).
+GRAD_ROUNDING = 5e-5
+
+
+def close_to_rounding(got, want, name):
+    scale = float(np.abs(want).max())
+    err = float(np.abs(got - want).max())
+    assert err <= GRAD_ROUNDING * scale, (name, err / scale)
+
+
 def batch(lengths, T, seed=0, vocab=480):
     rng = np.random.default_rng(seed)
     B = len(lengths)
@@ -110,7 +124,7 @@ def test_padding_width_does_not_change_loss_or_lora_gradients(setup):
         assert o["n_valid"] == outs[0]["n_valid"]
         assert abs(o["loss"] - outs[0]["loss"]) < 1e-5
         for k, v in outs[0]["grads"].items():
-            np.testing.assert_allclose(o["grads"][k], v, atol=1e-6, rtol=1e-4, err_msg=k)
+            close_to_rounding(o["grads"][k], v, k)
     assert max(np.abs(v).max() for v in outs[0]["grads"].values()) > 1e-4
 
 
@@ -133,7 +147,7 @@ def test_gradient_accumulation_is_a_token_mean_over_the_step(setup):
     g.close()
     assert abs(acc_loss - full["loss"]) < 1e-5
     for k, v in full["grads"].items():
-        np.testing.assert_allclose(acc[k], v, atol=1e-6, rtol=1e-4, err_msg=k)
+        close_to_rounding(acc[k], v, k)
     # mean of per-micro-batch means would differ (valid counts 11, 2, 7, 4)
     g = GradGraph(m, ad, B=1, T=12)
     mean_of_means = np.mean([g.run(tokens[b:b + 1], seg[b:b + 1], tgt[b:b + 1])["loss"]

