@@ -14,19 +14,18 @@ Here the same A and B go into pytrain's adapter on gqa-f32.gguf, targets come fr
 `shift_targets` with train_mask = labels != -100 and seg = -1 on padding, and GradGraph's
 loss and gradients are compared.  Gradient errors are per tensor, max |error| / max |reference|.
 
-Measured (float32 ggml CPU, 2 threads; graph width 20 / 64):
+Measured (float32, ggml CPU with F32 matmuls through OpenBLAS, 2 threads; graph width 20 / 64;
+bench_results/parity.md, made by scripts/report_parity.py, has the current figures):
                           loss |error|      worst gradient error (of the tensor's max)
-  pytrain vs PEFT f32     2.9e-6 / 2.9e-6   6.0e-5 / 5.7e-5   (layer 1; layer 3: 9e-6)
-  pytrain vs PEFT f64     1.0e-6 / 1.0e-6   1.3e-5 / 1.1e-5
+  pytrain vs PEFT f32     1.9e-6 / 2.9e-6   4.0e-5 / 4.2e-5   (layer 1; layer 3: 5e-6 / 7e-6)
+  pytrain vs PEFT f64     6.5e-8 / 1.0e-6   1.2e-5 / 8.5e-6
   PEFT f32 vs PEFT f64    1.8e-6            4.6e-5
-(Re-measured at a later commit; when this file was written the two gradient rows read
-4.7e-5 / 3.8e-5 and 3.1e-6 / 1.0e-5.)
 So the difference from PEFT float32 is PEFT's own float32 rounding (its layer-1 gradients pass
 back through DeltaNet layer 2 and attention layer 3): measured against the float64 run,
-pytrain's error is 0.22-0.34 of PEFT float32's on layer 1, where the pytrain - PEFT-f32
-difference points along PEFT's rounding error (cosine >= 0.998), and 0.38-1.02 of it on layer 3,
-where both are ~3e-6.  The tolerances below are 3.4x (f32) and 5x (f64) the worst measured
-loss error at either width, 2.5x and 2.3x the worst gradient error.
+pytrain's error is 0.1-0.3 of PEFT float32's on layer 1, where the pytrain - PEFT-f32
+difference points along PEFT's rounding error (cosine >= 0.968), and up to 1.4 of it on layer 3,
+where both are ~5e-6.  The tolerances below are 3.4x (f32) and 5x (f64) the worst measured
+loss error at either width, 3.6x and 2.5x the worst gradient error.
 """
 from pathlib import Path
 

@@ -7,9 +7,9 @@ over each GGUF's own (dequantized) weights (scripts/make_qwen35_f64_golden.py).
 
 Measured (max |Δ log-softmax| over 5 sequences of 1-100 tokens; bench_results/parity.md has
 the current figures, made by scripts/report_parity.py; they move a little with CPU and build):
-  F32 vs float64 truth: gqa 5.8e-5, untied 4.8e-5 (DeltaNet chunks of 32; chunks of 64 gave
-  untied 1.4e-4, see delta_net.CHUNK)   -> bound 1e-4
-  F32 vs HF float32:    gqa 9.7e-5, untied 7.6e-5 (HF itself is 6.1e-5 / 6.6e-5 off the float64
+  F32 vs float64 truth: gqa 4.3e-5, untied 6.0e-5 (DeltaNet chunks of 32; chunks of 64 gave
+  untied 1.2e-4, see delta_net.CHUNK)   -> bound 1e-4
+  F32 vs HF float32:    gqa 7.8e-5, untied 4.9e-5 (HF itself is 6.1e-5 / 6.6e-5 off the float64
                         truth) -> bound 2.5e-4
   BF16 / Q8_0 files loaded as F32 (type_policy="f32") vs float64 of their own weights:
       within 1e-4 -> pytrain's arithmetic on those weights is exact to float32
