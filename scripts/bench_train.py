@@ -10,7 +10,7 @@ share of a step.  A benchmark, not a test: nothing is asserted about speed.  Wri
 table to ``bench_results/train.md`` (``--labels-only``: the label comparison alone, to
 ``bench_results/labels.md``).
 
-Models (``--models``, comma-separated, default ``default,mid,mid-v248k``):
+Models (``--models``, comma-separated, default ``default,mid,mid-v248k``; the committed run adds ``2b``):
     default    the embedded ``pytrain/data/default-model.gguf`` (``--default-gguf``; skipped with a
                message when absent); HF runs only when its HF checkpoint (``--default-hf``, default
                /tmp/pytrain-default-model/hf, left by scripts/make_default_model.py) exists
@@ -18,6 +18,16 @@ Models (``--models``, comma-separated, default ``default,mid,mid-v248k``):
                8/2 heads x 64, FFN 1536, DeltaNet 4/4 x 64, vocab 151936, tied; random weights, F32),
                made and cached by scripts/bench_forward.py's code (same cache folder)
     mid-v248k  the same shape with Qwen3.5's real vocabulary, 248320 (made the same way here)
+    2b         the real size: the Qwen3.5-2B shape (hidden 2048, 24 layers with full attention every
+               4th, 8/2 heads x 256, FFN 6144, DeltaNet 16/16 heads x 128, vocab 248320, tied; random
+               weights rounded to F16), bench_forward's spec: an HF checkpoint stored float16 and an
+               F16 GGUF (3.5 GiB each; ~8 GB of disk for both, made once, several minutes).  pytrain
+               keeps the F16 weights (a BF16 GGUF loads as F16 on the CPU anyway); HF + PEFT upcasts
+               to ``--hf-dtype`` (float32: on an AVX2 CPU without AVX-512/bf16 instructions bfloat16
+               was far slower, see bench_results/train.md's notes).  Batch 1 x 512 (``TRAIN``), at most
+               1 warm-up and 3 clean timed steps; pytrain's Trainer picks its layer-wise recompute
+               there on a 24 GiB machine (``--recompute``, default auto: the one-graph compute buffer
+               would exceed 1/8 of RAM), HF keeps every activation.  Peak RSS ~13 GB on the HF side.
 
 The training step, the same on both sides: batch 2 x 256 random token ids over the whole
 vocabulary, every token real (no padding), the first half of each row a "prompt" whose labels
@@ -26,7 +36,7 @@ LoRA r=16, alpha=32, dropout 0, on q/k/v/o of the full-attention layers (pytrain
 ``select_targets`` default = attn_q/attn_k/attn_v/attn_output of the attention layers; PEFT:
 ``target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]``, which only the attention layers
 have); AdamW (lr 1e-4, betas 0.9/0.999, eps 1e-8, weight decay 0) with global-norm clipping at
-1.0; float32 everywhere.
+1.0; float32 activations everywhere (2b: pytrain's matmuls read F16 weights, see above).
     pytrain: ``Trainer(m, lora.create(...), AdamW(...)).step([batch], lr)`` (forward + masked CE +
              backward graph, grad-norm graph, AdamW graph, host-side input/label upload)
     HF:      ``Qwen3_5ForCausalLM`` (sdpa attention, torch DeltaNet fallback: no
@@ -39,8 +49,8 @@ targets.
 
 Timing: each side runs in its own subprocess (peak RSS = that process's VmHWM: imports, weights,
 graphs, optimizer state, everything), once per thread count of ``--threads`` (default 2; e.g.
-``2,1``).  ``--warmup`` steps (default 2), then timed steps until ``--steps`` (default 5) *clean*
-ones are in (other processes kept < 0.3 cores busy beyond the cores the side leaves free) or 3x
+``2,1``; ``--model-threads 2b=2`` gives one model its own counts).  ``--warmup`` steps (default
+2), then timed steps until ``--steps`` (default 5) *clean* ones are in (other processes kept < 0.3 cores busy beyond the cores the side leaves free) or 3x
 that many were run; tokens/s = tokens / median clean step time (and from the fastest step).
 On a shared machine ``--nice -20`` (root) runs each worker in its own session (scheduler
 autogroup) at niceness -20, so that other jobs yield the cores while it runs; without it, ggml's
@@ -50,13 +60,24 @@ changes): host input upload (``qwen35.input_values``/``set_inputs``), the labels
 (``MaskedCE.prepare``, split into ``set_targets``: host + O(N) upload; ``build_labels``: the
 fill + SET_ROWS graph on the backend; ``read_column``: the pad-column read inside
 ``check_labels``), graph allocation (``Runtime.alloc_graph``), compute of the forward+backward
-graph, compute of the optimizer graphs, and the rest.
+graph(s) (a layer-wise step's every layer graph and head chunk), compute of the optimizer
+graphs, and the rest.
+
+BLAS on / off (``--blas-off MODELS``, default ``default,mid,mid-v248k``): pytrain's Runtime puts
+ggml's BLAS backend (OpenBLAS: large F32 MUL_MATs, matrix OUT_PRODs of any weight type) before
+the CPU backend when the build has it; those models' pytrain side also runs, at every thread
+count, with ``PYTRAIN_BLAS=0`` (the CPU backend alone, ggml-cpu's own kernels), a column of the
+table and rows of the phase table.  Likewise ``--one-graph MODELS`` (default ``2b``): where the
+Trainer's default (recompute auto) chose layer-wise recompute, the model's pytrain side also runs
+as one graph (``recompute="off"``, every activation kept, as HF does).
 
 Profile (``--no-profile`` skips): one extra pytrain step in its own process with a ggml
 scheduler eval callback that computes the graph node by node and times each node (adds per-node
 dispatch overhead, so the total is larger than a real step; shares are what matter), summed by
 op and by part of the model (LM head + CE over the vocabulary, attention layers, DeltaNet
-layers, FFN, LoRA); and one HF step under torch.profiler (top ops by self CPU time).
+layers, FFN, LoRA; a layer-wise step's second forward of a layer as "(recompute)"), and by the
+backend the scheduler ran each node on (``ggml_backend_sched_get_tensor_backend``: BLAS or
+CPU); and one HF step under torch.profiler (top ops by self CPU time).
 
 Label work, before and now (``--no-labels`` skips; ``--labels-only`` runs only this): the label
 tensor of a real ``MaskedCE`` (``loss.build`` over a logits tensor [248320, N] in a small graph
@@ -87,17 +108,19 @@ stack of scripts/requirements-reference.txt in /opt/refenv):
     python3 scripts/bench_train.py --models mid --steps 3 --no-profile --out /tmp/train.md
     python3 scripts/bench_train.py --labels-only --out bench_results   # -> labels.md + labels.json
 
-bench_results/train.md was made on a shared 2-core machine with
+bench_results/train.md (+ train.json beside it) was made on a shared 2-core machine by the
+command its header names (``--models default,mid,mid-v248k,2b --threads 2,1 --nice -20`` and
+the 2b model at 2 threads only, ``--model-threads 2b=2``).
 
-    python3 scripts/bench_train.py --threads 2,1 --nice -20 --quiet-wait 0 \
-        --default-hf <HF checkpoint of the default model> --json /tmp/train.json
-    python3 scripts/bench_train.py --report-from /tmp/train.json --threads 2,1 --note "..."
-
-(``--json`` keeps the raw results; ``--report-from`` rewrites the markdown from one or more of
-them, adding ``--note`` lines; a json written before the device-built labels, whose phases time
+(``--json``, default the .json beside ``--out``, keeps the raw results; ``--report-from
+bench_results/train.json`` rewrites the markdown from it byte for byte (the thread counts, the
+notes and the header lines come from the json), or merges several runs, adding ``--note`` lines
+(with one json and ``--json`` naming it, the notes are stored into it too, so it still renders
+byte for byte); a json written before the device-built labels, whose phases time
 ``loss.set_labels``, is refused with a message naming the version of this script that renders
-it; ``--report-from bench_results/labels.json --out bench_results`` rewrites labels.md).  The whole run takes ~20 minutes on 2 cores; the mid-v248k model
-is generated on first use (~30 s, ~0.6 GB under the cache).
+it; ``--report-from bench_results/labels.json --out bench_results`` rewrites labels.md).  Without
+2b the run takes ~20 minutes per thread count on 2 cores; the mid-v248k model is generated on
+first use (~30 s, ~0.6 GB under the cache), the 2b one in several minutes (~8 GB).
 """
 from __future__ import annotations
 
@@ -124,6 +147,23 @@ bf.SPECS.setdefault("mid-v248k", dict(
 RANK, ALPHA, LR, MAX_NORM = 16, 32.0, 1e-4, 1.0
 BATCH = (2, 256)
 V_REAL = 248320
+# Per-model step settings other than BATCH and --warmup / --steps: the real-size 2B shape trains
+# on batch 1 x 512 (half the tokens targets, as everywhere) with at most 1 warm-up and 3 clean
+# timed steps (a step takes tens of seconds on 2 cores).
+TRAIN = {"2b": dict(batch=(1, 512), warmup=1, steps=3)}
+
+
+# Extra pytrain runs of a row, beside the default one (key in the row, label in the report):
+# BLAS off = PYTRAIN_BLAS=0 (ggml's CPU backend alone; --blas-off), one graph = Trainer
+# recompute="off" where the default (auto) chose layer-wise recompute (--one-graph).
+VARIANTS = {"pytrain_noblas": "BLAS off", "pytrain_onegraph": "one graph, recompute=off"}
+
+
+def train_settings(name: str, a) -> tuple[tuple[int, int], int, int]:
+    """(batch, warm-up steps, clean timed steps wanted) of a model."""
+    t = TRAIN.get(name, {})
+    return (tuple(t.get("batch", BATCH)), min(a.warmup, t.get("warmup", a.warmup)),
+            min(a.steps, t.get("steps", a.steps)))
 
 
 # --------------------------------------------------------------------------------------------
@@ -191,7 +231,7 @@ class _Phases:
                     me.t[key] = me.t.get(key, 0.0) + time.perf_counter() - t0
             return w
 
-        grad_graphs = lambda: {ggml.address(g.graph) for g in trainer.graphs.values()}  # noqa: E731
+        grad_graphs = lambda: {ggml.address(g) for g, _ in _step_graphs(trainer)}  # noqa: E731
         const = lambda k: (lambda *a, **kw: k)  # noqa: E731
         CE = L.MaskedCE
         inside = {"set_targets": False}
@@ -241,7 +281,7 @@ def pytrain_worker(a) -> None:
     m = pytrain.load_model(a.gguf, device="cpu", threads=int(a.threads))
     names = select_targets(m.config)
     ad = lora.create(m.runtime, m.config, names, RANK, ALPHA, seed=0)
-    tr = Trainer(m, ad, AdamW(lr=LR, max_grad_norm=MAX_NORM))
+    tr = Trainer(m, ad, AdamW(lr=LR, max_grad_norm=MAX_NORM), recompute=a.recompute)
     load_s = time.perf_counter() - t0
     after_load = bf._proc_status()
     tokens, train, seg = make_batch(a.vocab, B, T, a.seed)
@@ -264,7 +304,7 @@ def pytrain_worker(a) -> None:
         return p
 
     if a.profile:
-        res = dict(side="pytrain", profile=profile_pytrain(tr, batch, m.config))
+        res = dict(side="pytrain", profile=profile_pytrain(tr, batch, m.config), blas=m.runtime.blas is not None)
         print("RESULT " + json.dumps(res), flush=True)
         return
     stats, phases, use = _clean_loop(step, a.runs, int(a.threads))
@@ -280,19 +320,67 @@ def pytrain_worker(a) -> None:
                peak_rss=st["VmHWM"], rss_after_load=after_load["VmRSS"], rss_end_anon=st["RssAnon"],
                rss_end_file=st["RssFile"], graph_nodes=_graph_nodes(tr), batch=[B, T],
                loss_rows=sorted({int(g.ce.n_rows) for g in tr.graphs.values() if getattr(g, "ce", None)}),
-               **stats)
+               step_graph=_step_kind(tr), recompute=a.recompute, blas=m.runtime.blas is not None,
+               backends=[_backend_name(b) for b in m.runtime.backends],
+               type_policy="auto", weight_types=_weight_types(m), **stats)
     res["tokens_per_s"] = B * T / res["median_s"]
     res["target_tokens_per_s"] = res["n_targets"] / res["median_s"]
     print("RESULT " + json.dumps(res), flush=True)
 
 
+def _step_graphs(tr) -> list[tuple]:
+    """The trainer's step graphs as (graph, kind): a ``GradGraph``'s one graph (kind "one"), or
+    a ``RecomputeGraph``'s layer-wise graphs ("pre": embedding and the layers below the first
+    adapter, "fwd": one layer forward, "head": head + loss on a chunk of rows, "bwd": one layer
+    recomputed and differentiated)."""
+    out = []
+    for g in tr.graphs.values():
+        if hasattr(g, "bwd"):   # RecomputeGraph
+            out += [(g.pre.graph, "pre"), *((f.graph, "fwd") for f in g.fwd), (g.head.graph, "head"),
+                    *((b.graph, "bwd") for b in g.bwd.values())]
+        else:
+            out.append((g.graph, "one"))
+    return out
+
+
+def _step_kind(tr) -> str:
+    """How the trainer ran the step: one graph, or layer-wise recompute (head chunk rows)."""
+    kinds = []
+    for g in tr.graphs.values():
+        if hasattr(g, "bwd"):
+            kinds.append(f"layer-wise recompute (layers {g.l0}-{g.model.config.n_layer - 1} run forward twice; "
+                         f"head + loss on chunks of {g.rows} rows)")
+        else:
+            kinds.append("one graph")
+    return "; ".join(kinds)
+
+
+def _weight_types(m) -> dict[str, int]:
+    """Weight tensors by GGUF type -> type as loaded (``Weights.report``), counted."""
+    out: dict[str, int] = {}
+    for r in getattr(m.weights, "report", {}).values():
+        k = f"{r.file_type}->{r.loaded_type}" if r.file_type != r.loaded_type else str(r.loaded_type)
+        out[k] = out.get(k, 0) + 1
+    return out
+
+
+def _backend_name(b) -> str:
+    from pytrain.ggml import ffi, lib
+    return ffi.string(lib.ggml_backend_name(b)).decode()
+
+
 def _graph_nodes(tr) -> int:
     from pytrain.ggml import lib
-    return sum(int(lib.ggml_graph_n_nodes(g.graph)) for g in tr.graphs.values())
+    return sum(int(lib.ggml_graph_n_nodes(g)) for g, _ in _step_graphs(tr))
 
 
-def label_graph(graph, loss, config) -> dict[int, str]:
-    """Part of the model each node of a forward+backward graph belongs to (address -> label).
+def label_graph(graph, config, recompute: bool = False) -> dict[int, str]:
+    """Part of the model each node of a step graph belongs to (address -> label).
+
+    The graph's loss is its node flagged as such (``ggml_set_loss``: the masked CE, or a
+    layer-wise backward graph's surrogate); a graph without one is all forward.  ``recompute``:
+    the graph is a layer-wise backward graph, whose forward nodes recompute the layer
+    (labelled "... (recompute)").
 
     Forward nodes (up to the loss): by the weights they read (blk.N.ffn_* / post_attention_norm
     -> FFN, other blk.N weights -> the layer's mixer: attention or DeltaNet, LoRA A/B -> LoRA,
@@ -304,8 +392,9 @@ def label_graph(graph, loss, config) -> dict[int, str]:
     from pytrain.ggml import ffi, lib
     n = int(lib.ggml_graph_n_nodes(graph))
     nodes = [lib.ggml_graph_node(graph, i) for i in range(n)]
+    flagged = [i for i, t in enumerate(nodes) if t.flags & lib.GGML_TENSOR_FLAG_LOSS]
+    loss_i = flagged[-1] if flagged else n - 1
     index = {ggml.address(t): i for i, t in enumerate(nodes)}
-    loss_i = index[ggml.address(loss)]
     kind = {i: ("DeltaNet" if r else "attention") for i, r in enumerate(config.recurrent)}
     HEAD, LORA, INPUTS = "LM head + CE", "LoRA", "inputs"
     label: dict[int, str] = {}
@@ -360,20 +449,29 @@ def label_graph(graph, loss, config) -> dict[int, str]:
         a = ggml.address(nodes[i])
         carry = grads.get(a, carry)
         label[a] = carry + " (bwd)" if not carry.endswith("(bwd)") else carry
+    if recompute:
+        for i in range(loss_i + 1):
+            label[ggml.address(nodes[i])] += " (recompute)"
     return label
 
 
 def profile_pytrain(tr, batch, config) -> dict:
-    """One step computed node by node (ggml sched eval callback), time summed by part and op.
+    """One step computed node by node (ggml sched eval callback), time summed by part and op, and
+    by the backend the scheduler gave each node (BLAS or CPU: ``ggml_backend_sched_get_tensor_backend``).
     No-op nodes (views, reshapes, permutes) are left out; the median of their times (the per-node
-    dispatch overhead) is subtracted from every other node."""
+    dispatch overhead) is subtracted from every other node.  Nodes of graphs other than the step's
+    (the optimizer's, the label fill) count as "optimizer"."""
     from pytrain import ggml
     from pytrain.ggml import ffi, lib
     rt = tr.model.runtime
-    (g,) = tr.graphs.values()
-    labels = label_graph(g.graph, g.ce.loss, config)
+    if not tr.graphs:      # the step graphs exist after the warm-up; else make them
+        tr.step([batch], LR)
+    labels: dict[int, str] = {}
+    for g, kind in _step_graphs(tr):
+        labels.update(label_graph(g, config, recompute=kind == "bwd"))
+    names = {ggml.address(b): _backend_name(b) for b in rt.backends}
     noop = {"NONE", "VIEW", "RESHAPE", "PERMUTE", "TRANSPOSE"}
-    recs: list[tuple[str, str, float]] = []
+    recs: list[tuple[str, str, str, float]] = []
     state = {"t": 0.0}
 
     @ffi.callback("bool(struct ggml_tensor *, bool, void *)")
@@ -382,7 +480,9 @@ def profile_pytrain(tr, batch, config) -> dict:
         if ask:
             state["t"] = now
             return True
-        recs.append((labels.get(ggml.address(t), "optimizer"), ggml.op_name(t), now - state["t"]))
+        b = lib.ggml_backend_sched_get_tensor_backend(rt.sched, t)
+        be = names.get(ggml.address(b), "?") if b != ffi.NULL else "?"
+        recs.append((labels.get(ggml.address(t), "optimizer"), ggml.op_name(t), be, now - state["t"]))
         return True
 
     lib.ggml_backend_sched_set_eval_callback(rt.sched, cb, ffi.NULL)
@@ -393,19 +493,26 @@ def profile_pytrain(tr, batch, config) -> dict:
         lib.ggml_backend_sched_set_eval_callback(rt.sched, ffi.cast("ggml_backend_sched_eval_callback", 0),
                                                  ffi.NULL)
     wall = time.perf_counter() - t0
-    over = statistics.median([dt for _, op, dt in recs if op in noop] or [0.0])
+    over = statistics.median([dt for _, op, _, dt in recs if op in noop] or [0.0])
     by_op: dict[str, float] = {}
     by_part: dict[str, float] = {}
     by_part_op: dict[str, float] = {}
-    for part, op, dt in recs:
+    by_backend: dict[str, float] = {}
+    by_op_backend: dict[str, float] = {}
+    by_part_op_backend: dict[str, float] = {}
+    count_op_backend: dict[str, int] = {}
+    for part, op, be, dt in recs:
         if op in noop:
             continue
         dt = max(0.0, dt - over)
-        by_op[op] = by_op.get(op, 0.0) + dt
-        by_part[part] = by_part.get(part, 0.0) + dt
-        by_part_op[f"{part}: {op}"] = by_part_op.get(f"{part}: {op}", 0.0) + dt
+        for d, k in ((by_op, op), (by_part, part), (by_part_op, f"{part}: {op}"), (by_backend, be),
+                     (by_op_backend, f"{op} [{be}]"), (by_part_op_backend, f"{part}: {op} [{be}]")):
+            d[k] = d.get(k, 0.0) + dt
+        count_op_backend[f"{op} [{be}]"] = count_op_backend.get(f"{op} [{be}]", 0) + 1
     return dict(wall=wall, overhead=over, n_nodes=len(recs), by_op=by_op, by_part=by_part,
-                by_part_op=by_part_op)
+                by_part_op=by_part_op, by_backend=by_backend, by_op_backend=by_op_backend,
+                by_part_op_backend=by_part_op_backend, count_op_backend=count_op_backend,
+                step_graph=_step_kind(tr), backends=[_backend_name(b) for b in rt.backends])
 
 
 # --------------------------------------------------------------------------------------------
@@ -421,13 +528,15 @@ def hf_worker(a) -> None:
     torch.set_num_threads(int(a.threads))
     B, T = a.batch
     t0 = time.perf_counter()
-    model = Qwen3_5ForCausalLM.from_pretrained(a.hf, dtype=torch.float32, attn_implementation=a.hf_attn)
+    model = Qwen3_5ForCausalLM.from_pretrained(a.hf, dtype=getattr(torch, a.hf_dtype),
+                                               attn_implementation=a.hf_attn)
     pm = get_peft_model(model, LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0, bias="none",
                                           target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
                                           task_type="CAUSAL_LM"))
     pm.train()
     params = [p for p in pm.parameters() if p.requires_grad]
     n_lora = sum(p.numel() for p in params)
+    lora_dtypes = sorted({str(p.dtype).replace("torch.", "") for p in params})
     lora_mods = sum(1 for n, _ in pm.named_modules() if n.endswith(".lora_A.default"))
     opt = torch.optim.AdamW(params, lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
     load_s = time.perf_counter() - t0
@@ -467,7 +576,7 @@ def hf_worker(a) -> None:
                lora_names=lora_mods, peak_rss=st["VmHWM"], rss_after_load=after_load["VmRSS"],
                rss_end_anon=st["RssAnon"], rss_end_file=st["RssFile"], torch=torch.__version__,
                transformers=transformers.__version__, peft=peft.__version__,
-               attn=model.config._attn_implementation, **stats)
+               attn=model.config._attn_implementation, dtype=a.hf_dtype, lora_dtypes=lora_dtypes, **stats)
     res["tokens_per_s"] = B * T / res["median_s"]
     res["target_tokens_per_s"] = res["n_targets"] / res["median_s"]
     print("RESULT " + json.dumps(res), flush=True)
@@ -701,10 +810,15 @@ def prepare(name: str, a) -> dict | None:
 
 
 def run_worker(python: str, side: str, model: dict, a, threads: int, profile: bool = False,
-               extra=(), batch=BATCH) -> dict | None:
+               extra=(), batch=BATCH, steps: int | None = None, warmup: int | None = None,
+               blas: bool = True, recompute: str | None = None) -> dict | None:
+    """One worker process; ``blas=False`` runs pytrain with PYTRAIN_BLAS=0 (its CPU backend alone),
+    ``recompute`` overrides --recompute."""
     cmd = [python, str(Path(__file__).resolve()), "--worker", side, "--threads", str(threads),
-           "--runs", str(a.steps), "--warmup", str(a.warmup), "--batch", str(batch[0]), str(batch[1]),
-           "--vocab", str(model["vocab"]), "--hf-attn", a.hf_attn, "--nice", str(a.nice), *extra]
+           "--runs", str(a.steps if steps is None else steps),
+           "--warmup", str(a.warmup if warmup is None else warmup), "--batch", str(batch[0]), str(batch[1]),
+           "--vocab", str(model["vocab"]), "--hf-attn", a.hf_attn, "--hf-dtype", a.hf_dtype,
+           "--recompute", recompute or a.recompute, "--nice", str(a.nice), *extra]
     if profile:
         cmd += ["--profile", "--warmup", "1"]
     if side == "pytrain":
@@ -714,8 +828,12 @@ def run_worker(python: str, side: str, model: dict, a, threads: int, profile: bo
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
                OPENBLAS_NUM_THREADS=str(threads),
                TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", TRANSFORMERS_NO_ADVISORY_WARNINGS="1")
+    if not blas:
+        env["PYTRAIN_BLAS"] = "0"
     busy = bf.wait_quiet(a.quiet_wait) if a.quiet_wait else bf.machine_busy()
-    what = f"{side}{' profile' if profile else ''}, {threads} thread{'s' if threads > 1 else ''}"
+    what = (f"{side}{'' if blas else ' BLAS off'}{f' recompute={recompute}' if recompute else ''}"
+            f"{' profile' if profile else ''}, "
+            f"{threads} thread{'s' if threads > 1 else ''}")
     print(f"  [{model['name']}] {what} ... (machine busy {busy:.2f} cores before; load average "
           f"{os.getloadavg()[0]:.2f})", flush=True)
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=str(REPO), start_new_session=bool(a.nice))
@@ -738,19 +856,41 @@ def run_worker(python: str, side: str, model: dict, a, threads: int, profile: bo
     return None
 
 
-def machine_info(a) -> list[str]:
-    """Machine, versions and how the workers ran (the report's header lines)."""
+def machine_info(a, wall_s: float | None = None) -> list[str]:
+    """Machine, versions, the command and how the workers ran (the report's header lines)."""
     import platform
+    import shlex
     m = bf.machine_facts()
     cpu, mem, commit, ggml_v = m["cpu"], m["mem"], m["commit"], m["ggml"]
     th = ", ".join(map(str, a.thread_list))
-    return [f"- date: {time.strftime('%Y-%m-%d %H:%M %Z')}; pytrain commit {commit}",
-            f"- CPU: {cpu}, {os.cpu_count()} cores visible, {mem} RAM; threads per side: **{th}** "
-            f"(pytrain `threads=N`, torch `set_num_threads(N)`, OMP/MKL_NUM_THREADS=N)",
+    mt = "".join(f"; {x.partition('=')[0]}: {x.partition('=')[2]}" for x in a.model_threads)
+    dirty = subprocess.run(["git", "status", "--porcelain", "--", "pytrain", "native", "scripts/bench_train.py",
+                            "scripts/bench_forward.py"], capture_output=True, text=True, cwd=str(REPO)).stdout
+    dirty = sorted({ln[3:] for ln in dirty.split("\n") if ln.strip()})
+    blas = _blas_info()
+    return [f"- date: {time.strftime('%Y-%m-%d %H:%M %Z')}; pytrain commit {commit}"
+            + (f" (uncommitted changes in: {', '.join(dirty)})" if dirty else "")
+            + (f"; the whole run took {wall_s / 60:.0f} min" if wall_s else ""),
+            f"- command: `python3 scripts/bench_train.py {shlex.join(sys.argv[1:])}`",
+            f"- CPU: {cpu}, {os.cpu_count()} cores visible, {mem} RAM; threads per side: **{th}**{mt} "
+            f"(pytrain `threads=N`, torch `set_num_threads(N)`, OMP/MKL/OPENBLAS_NUM_THREADS=N)",
             f"- ggml {ggml_v}",
+            f"- {blas}",
             f"- python {platform.python_version()} (pytrain side); worker processes at niceness {a.nice:+d}"
             + (" in a session (scheduler autogroup) of their own, so that other jobs on this shared "
                "machine yield the cores while they run" if a.nice < 0 else "")]
+
+
+def _blas_info() -> str:
+    """The BLAS backend line of the header (from the native build's record)."""
+    try:
+        info = json.loads((REPO / "pytrain" / "_native" / "build_info.json").read_text())
+    except (OSError, ValueError):
+        return "BLAS backend: unknown (no build_info.json)"
+    if not info.get("blas"):
+        return "BLAS backend: none in this build (pytrain = ggml's CPU backend alone)"
+    return (f"BLAS backend: ggml-blas on {info['blas']} (contiguous F32 MUL_MATs with every dimension >= 32, and contiguous matrix OUT_PRODs with a weight of any type, converted to F32 in slabs; ggml-cpu the rest), "
+            f"listed before the CPU backend; \"BLAS off\" = the same build with PYTRAIN_BLAS=0 (CPU backend alone)")
 
 
 def _renice(nice: int) -> None:
@@ -924,32 +1064,55 @@ def report(rows: list[dict], labels: dict | None, a, loads: list, info: list[str
     lines.append(f"- load average (1, 5, 15 min) at start: {la}; at end: {lb}{rng_} (2 cores: a load "
                  f"above 2 means other processes were running)")
     if hf:
+        dts = {}
+        for r in rows:
+            if r.get("hf"):
+                dts.setdefault(r["hf"].get("dtype", "float32"), []).append(r["name"])
+        dt = ("; ".join(f"{d} ({', '.join(dict.fromkeys(ns))})" for d, ns in dts.items()) if len(dts) > 1
+              else next(iter(dts)))
         lines.append(f"- HF: torch {hf['torch']}, transformers {hf['transformers']}, peft {hf['peft']}, "
-                     f"attn_implementation={hf['attn']}, float32, train mode; torch DeltaNet fallback "
+                     f"attn_implementation={hf['attn']}, {dt}, train mode; torch DeltaNet fallback "
                      f"(no flash-linear-attention)")
+    batches = {}
+    for r in rows:
+        bb = tuple(r.get("batch") or BATCH)
+        batches.setdefault(bb, []).append(r["name"])
+    bdesc = "; ".join(f"batch {b[0]} x {b[1]}"
+                      + (f" ({', '.join(dict.fromkeys(ns))})" if len(batches) > 1 else "")
+                      + f", {b[0] * (b[1] // 2)} target tokens" for b, ns in batches.items()) or \
+        f"batch {BATCH[0]} x {BATCH[1]}, {BATCH[0] * (BATCH[1] // 2)} target tokens"
     lines.append(f"- LoRA r={RANK}, alpha={ALPHA:g}, dropout 0, q/k/v/o of the full-attention layers; "
-                 f"AdamW lr {LR:g}, wd 0, clip {MAX_NORM:g}; batch {BATCH[0]} x {BATCH[1]}, no padding, "
-                 f"first half of each row masked ({BATCH[0] * (BATCH[1] // 2)} target tokens)")
+                 f"AdamW lr {LR:g}, wd 0, clip {MAX_NORM:g}; {bdesc}; no padding, the first half of each "
+                 f"row masked")
+    variants = [k for k in VARIANTS if any(r.get(k) for r in rows)]
+    vhead = "".join(f"pytrain {VARIANTS[k]}: tokens/s, steps, peak RSS | pytrain / {VARIANTS[k]} | " for k in variants)
     lines += ["", "| model | threads | batch | tokens (targets) | steps pytrain / HF | pytrain tokens/s (targets/s) | "
               "HF tokens/s (targets/s) | ratio pytrain/HF | best-step tokens/s pytrain / HF (ratio) | pytrain peak RSS | HF peak RSS | "
-              "own CPU-s per step pytrain / HF | first-step loss pytrain / HF | LoRA params pytrain / HF | other load (cores) pytrain / HF |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              + vhead
+              + "own CPU-s per step pytrain / HF | first-step loss pytrain / HF | LoRA params pytrain / HF | other load (cores) pytrain / HF |",
+              "|---|---|---|---|---|---|---|---|---|---|---|" + "---|---|" * len(variants) + "---|---|---|---|"]
     for r in rows:
         p, h = r.get("pytrain"), r.get("hf")
-        bt = [BATCH[0] * BATCH[1] / y["best_s"] if y else None for y in (p, h)]
+        B, T = r.get("batch") or BATCH
+        bt = [B * T / y["best_s"] if y else None for y in (p, h)]
         best = " / ".join(f"{v:.1f}" if v else "-" for v in bt) + (f" ({bt[0] / bt[1]:.2f})" if p and h else "")
         ratio = f"**{p['tokens_per_s'] / h['tokens_per_s']:.2f}**" if p and h else "-"
         nsteps = " / ".join(f"{x['n_clean']}/{len(x['times'])}" if x else "-" for x in (p, h))
         x = p or h
-        cells = [r["name"], str(r.get("threads", "?")), f"{BATCH[0]} x {BATCH[1]}", f"{x['tokens']} ({x['n_targets']})" if x else "-",
+        cells = [r["name"], str(r.get("threads", "?")), f"{B} x {T}", f"{x['tokens']} ({x['n_targets']})" if x else "-",
                  nsteps,
                  f"{p['tokens_per_s']:.1f} ({p['target_tokens_per_s']:.1f})" if p else "-",
                  f"{h['tokens_per_s']:.1f} ({h['target_tokens_per_s']:.1f})" if h else "-", ratio, best,
-                 bf.fmt_gib(p["peak_rss"]) if p else "-", bf.fmt_gib(h["peak_rss"]) if h else "-",
-                 " / ".join(f"{y['own_cores'] * y['median_s']:.2f}" if y else "-" for y in (p, h)),
-                 " / ".join(f"{y['first_loss']:.5f}" if y else "-" for y in (p, h)),
-                 " / ".join(f"{y['lora_params']:,} ({y['lora_names']})" if y else "-" for y in (p, h)),
-                 " / ".join(f"{y['others_cores']:.2f}" if y else "-" for y in (p, h))]
+                 bf.fmt_gib(p["peak_rss"]) if p else "-", bf.fmt_gib(h["peak_rss"]) if h else "-"]
+        for k in variants:
+            q = r.get(k)
+            cells += [f"{q['tokens_per_s']:.1f}, {q['n_clean']}/{len(q['times'])}, {bf.fmt_gib(q['peak_rss'])}"
+                      if q else "-",
+                      f"**{p['tokens_per_s'] / q['tokens_per_s']:.2f}**" if p and q else "-"]
+        cells += [" / ".join(f"{y['own_cores'] * y['median_s']:.2f}" if y else "-" for y in (p, h)),
+                  " / ".join(f"{y['first_loss']:.5f}" if y else "-" for y in (p, h)),
+                  " / ".join(f"{y['lora_params']:,} ({y['lora_names']})" if y else "-" for y in (p, h)),
+                  " / ".join(f"{y['others_cores']:.2f}" if y else "-" for y in (p, h))]
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "Shapes:", ""]
     seen = set()
@@ -959,7 +1122,11 @@ def report(rows: list[dict], labels: dict | None, a, loads: list, info: list[str
         seen.add(r["name"])
         n = f"; {r['n_params'] / 1e6:.1f} M parameters" if r.get("n_params") else ""
         hfnote = "" if r.get("hf") else " (HF side not run: no HF checkpoint)"
-        lines.append(f"- **{r['name']}**: {r['desc']}{n}; weights {r['weights']}{hfnote}")
+        p = r.get("pytrain") or {}
+        wt = ", ".join(f"{k} x {v}" for k, v in (p.get("weight_types") or {}).items())
+        how = (f"; pytrain loads its weight tensors as {wt} and trains it with "
+               f"{p['step_graph']} (Trainer recompute={p.get('recompute', 'auto')})" if p.get("step_graph") else "")
+        lines.append(f"- **{r['name']}**: {r['desc']}{n}; weights {r['weights']}{hfnote}{how}")
 
     lines += ["", "## Where a pytrain step goes (median per step)", "",
               "Host phases are timed by wrapping pytrain functions at runtime. `labels` = "
@@ -971,13 +1138,16 @@ def report(rows: list[dict], labels: dict | None, a, loads: list, info: list[str
               "| model | threads | batch | step (s) | compute fwd+bwd | compute optimizer | alloc_graph | inputs | "
               "labels (N) | of which set_targets / build_labels / pad-column read | rest |",
               "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows + [x for x in extra_steps if x.get("pytrain")]:
-        p = r.get("pytrain")
+    steps = []
+    for r in rows:
+        steps += [(r["name"], r, r.get("pytrain"))] + [(f"{r['name']} ({v})", r, r.get(k)) for k, v in VARIANTS.items()]
+    steps += [(x["name"], x, x.get("pytrain")) for x in extra_steps]
+    for name, r, p in steps:
         if not p:
             continue
         ph = p["phases"]
         st = p["step_seconds"]
-        cells = [r["name"], str(r.get("threads", "?")), "x".join(map(str, p.get("batch", BATCH))), f"{st:.3f}"]
+        cells = [name, str(r.get("threads", "?")), "x".join(map(str, p.get("batch", BATCH))), f"{st:.3f}"]
         for k in ("compute fwd+bwd", "compute optimizer", "alloc_graph", "inputs", "labels"):
             v = ph.get(k, 0.0)
             cells.append(f"{_ms(v)} ({100 * v / st:.1f}%)")
@@ -996,20 +1166,29 @@ def report(rows: list[dict], labels: dict | None, a, loads: list, info: list[str
         lines += ["", "## Profile of one step", "",
                   "pytrain: one step computed node by node under a ggml scheduler eval callback, each node "
                   "timed and summed by part of the model (forward, and (bwd) for the backward nodes that "
-                  "compute that part's gradients) and by op; compare the profiled step with the unprofiled "
+                  "compute that part's gradients; (recompute) for a layer-wise step's second forward of a "
+                  "layer) and by op, with the backend the scheduler ran it on in brackets (BLAS = ggml-blas on "
+                  "OpenBLAS, CPU = ggml-cpu); compare the profiled step with the unprofiled "
                   "one above for the dispatch overhead. HF: torch.profiler, top ops by self CPU time.", ""]
         for name, pp, hp in profs:
             if pp:
                 tot = sum(pp["by_op"].values())
                 parts = ", ".join(f"{k} {v:.3f} s ({100 * v / tot:.0f}%)" for k, v in
                                   sorted(pp["by_part"].items(), key=lambda kv: -kv[1]))
+                byop = pp.get("by_op_backend") or pp["by_op"]
                 ops = ", ".join(f"{k} {v:.3f} s ({100 * v / tot:.0f}%)" for k, v in
-                                sorted(pp["by_op"].items(), key=lambda kv: -kv[1])[:10])
+                                sorted(byop.items(), key=lambda kv: -kv[1])[:10])
+                bypo = pp.get("by_part_op_backend") or pp["by_part_op"]
                 pops = ", ".join(f"{k} {v:.3f} s ({100 * v / tot:.0f}%)" for k, v in
-                                 sorted(pp["by_part_op"].items(), key=lambda kv: -kv[1])[:12])
+                                 sorted(bypo.items(), key=lambda kv: -kv[1])[:12])
                 lines += [f"- **{name}** pytrain (profiled step {pp['wall']:.2f} s, {pp['n_nodes']} nodes "
-                          f"computed, node times sum {tot:.2f} s): by part: {parts}", f"  - top ops: {ops}",
-                          f"  - top part x op: {pops}"]
+                          f"computed, node times sum {tot:.2f} s"
+                          + (f"; {pp['step_graph']}" if pp.get("step_graph") else "") + f"): by part: {parts}"]
+                if pp.get("by_backend"):
+                    lines.append("  - by backend: " + ", ".join(
+                        f"{k} {v:.3f} s ({100 * v / tot:.0f}%)"
+                        for k, v in sorted(pp["by_backend"].items(), key=lambda kv: -kv[1])))
+                lines += [f"  - top ops: {ops}", f"  - top part x op: {pops}"]
             if hp:
                 top = ", ".join(f"{k} {v:.3f} s" for k, v in hp["top"][:10])
                 lines.append(f"- **{name}** HF (profiled step {hp['wall']:.2f} s): top self-CPU ops: {top}")
@@ -1039,18 +1218,21 @@ def report(rows: list[dict], labels: dict | None, a, loads: list, info: list[str
 
     lines += ["", "Details:", ""]
     for r in rows:
-        for side in ("pytrain", "hf"):
+        for side in ("pytrain", *VARIANTS, "hf"):
             x = r.get(side)
             if x:
-                lines.append(f"- {r['name']} {side}, {r.get('threads')} threads: load {x['load_s']:.2f} s, warm-up "
+                sname = f"pytrain {VARIANTS[side]}" if side in VARIANTS else side
+                lines.append(f"- {r['name']} {sname}, {r.get('threads')} threads: load {x['load_s']:.2f} s, warm-up "
                              f"{', '.join(f'{t:.3f}' for t in x['warmup_s'])} s, steps "
                              f"{', '.join(f'{t:.3f} ({o:.2f})' for t, o in zip(x['times'], x['others']))} s "
                              f"(other cores in brackets); losses {', '.join(f'{v:.4f}' for v in x['losses'])}; "
                              f"RSS after load {bf.fmt_gib(x['rss_after_load'])}, at end anon "
                              f"{bf.fmt_gib(x['rss_end_anon'])} + file {bf.fmt_gib(x['rss_end_file'])}; cores used "
                              f"{x['own_cores']:.2f}; machine busy {x['busy_before']:.2f} cores before"
-                             + (f"; {x['graph_nodes']} graph nodes; pad id {x['pad_id']}" if side == "pytrain"
-                                else ""))
+                             + (f"; {x['graph_nodes']} graph nodes; pad id {x['pad_id']}"
+                                + (f"; backends {', '.join(x['backends'])}" if x.get("backends") else "")
+                                if side != "hf" else
+                                (f"; LoRA weights {', '.join(x['lora_dtypes'])}" if x.get("lora_dtypes") else "")))
     if a.notes:
         lines += ["", "Notes:", ""] + [f"- {n}" for n in a.notes]
     return "\n".join(lines) + "\n"
@@ -1121,8 +1303,22 @@ def labels_only(a) -> int:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="default,mid,mid-v248k")
-    ap.add_argument("--threads", default="2",
-                    help="thread counts, comma-separated (e.g. 2,1); profile and the label work use the first")
+    ap.add_argument("--threads", default=None,
+                    help="thread counts, comma-separated (e.g. 2,1; default 2); profile and the label work use "
+                         "the first (--report-from: default the run's)")
+    ap.add_argument("--model-threads", action="append", default=[], metavar="NAME=T[,T...]",
+                    help="thread counts for one model instead of --threads (e.g. 2b=2), repeatable")
+    ap.add_argument("--blas-off", default="default,mid,mid-v248k", metavar="MODELS",
+                    help="models whose pytrain side also runs with PYTRAIN_BLAS=0 (ggml's CPU backend alone) "
+                         "at each thread count, comma-separated ('' for none)")
+    ap.add_argument("--one-graph", default="2b", metavar="MODELS",
+                    help="models whose pytrain side, when the default --recompute chose layer-wise recompute, also "
+                         "runs as one graph (recompute=off) at each thread count ('' for none)")
+    ap.add_argument("--hf-dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="dtype HF + PEFT loads and trains the base model in (LoRA weights stay float32)")
+    ap.add_argument("--recompute", default="auto", choices=["auto", "off", "layers"],
+                    help="pytrain Trainer(recompute=...): auto = layer-wise when the one-graph compute buffer "
+                         "would exceed 1/8 of RAM (the 2B shape on this machine)")
     ap.add_argument("--steps", type=int, default=5, help="clean timed steps wanted per side")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "pytrain" / "bench")
@@ -1156,7 +1352,9 @@ def main() -> int:
                     help="the markdown (default bench_results/train.md; with --labels-only the folder "
                          "bench_results, or a .md path)")
     ap.add_argument("--note", dest="notes", action="append", default=[])
-    ap.add_argument("--json", type=Path, default=None, help="also save the raw results here")
+    ap.add_argument("--json", type=Path, default=None,
+                    help="also save the raw results here (default: the .json beside --out; with --report-from "
+                         "of one json: store the --note lines into it)")
     ap.add_argument("--report-from", type=Path, nargs="+", default=None,
                     help="only rewrite the markdown from a --json file of an earlier run")
     # internal
@@ -1194,9 +1392,17 @@ def main() -> int:
         labels_worker(a)
         return 0
 
-    a.thread_list = [int(t) for t in str(a.threads).split(",") if t.strip()]
     if a.report_from:   # merge earlier runs: rows in order, the first label work found, all loads
         js = [json.loads(f.read_text()) for f in a.report_from]
+        a.threads = a.threads or ",".join(map(str, js[0].get("threads") or [2]))
+    a.thread_list = [int(t) for t in str(a.threads or "2").split(",") if t.strip()]
+    model_threads = {}
+    for mt in a.model_threads:
+        k, _, v = mt.partition("=")
+        model_threads[k.strip()] = [int(t) for t in v.split(",") if t.strip()]
+    blas_off = {m.strip() for m in a.blas_off.split(",") if m.strip()}
+    one_graph = {m.strip() for m in a.one_graph.split(",") if m.strip()}
+    if a.report_from:
         if any(j.get("kind") == "labels" for j in js):   # a --labels-only run: labels.md
             if len(js) > 1:
                 raise SystemExit("--report-from: a labels json (--labels-only) is rendered alone")
@@ -1209,6 +1415,10 @@ def main() -> int:
             return 0
         _refuse_old(js, a.report_from)
         a.out = a.out or REPO / "bench_results" / "train.md"
+        if a.notes and a.json and len(js) == 1 and a.json.resolve() == a.report_from[0].resolve():
+            js[0]["notes"] = a.notes      # the json keeps the notes: it still renders byte for byte
+            a.json.write_text(json.dumps(js[0], default=str, indent=1))
+            print(f"notes stored into {a.json}")
         a.notes = a.notes or [n for j in js for n in j.get("notes", [])]
         labels = next((j["labels"] for j in js if j.get("labels")), None)
         md = report([r for j in js for r in j["rows"]], labels, a, [x for j in js for x in j["loads"]],
@@ -1222,26 +1432,40 @@ def main() -> int:
     if a.labels_only:
         return labels_only(a)
     a.out = a.out or REPO / "bench_results" / "train.md"
+    a.json = a.json or a.out.with_suffix(".json")
+    t_start = time.time()
     loads = [os.getloadavg()]
     rows = []
     for name in [m.strip() for m in a.models.split(",") if m.strip()]:
         model = prepare(name, a)
         if model is None:
             continue
-        for ti, threads in enumerate(a.thread_list):
-            print(f"[{name}] batch {BATCH[0]} x {BATCH[1]}, {a.warmup} warm-up + {a.steps} clean steps, "
+        batch, warmup, steps = train_settings(name, a)
+        for ti, threads in enumerate(model_threads.get(name, a.thread_list)):
+            print(f"[{name}] batch {batch[0]} x {batch[1]}, {warmup} warm-up + {steps} clean steps, "
                   f"{threads} threads", flush=True)
-            row = dict(model, threads=threads)
-            row["pytrain"] = run_worker(a.pytrain_python, "pytrain", model, a, threads)
-            row["hf"] = run_worker(a.ref_python, "hf", model, a, threads) if model["hf"] else None
+            row = dict(model, threads=threads, batch=list(batch))
+            kw = dict(batch=batch, steps=steps, warmup=warmup)
+            row["pytrain"] = run_worker(a.pytrain_python, "pytrain", model, a, threads, **kw)
+            if name in blas_off:
+                row["pytrain_noblas"] = run_worker(a.pytrain_python, "pytrain", model, a, threads, blas=False,
+                                                   **kw)
+            row["hf"] = run_worker(a.ref_python, "hf", model, a, threads, **kw) if model["hf"] else None
             if row["pytrain"] and row["hf"]:
                 print(f"  [{name}] pytrain/HF = "
                       f"{row['pytrain']['tokens_per_s'] / row['hf']['tokens_per_s']:.2f}", flush=True)
+            if name in one_graph and row["pytrain"] and "recompute" in (row["pytrain"].get("step_graph") or ""):
+                row["pytrain_onegraph"] = run_worker(a.pytrain_python, "pytrain", model, a, threads,
+                                                     recompute="off", **kw)
+            for k, v in VARIANTS.items():
+                if row["pytrain"] and row.get(k):
+                    print(f"  [{name}] pytrain / pytrain {v} = "
+                          f"{row['pytrain']['tokens_per_s'] / row[k]['tokens_per_s']:.2f}", flush=True)
             if a.do_profile and ti == 0:
-                pp = run_worker(a.pytrain_python, "pytrain", model, a, threads, profile=True)
+                pp = run_worker(a.pytrain_python, "pytrain", model, a, threads, profile=True, batch=batch)
                 row["pytrain_profile"] = pp and pp["profile"]
                 if model["hf"]:
-                    hp = run_worker(a.ref_python, "hf", model, a, threads, profile=True)
+                    hp = run_worker(a.ref_python, "hf", model, a, threads, profile=True, batch=batch)
                     row["hf_profile"] = hp and hp["profile"]
             rows.append(row)
             loads.append(os.getloadavg())
@@ -1249,10 +1473,7 @@ def main() -> int:
     big = next((m for m in (prepare(n, a) for n in ["mid-v248k"]) if m), None) if a.big_step else None
     if big:
         print(f"[mid-v248k] pytrain, batch 8 x 256 (N = 2048), {a.thread_list[0]} threads", flush=True)
-        keep = (a.steps, a.warmup)
-        a.steps, a.warmup = 3, 1
-        x = run_worker(a.pytrain_python, "pytrain", big, a, a.thread_list[0], batch=(8, 256))
-        a.steps, a.warmup = keep
+        x = run_worker(a.pytrain_python, "pytrain", big, a, a.thread_list[0], batch=(8, 256), steps=3, warmup=1)
         extra_steps.append(dict(name="mid-v248k", threads=a.thread_list[0], pytrain=x))
     heads = None
     if a.do_head:
@@ -1266,10 +1487,12 @@ def main() -> int:
     if not rows and not labels and not heads:
         print("nothing was benchmarked")
         return 1
-    info = machine_info(a)
+    info = machine_info(a, time.time() - t_start)
     if a.json:
+        a.json.parent.mkdir(parents=True, exist_ok=True)
         a.json.write_text(json.dumps(dict(rows=rows, labels=labels, loads=loads, info=info, notes=a.notes,
-                                          extra_steps=extra_steps, heads=heads),
+                                          extra_steps=extra_steps, heads=heads, threads=a.thread_list,
+                                          wall_s=time.time() - t_start),
                                      default=str, indent=1))
         print(f"raw results in {a.json}")
     md = report(rows, labels, a, loads, info, extra_steps, heads)
