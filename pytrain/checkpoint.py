@@ -59,15 +59,16 @@ def base_fingerprint(path: str | os.PathLike) -> dict:
 
 
 def save(folder: Path, step: int, adapter, moments: dict[str, np.ndarray], state: TrainState,
-         keep: int = 3) -> Path:
-    """Write checkpoint ``step`` under ``folder`` atomically; keep the newest ``keep`` (0: all)."""
+         keep: int = 3, *, arch: str) -> Path:
+    """Write checkpoint ``step`` under ``folder`` atomically; keep the newest ``keep`` (0: all).
+    ``arch``: the base model's architecture, written into the adapter GGUF."""
     folder.mkdir(parents=True, exist_ok=True)
     recover(folder)
     final = folder / f"step-{step:07d}"
     aside = folder / f".replaced-{final.name}"
     tmp = Path(tempfile.mkdtemp(dir=folder, prefix=".tmp-"))
     try:
-        write_lora_gguf(tmp / "adapter.gguf", "qwen35", adapter.alpha, adapter.get())
+        write_lora_gguf(tmp / "adapter.gguf", arch, adapter.alpha, adapter.get())
         with open(tmp / "optimizer.npz", "wb") as f:
             np.savez(f, **moments)
             f.flush()

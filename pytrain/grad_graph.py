@@ -12,7 +12,6 @@ from pytrain import ggml, loss as loss_mod
 from pytrain.ggml import lib
 from pytrain.lora import LoraAdapter
 from pytrain.model import Model, graph_budget
-from pytrain.models import qwen35
 from pytrain.optimizer import Accumulators
 
 
@@ -40,8 +39,8 @@ class GradGraph:
         self.model, self.adapter = model, adapter
         self.acc = acc or Accumulators(model.runtime, adapter.params())
         self.own_acc = acc is None
-        self.B, self.T = B, qwen35.padded_length(T)
-        size = graph_budget(model.config, self.T)
+        self.B, self.T = B, model.arch.padded_length(T)
+        size = graph_budget(model, self.T)
         self.ctx = ggml.Context(n_tensors=size * 2, graph_size=size * 2, grads=True)
         c = self.ctx.ptr
         self.fwd = model.graph.build(c, B, self.T, adapter.hook, rows=rows)
@@ -75,7 +74,7 @@ class GradGraph:
                                 pad if buggy else loss_mod.IGNORE)
         rt = self.model.runtime
         rt.alloc_graph(self.graph, self.ctx)
-        qwen35.set_inputs(self.fwd, qwen35.input_values(self.model.config, tok, sg))
+        self.model.arch.set_inputs(self.fwd.inputs, self.model.input_values(tok, sg))
         if self.rows is not None:
             if buggy:
                 raise ValueError("the bug reproduction trains every row: build with rows=None")

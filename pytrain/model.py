@@ -14,22 +14,15 @@ import numpy as np
 from pytrain import ggml
 from pytrain.ggml import lib
 from pytrain.model_file import open_model
-from pytrain.models import qwen35
+from pytrain import models
+from pytrain.models import Architecture
 from pytrain.tokenizer import Tokenizer
 from pytrain.weights import load_weights
 
 
-def layer_budget(config, T: int) -> int:
-    """Nodes (and tensors) a forward graph of one layer may need: the DeltaNet recurrence adds
-    a few dozen per chunk."""
-    from pytrain.models.delta_net import chunk_size
-    n_chunks = max(1, T // chunk_size(T))
-    return 2048 + (400 + 60 * n_chunks) * 3
-
-
-def graph_budget(config, T: int) -> int:
+def graph_budget(model: "Model", T: int) -> int:
     """Nodes (and tensors) a forward + backward graph of this model may need."""
-    return 2048 + config.n_layer * layer_budget(config, T)
+    return 2048 + model.config.n_layer * model.arch.layer_budget(model.config, T)
 
 
 @dataclass
@@ -40,10 +33,15 @@ class Model:
     runtime: ggml.Runtime
     weights: object
     tokenizer: Tokenizer
+    arch: Architecture
 
     @property
-    def graph(self) -> qwen35.Qwen35Graph:
-        return qwen35.Qwen35Graph(self.config, self.weights.tensors)
+    def graph(self):
+        """The architecture's graph builder over these weights."""
+        return self.arch.graph(self.config, self.weights.tensors)
+
+    def input_values(self, tokens: np.ndarray, seg: np.ndarray) -> dict:
+        return self.arch.input_values(self.config, tokens, seg)
 
     def logits(self, tokens, seg: np.ndarray | None = None, lora=None,
                last_only: bool = False) -> np.ndarray:
@@ -54,7 +52,7 @@ class Model:
         single = arr.ndim == 1
         arr = np.atleast_2d(arr).astype(np.int64)
         B, T = arr.shape
-        Tp = qwen35.padded_length(T)
+        Tp = self.arch.padded_length(T)
         if seg is None:
             seg = np.zeros((B, T), np.int64)
         seg = np.atleast_2d(seg)
@@ -63,7 +61,7 @@ class Model:
         tok_p[:, :T] = arr
         seg_p = np.full((B, Tp), -1, np.int64)
         seg_p[:, :T] = seg
-        size = graph_budget(self.config, Tp)
+        size = graph_budget(self, Tp)
         ctx = ggml.Context(n_tensors=size, graph_size=size)
         try:
             fwd = self.graph.build(ctx.ptr, B, Tp, lora, rows=B if last_only else None)
@@ -71,7 +69,7 @@ class Model:
             gf = ggml.new_graph(ctx, size)
             lib.ggml_build_forward_expand(gf, fwd.logits)
             self.runtime.alloc_graph(gf, ctx)
-            qwen35.set_inputs(fwd, qwen35.input_values(self.config, tok_p, seg_p))
+            self.arch.set_inputs(fwd.inputs, self.input_values(tok_p, seg_p))
             if last_only:   # flat position T-1 of each row
                 ggml.from_numpy(fwd.inputs.rows, (T - 1 + Tp * np.arange(B)).astype(np.int32))
             self.runtime.compute(gf)
@@ -114,4 +112,5 @@ def load_model(path: str | os.PathLike, device: str = "auto", threads: int | Non
     arch, meta, _infos, config = open_model(path)
     rt = ggml.Runtime(device, threads=threads)
     weights = load_weights(path, rt, config.tensor_shapes(), type_policy)
-    return Model(str(path), config, meta, rt, weights, Tokenizer.from_metadata(meta))
+    return Model(str(path), config, meta, rt, weights, Tokenizer.from_metadata(meta),
+                 models.get(arch))

@@ -69,7 +69,7 @@ def save_adapter(model: Model, adapter, path: Path, formats=("gguf",)) -> Path:
         write_peft_adapter(path.parent / "peft", tensors, adapter.alpha, adapter.rank,
                            base_model_name_or_path=Path(model.path).name,
                            model_config=model.config)
-    return write_lora_gguf(path, "qwen35", adapter.alpha, tensors,
+    return write_lora_gguf(path, model.arch.name, adapter.alpha, tensors,
                            base_metadata={"general.name": f"pytrain LoRA for {Path(model.path).name}"})
 
 
@@ -325,7 +325,7 @@ class Loop:
         state = ckpt.TrainState(self.step, epoch, index, s.trainer.opt.t, self.fingerprint,
                                 total_steps=self.total, resume_key=s.resume_key())
         where = ckpt.save(self.ckpt_dir, self.step, s.adapter, s.trainer.acc.moments(), state,
-                          keep=s.cfg.output.keep_checkpoints)
+                          keep=s.cfg.output.keep_checkpoints, arch=s.model.arch.name)
         self.saved_step = self.step
         return where
 

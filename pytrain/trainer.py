@@ -13,7 +13,6 @@ from pytrain.ggml import lib
 from pytrain.grad_graph import GradGraph, pad_batch
 from pytrain.lora import LoraAdapter
 from pytrain.model import Model, graph_budget
-from pytrain.models import qwen35
 from pytrain.optimizer import Accumulators, AdamW, Optimizer
 from pytrain.planning import compute_bytes
 from pytrain.recompute import RecomputeGraph
@@ -23,10 +22,10 @@ class NonFiniteLoss(RuntimeError):
     """Loss or gradient norm became NaN/inf; the parameters were left as they were."""
 
 
-def bucket_length(T: int) -> int:
+def bucket_length(model: Model, T: int) -> int:
     """Graph length for a batch of T tokens: a multiple of 16 (few distinct graphs), then
-    whole DeltaNet chunks."""
-    return qwen35.padded_length(-(-T // 16) * 16)
+    what the architecture pads to (whole DeltaNet chunks for qwen35)."""
+    return model.arch.padded_length(-(-T // 16) * 16)
 
 
 @dataclass
@@ -59,7 +58,7 @@ class Trainer:
         """The step graph for a [B, T] micro-batch with ``n_targets`` targets (None: the head
         and loss on every row, as the bug reproduction needs): one ``GradGraph``, or a
         ``RecomputeGraph`` (layer by layer, the head on row chunks) when ``recompute`` says so."""
-        T = bucket_length(T)
+        T = bucket_length(self.model, T)
         if n_targets is not None and self._recompute(B, T):
             key = (B, T, "layers")
         else:
@@ -131,7 +130,7 @@ class Trainer:
             k = int((tg >= 0).sum())
             if k == 0:
                 continue
-            B, T = b.tokens.shape[0], bucket_length(b.tokens.shape[1])
+            B, T = b.tokens.shape[0], bucket_length(self.model, b.tokens.shape[1])
             key = (B, T, loss_mod.rows_bucket(k, B * T))
             if key not in self.eval_graphs:
                 self.eval_graphs[key] = EvalGraph(self.model, self.adapter, *key)
@@ -159,7 +158,7 @@ class EvalGraph:
         """``rows``: the LM head and loss run on that many positions (the targets)."""
         self.model = model
         self.B, self.T, self.rows = B, T, rows
-        size = graph_budget(model.config, T)
+        size = graph_budget(model, T)
         self.ctx = ggml.Context(n_tensors=size, graph_size=size)
         c = self.ctx.ptr
         self.fwd = model.graph.build(c, B, T, adapter.hook if adapter else None, rows=rows)
@@ -178,7 +177,7 @@ class EvalGraph:
                                 self.model.tokenizer.pad_id or 0)
         rt = self.model.runtime
         rt.alloc_graph(self.graph, self.ctx)
-        qwen35.set_inputs(self.fwd, qwen35.input_values(self.model.config, tok, sg))
+        self.model.arch.set_inputs(self.fwd.inputs, self.model.input_values(tok, sg))
         sel, tg = loss_mod.select_rows(tg, self.rows)
         ggml.from_numpy(self.fwd.inputs.rows, sel)
         n = self.ce.prepare(tg, self.model.tokenizer.pad_id)

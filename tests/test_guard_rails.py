@@ -62,7 +62,7 @@ SAVER = textwrap.dedent("""
     big = {"m.x": np.random.default_rng(0).normal(size=(300_000,)).astype(np.float32)}
     def save(step, version):
         ckpt.save(folder, step, Adapter(version), big,
-                  ckpt.TrainState(step, 0, step, version, fp), keep=3)
+                  ckpt.TrainState(step, 0, step, version, fp), keep=3, arch="qwen35")
     save(1, 1)
     save(2, 2)
     armed = True

@@ -103,8 +103,9 @@ def test_recompute_needs_a_fraction_of_the_memory_at_the_2b_shape():
     """Measured by the scheduler without allocating: batch 4 x 1024 of the Qwen3.5-2B shape,
     half the tokens targets.  The one-graph step needs ~34 GiB; layer by layer the largest
     graph needs a few (bench_results/memory.md has the table)."""
-    from pytrain.planning import QWEN35_2B, compute_bytes, shape_model
-    m = shape_model(QWEN35_2B, "f16")
+    from pytrain.models.qwen35_config import QWEN35_2B
+    from pytrain.planning import compute_bytes, shape_model
+    m = shape_model("qwen35", QWEN35_2B, "f16")
     try:
         ad = lora.create(m.runtime, m.config, select_targets(m.config), 16, 32.0)
         g = GradGraph(m, ad, 4, 1024, rows=2048)
