@@ -4,7 +4,7 @@ with and without layer-wise recompute: written to bench_results/memory.md (+ .js
 
 Nothing is allocated and no GPU is needed: the graphs pytrain builds for a training step are
 measured by the scheduler (``ggml_backend_sched_reserve_size``) on weights that are metadata
-only (``pytrain.planning.shape_model``).  What a CUDA run holds is
+only (``pytrain.train.planning.shape_model``).  What a CUDA run holds is
 
     weights (in the GGUF's type) + persistent step tensors (layer inputs, gradients handed
     down, the batch's inputs) + the largest compute buffer of one graph + LoRA and AdamW
@@ -33,11 +33,11 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from pytrain import ggml, lora  # noqa: E402
-from pytrain.grad_graph import GradGraph  # noqa: E402
-from pytrain.lora_targets import select_targets  # noqa: E402
+from pytrain.train.grad_graph import GradGraph  # noqa: E402
+from pytrain.models.lora_targets import select_targets  # noqa: E402
 from pytrain.models.qwen35_config import QWEN35_2B  # noqa: E402
-from pytrain.planning import compute_bytes, shape_model  # noqa: E402
-from pytrain.recompute import RecomputeGraph  # noqa: E402
+from pytrain.train.planning import compute_bytes, shape_model  # noqa: E402
+from pytrain.train.recompute import RecomputeGraph  # noqa: E402
 
 GiB = 2 ** 30
 PEFT_ANCHOR_GIB = 32.9

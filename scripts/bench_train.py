@@ -11,7 +11,7 @@ table to ``bench_results/train.md`` (``--labels-only``: the label comparison alo
 ``bench_results/labels.md``).
 
 Models (``--models``, comma-separated, default ``default,mid,mid-v248k``):
-    default    the embedded ``pytrain/data/default-model.gguf`` (``--default-gguf``; skipped with a
+    default    the embedded ``pytrain/assets/default-model.gguf`` (``--default-gguf``; skipped with a
                message when absent); HF runs only when its HF checkpoint (``--default-hf``, default
                /tmp/pytrain-default-model/hf, left by scripts/make_default_model.py) exists
     mid        the project's CPU benchmark shape (hidden 512, 8 layers with full attention at 3 and 7,
@@ -174,7 +174,7 @@ class _Phases:
     """Wraps pytrain functions at runtime to split a step's wall time into phases."""
 
     def __init__(self, trainer):
-        import pytrain.loss as L
+        import pytrain.train.loss as L
         from pytrain import ggml
         from pytrain.models import qwen35
         self.t: dict[str, float] = {}
@@ -231,10 +231,10 @@ class _Phases:
 def pytrain_worker(a) -> None:
     sys.path.insert(0, str(REPO))
     import pytrain
-    from pytrain import lora
-    from pytrain.lora_targets import lora_param_count, select_targets
-    from pytrain.optimizer import AdamW
-    from pytrain.trainer import Trainer
+    from pytrain.models import lora
+    from pytrain.models.lora_targets import lora_param_count, select_targets
+    from pytrain.train.optimizer import AdamW
+    from pytrain.train.trainer import Trainer
 
     B, T = a.batch
     t0 = time.perf_counter()
@@ -484,7 +484,8 @@ def _old_set_labels(ce, targets, n_vocab: int, pad_id: int, read_column) -> dict
     ONE read of its pad-token column, then the row mask and the loss scale uploaded.  Returns the
     parts' seconds."""
     import numpy as np
-    from pytrain import ggml, loss as L
+    from pytrain import ggml
+    from pytrain.train import loss as L
     inp = ce.inputs
     flat = targets.reshape(-1)
     n = flat.size
@@ -513,7 +514,8 @@ def _old_set_labels(ce, targets, n_vocab: int, pad_id: int, read_column) -> dict
 def labels_worker(a) -> None:
     sys.path.insert(0, str(REPO))
     import numpy as np
-    from pytrain import ggml, loss as L
+    from pytrain import ggml
+    from pytrain.train import loss as L
     from pytrain.ggml import lib
     rt = ggml.Runtime("cpu", threads=int(a.threads))
     V = a.vocab
@@ -674,7 +676,7 @@ def prepare(name: str, a) -> dict | None:
             print(f"[default] skipped: {a.default_gguf} is absent", flush=True)
             return None
         sys.path.insert(0, str(REPO))
-        from pytrain.model_file import open_model
+        from pytrain.formats.model_file import open_model
         _arch, _meta, _infos, cfg = open_model(a.default_gguf)
         hf = a.default_hf if (a.default_hf / "model.safetensors").exists() else None
         if hf is None:

@@ -11,7 +11,7 @@ import pytest
 from gguf_factory import renamed_arch_copy
 
 from pytrain import models
-from pytrain.adapter_gguf import read_lora_gguf
+from pytrain.formats.adapter_gguf import read_lora_gguf
 from pytrain.cli import main
 from pytrain.models import qwen35
 from pytrain.models.qwen35_config import Qwen35Config

@@ -9,17 +9,18 @@ import numpy as np
 import pytest
 from cuda_support import supported, unsupported_nodes
 
-from pytrain import ggml, lora, models
-from pytrain.grad_graph import GradGraph
-from pytrain.model_file import open_model
-from pytrain.lora_targets import select_targets
-from pytrain.model import Model
-from pytrain.optimizer import AdamW, Optimizer
+from pytrain import ggml, models
+from pytrain.models import lora
+from pytrain.train.grad_graph import GradGraph
+from pytrain.formats.model_file import open_model
+from pytrain.models.lora_targets import select_targets
+from pytrain.models.model import Model
+from pytrain.train.optimizer import AdamW, Optimizer
 from pytrain.models.qwen35_config import QWEN35_2B
-from pytrain.planning import shape_model
-from pytrain.tokenizer import Tokenizer
-from pytrain.trainer import EvalGraph
-from pytrain.weights import load_weights
+from pytrain.train.planning import shape_model
+from pytrain.data.tokenizer import Tokenizer
+from pytrain.train.trainer import EvalGraph
+from pytrain.models.weights import load_weights
 
 FIX = Path(__file__).resolve().parent / "fixtures" / "qwen35"
 

@@ -6,11 +6,12 @@ import numpy as np
 import pytest
 
 import pytrain
-from pytrain import loss as L, lora
-from pytrain.grad_graph import GradGraph
-from pytrain.lora_targets import select_targets
-from pytrain.optimizer import Accumulators, AdamW, Optimizer, schedule
-from pytrain.trainer import Trainer
+from pytrain.train import loss as L
+from pytrain.models import lora
+from pytrain.train.grad_graph import GradGraph
+from pytrain.models.lora_targets import select_targets
+from pytrain.train.optimizer import Accumulators, AdamW, Optimizer, schedule
+from pytrain.train.trainer import Trainer
 
 FIX = Path(__file__).resolve().parent / "fixtures" / "qwen35"
 

@@ -139,7 +139,7 @@ class Tokenizer:
     # -- construction ---------------------------------------------------------------------
     @classmethod
     def from_metadata(cls, meta: dict[str, Any]) -> "Tokenizer":
-        """Build from :func:`pytrain.gguf_meta.read_metadata` output."""
+        """Build from :func:`pytrain.formats.gguf_meta.read_metadata` output."""
         model = meta.get("tokenizer.ggml.model")
         if model != "gpt2":
             raise TokenizerError(f"unsupported tokenizer.ggml.model {model!r}: pytrain supports "
@@ -162,7 +162,7 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, path: str | os.PathLike[str]) -> "Tokenizer":
-        from .gguf_meta import read_metadata
+        from pytrain.formats.gguf_meta import read_metadata
         return cls.from_metadata(read_metadata(path))
 
     # -- encoding -------------------------------------------------------------------------

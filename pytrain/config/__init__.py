@@ -27,7 +27,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
 
-from pytrain.lora_targets import DEFAULT_TARGETS, VALID_TARGETS
+from pytrain.models.lora_targets import DEFAULT_TARGETS, VALID_TARGETS
 
 FORMATS = ("chat", "completion", "text", "auto")
 MASKS = ("assistant_only", "completion_only", "all")

@@ -56,7 +56,7 @@ from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 if TYPE_CHECKING:
-    from .tokenizer import Tokenizer
+    from pytrain.data.tokenizer import Tokenizer
 
 Span = tuple[int, int]
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")

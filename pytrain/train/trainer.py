@@ -8,14 +8,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pytrain import ggml, loss as loss_mod
+from pytrain import ggml
+from pytrain.train import loss as loss_mod
 from pytrain.ggml import lib
-from pytrain.grad_graph import GradGraph, pad_batch
-from pytrain.lora import LoraAdapter
-from pytrain.model import Model, graph_budget
-from pytrain.optimizer import Accumulators, AdamW, Optimizer
-from pytrain.planning import compute_bytes
-from pytrain.recompute import RecomputeGraph
+from pytrain.train.grad_graph import GradGraph, pad_batch
+from pytrain.models.lora import LoraAdapter
+from pytrain.models.model import Model, graph_budget
+from pytrain.train.optimizer import Accumulators, AdamW, Optimizer
+from pytrain.train.planning import compute_bytes
+from pytrain.train.recompute import RecomputeGraph
 
 
 class NonFiniteLoss(RuntimeError):

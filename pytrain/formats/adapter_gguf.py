@@ -17,7 +17,7 @@ silently misread):
   ``general.alignment`` key), which ``gguf.GGUFWriter`` does.
 
 llama.cpp applies ``W·x + scale·B·(A·x)`` with ``scale = alpha / rank`` (times the user's
-``--lora-scaled`` factor), the same function as :class:`pytrain.lora.LoraAdapter`.
+``--lora-scaled`` factor), the same function as :class:`pytrain.models.lora.LoraAdapter`.
 
 Writes are atomic: a temporary file in the destination folder is written, flushed and
 fsync'ed, then renamed over the final name, so an interrupted save never leaves a truncated
@@ -35,8 +35,8 @@ import numpy as np
 from gguf import GGUFReader, GGUFValueType, GGUFWriter, GGMLQuantizationType
 from gguf.quants import dequantize
 
-from pytrain.atomic import replacing
-from pytrain.gguf_meta import GGUFError, metadata_from_reader, open_gguf
+from pytrain.formats.atomic import replacing
+from pytrain.formats.gguf_meta import GGUFError, metadata_from_reader, open_gguf
 
 SUFFIX_A = ".lora_a"
 SUFFIX_B = ".lora_b"
@@ -196,7 +196,7 @@ def write_lora_gguf(path: str | os.PathLike[str], arch: str, alpha: float,
     """Write a LoRA adapter GGUF that llama.cpp loads with ``--lora``; returns the path.
 
     ``tensors`` maps ``<base>.lora_a`` → A [r, n_in] and ``<base>.lora_b`` → B [n_out, r]
-    (numpy order, as :meth:`pytrain.lora.LoraAdapter.get` returns them); they are stored as
+    (numpy order, as :meth:`pytrain.models.lora.LoraAdapter.get` returns them); they are stored as
     F32.  ``base_metadata`` adds key/values (e.g. ``general.name``, provenance keys); the
     adapter contract keys cannot be overridden.  Validation happens before anything touches
     the disk; the file appears under its final name only once complete and fsync'ed.

@@ -25,8 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
-from pytrain.adapter_gguf import read_lora_gguf, write_lora_gguf
-from pytrain.atomic import fsync_dir
+from pytrain.formats.adapter_gguf import read_lora_gguf, write_lora_gguf
+from pytrain.formats.atomic import fsync_dir
 
 FORMAT = 2          # 2: total_steps and resume_key; format 1 still loads (without checks)
 
@@ -43,14 +43,14 @@ class TrainState:
     adam_t: int          # AdamW's step counter (bias correction)
     base_fingerprint: dict
     total_steps: int | None = None   # the run's length when saved (the LR schedule's horizon)
-    resume_key: dict | None = None   # what the position means (see pytrain.run.Session)
+    resume_key: dict | None = None   # what the position means (see pytrain.train.run.Session)
     format: int = FORMAT
 
 
 def base_fingerprint(path: str | os.PathLike) -> dict:
     """Size plus sha256 of the header and tensor index: a changed or different base model is
     caught without hashing gigabytes of weights."""
-    from pytrain.weights import open_reader
+    from pytrain.models.weights import open_reader
     p = Path(path)
     head = open_reader(p).data_offset
     with open(p, "rb") as f:

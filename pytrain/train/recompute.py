@@ -19,12 +19,13 @@ import re
 
 import numpy as np
 
-from pytrain import ggml, loss as loss_mod
+from pytrain import ggml
+from pytrain.train import loss as loss_mod
 from pytrain.ggml import lib
-from pytrain.grad_graph import pad_batch
-from pytrain.lora import LoraAdapter
-from pytrain.model import Model
-from pytrain.optimizer import Accumulators
+from pytrain.train.grad_graph import pad_batch
+from pytrain.models.lora import LoraAdapter
+from pytrain.models.model import Model
+from pytrain.train.optimizer import Accumulators
 
 _BLOCK = re.compile(r"^blk\.(\d+)\.")
 HEAD_CHUNK_BYTES = 256 << 20      # one [V, chunk] F32 tensor of the head and loss at most

@@ -10,9 +10,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-from pytrain.gguf_meta import GGUFError, metadata_from_reader
+from pytrain.formats.gguf_meta import GGUFError, metadata_from_reader
 from pytrain import models
-from pytrain.weights import TensorInfo, open_reader, tensor_infos
+from pytrain.models.weights import TensorInfo, open_reader, tensor_infos
 
 
 class ModelFileError(GGUFError):

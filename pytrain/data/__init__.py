@@ -1,6 +1,6 @@
 """JSONL datasets to token examples with a per-token target mask, and examples to batches.
 
-The loss (``pytrain.loss.shift_targets``) shifts targets itself, so this module only says, per
+The loss (``pytrain.train.loss.shift_targets``) shifts targets itself, so this module only says, per
 token, "this token is a target" (``train_mask``) and, per batch position, which sample it
 belongs to (``seg``, -1 for padding).  Everything that decides what is trained happens here or
 in ``chat_template``: assistant turns only for chats, the completion (+ EOS) for
@@ -25,12 +25,12 @@ from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import numpy as np
 
-from pytrain.chat_template import ChatTemplateError, encode_chat
+from pytrain.data.chat_template import ChatTemplateError, encode_chat
 from pytrain.config import MASKS, MASKS_FOR_FORMAT
 
 if TYPE_CHECKING:
     from pytrain.config import DataConfig
-    from pytrain.tokenizer import Tokenizer
+    from pytrain.data.tokenizer import Tokenizer
 
 ROLES = ("system", "user", "assistant", "tool")
 ERROR_REASONS = ("malformed_json", "not_an_object", "unrecognised_record", "bad_field",

@@ -4,7 +4,7 @@ For every adapted matrix ``W`` [n_out, n_in] (numpy order) the merged file holds
 
     W' = W + (alpha / r) · B · A          A [r, n_in], B [n_out, r], r = B.shape[1] per pair
 
-which is what llama.cpp (``W·x + scale·B·(A·x)``) and :class:`pytrain.lora.LoraAdapter`
+which is what llama.cpp (``W·x + scale·B·(A·x)``) and :class:`pytrain.models.lora.LoraAdapter`
 compute with the adapter loaded separately.  The one embedding case llama.cpp defines,
 ``token_embd.weight`` with A [n_vocab, r] and B [n_embd, r], merges as
 ``W' = W + (alpha / r) · A · Bᵀ`` (llama.cpp: ``B·get_rows(A, tokens)``); it is refused for
@@ -38,7 +38,7 @@ Types.  ``merged_type`` says what the *adapted* tensors are written as:
     ``f16`` refuses values beyond F16's range (65504) rather than writing Inf.
 
 Refusals, all before anything touches the disk: an adapter made for another base (names or
-shapes, via :func:`pytrain.adapter_gguf.check_adapter_matches`), LoRA on a tensor llama.cpp
+shapes, via :func:`pytrain.formats.adapter_gguf.check_adapter_matches`), LoRA on a tensor llama.cpp
 does not apply LoRA to as a matrix product (``ssm_conv1d.weight``), non-finite adapter
 values, an output path that is the base file itself.
 
@@ -62,12 +62,12 @@ import numpy as np
 from gguf import GGUFEndian
 
 from pytrain import ggml
-from pytrain.adapter_gguf import AdapterError, check_adapter_matches, lora_pairs, read_lora_gguf
-from pytrain.atomic import replacing
+from pytrain.formats.adapter_gguf import AdapterError, check_adapter_matches, lora_pairs, read_lora_gguf
+from pytrain.formats.atomic import replacing
 from pytrain.ggml import ffi, lib
-from pytrain.gguf_meta import GGUFError
-from pytrain.model_file import open_model
-from pytrain.weights import is_elementwise, open_reader, type_name, type_supported
+from pytrain.formats.gguf_meta import GGUFError
+from pytrain.formats.model_file import open_model
+from pytrain.models.weights import is_elementwise, open_reader, type_name, type_supported
 
 MERGED_TYPES = ("keep", "f16", "f32")
 MERGE_KEY = "pytrain.merged_adapters"
@@ -145,7 +145,7 @@ def read_adapter(path: str | os.PathLike[str], base_path: str | os.PathLike[str]
     arch, _meta, _infos, config = open_model(base_path)
     p = Path(path)
     if p.is_dir():
-        from pytrain.adapter_peft import read_peft_adapter
+        from pytrain.formats.adapter_peft import read_peft_adapter
         tensors, alpha, _rank, _cfg = read_peft_adapter(p, config)
     else:
         _arch, alpha, tensors, _m = read_lora_gguf(p, arch=arch)
@@ -251,7 +251,7 @@ def merge_adapter(base_path: str | os.PathLike[str], adapter_tensors: Mapping[st
     docstring for the formula, types, metadata and refusals.
 
     ``adapter_tensors``: ``{"<base>.lora_a": A [r, n_in], "<base>.lora_b": B [n_out, r]}``
-    (numpy order, as :func:`pytrain.adapter_gguf.read_lora_gguf` returns them); ``alpha``: the
+    (numpy order, as :func:`pytrain.formats.adapter_gguf.read_lora_gguf` returns them); ``alpha``: the
     adapter's alpha (scale alpha/r per pair).  ``adapter_name`` is recorded in the merged
     file's ``pytrain.merged_adapters`` entry; ``source`` names the adapter in error messages.
     Returns a :class:`MergeReport` (per adapted tensor: update size and rounding or

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from pytrain import ggml, loss as loss_mod
+from pytrain import ggml
+from pytrain.train import loss as loss_mod
 from pytrain.ggml import lib
-from pytrain.lora import LoraAdapter
-from pytrain.model import Model, graph_budget
-from pytrain.optimizer import Accumulators
+from pytrain.models.lora import LoraAdapter
+from pytrain.models.model import Model, graph_budget
+from pytrain.train.optimizer import Accumulators
 
 
 def pad_batch(B: int, T: int, tokens: np.ndarray, seg: np.ndarray, targets: np.ndarray,

@@ -37,7 +37,7 @@ from gguf import GGUFReader
 
 from pytrain import ggml
 from pytrain.ggml import ffi, lib
-from pytrain.gguf_meta import GGUFError, open_gguf
+from pytrain.formats.gguf_meta import GGUFError, open_gguf
 
 POLICIES = ("auto", "f32", "keep")
 F32, F16, BF16 = lib.GGML_TYPE_F32, lib.GGML_TYPE_F16, lib.GGML_TYPE_BF16

@@ -14,9 +14,9 @@ from types import SimpleNamespace
 from pytrain import ggml
 from pytrain.ggml import ffi, lib
 from pytrain import models
-from pytrain.model import Model
+from pytrain.models.model import Model
 from pytrain.models import ModelConfig
-from pytrain.weights import is_elementwise, load_type
+from pytrain.models.weights import is_elementwise, load_type
 
 _PLACEHOLDER = ffi.cast("void *", 1 << 20)   # never dereferenced: shape models are not computed
 

@@ -13,11 +13,11 @@ import numpy as np
 
 from pytrain import ggml
 from pytrain.ggml import lib
-from pytrain.model_file import open_model
+from pytrain.formats.model_file import open_model
 from pytrain import models
 from pytrain.models import Architecture
-from pytrain.tokenizer import Tokenizer
-from pytrain.weights import load_weights
+from pytrain.data.tokenizer import Tokenizer
+from pytrain.models.weights import load_weights
 
 
 def graph_budget(model: "Model", T: int) -> int:

@@ -6,12 +6,12 @@ import sys
 
 
 def _doctor(args: argparse.Namespace) -> int:
-    from pytrain import doctor
+    from pytrain.cli import doctor
     return doctor.main()
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from pytrain import inspect_model
+    from pytrain.cli import inspect_model
     return inspect_model.main(args.model)
 
 
@@ -21,7 +21,7 @@ def _config(args: argparse.Namespace):
 
 
 def _train(args: argparse.Namespace) -> int:
-    from pytrain import run
+    from pytrain.train import run
     cfg = _config(args)
     try:
         res = run.train(cfg, progress=not args.no_progress, resume=args.resume)
@@ -46,12 +46,12 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _load_adapter(model, path):
-    from pytrain import lora
+    from pytrain.models import lora
     from pathlib import Path
 
-    from pytrain.adapter_gguf import check_adapter_matches, read_lora_gguf
+    from pytrain.formats.adapter_gguf import check_adapter_matches, read_lora_gguf
     if Path(path).is_dir():     # a PEFT adapter folder
-        from pytrain.adapter_peft import read_peft_adapter
+        from pytrain.formats.adapter_peft import read_peft_adapter
         tensors, alpha, rank, _cfg = read_peft_adapter(path, model.config)
     else:
         _arch, alpha, tensors, _meta = read_lora_gguf(
@@ -66,9 +66,9 @@ def _load_adapter(model, path):
 
 def _eval(args: argparse.Namespace) -> int:
     from pytrain.data import load_data, make_batches, pad_token_id
-    from pytrain.model import load_model
-    from pytrain.optimizer import AdamW
-    from pytrain.trainer import Trainer
+    from pytrain.models.model import load_model
+    from pytrain.train.optimizer import AdamW
+    from pytrain.train.trainer import Trainer
     cfg = _config(args)
     model = load_model(cfg.model.path, cfg.model.device, cfg.model.threads, cfg.model.type_policy)
     splits = load_data(cfg.data, model.tokenizer)
@@ -77,8 +77,8 @@ def _eval(args: argparse.Namespace) -> int:
                            max_seq_len=cfg.data.max_seq_len, pad_id=pad_token_id(model.tokenizer))
     adapter = _load_adapter(model, args.adapter) if args.adapter else None
     if adapter is None:
-        from pytrain import lora
-        from pytrain.lora_targets import select_targets
+        from pytrain.models import lora
+        from pytrain.models.lora_targets import select_targets
         adapter = lora.create(model.runtime, model.config, select_targets(model.config), 1, 1.0)
     ev = Trainer(model, adapter, AdamW()).evaluate(batches)
     which = "validation" if splits.valid else "training"
@@ -88,8 +88,8 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from pytrain.chat_template import render
-    from pytrain.model import load_model
+    from pytrain.data.chat_template import render
+    from pytrain.models.model import load_model
     model = load_model(args.model, args.device, args.threads)
     tok = model.tokenizer
     adapter = _load_adapter(model, args.adapter) if args.adapter else None
@@ -111,7 +111,7 @@ def _export(args: argparse.Namespace) -> int:
     """Merge an adapter into its base model (``--merge``); the only export for now."""
     from pathlib import Path
 
-    from pytrain.merge import merge_adapter, read_adapter
+    from pytrain.formats.merge import merge_adapter, read_adapter
     if not args.merge:
         print("error: only `pytrain export MODEL --adapter ADAPTER --merge -o OUT.gguf` is "
               "supported for now (merging the adapter into the base model); pass --merge",

@@ -19,16 +19,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
-from pytrain import atomic
-from pytrain import checkpoint as ckpt
-from pytrain import lora as lora_mod
-from pytrain.adapter_gguf import write_lora_gguf
+from pytrain.formats import atomic
+from pytrain.train import checkpoint as ckpt
+from pytrain.models import lora as lora_mod
+from pytrain.formats.adapter_gguf import write_lora_gguf
 from pytrain.config import Config
 from pytrain.data import DataSplits, load_data, make_batches, pad_token_id
-from pytrain.lora_targets import select_targets
-from pytrain.model import Model, load_model
-from pytrain.optimizer import AdamW, schedule
-from pytrain.trainer import NonFiniteLoss, Trainer
+from pytrain.models.lora_targets import select_targets
+from pytrain.models.model import Model, load_model
+from pytrain.train.optimizer import AdamW, schedule
+from pytrain.train.trainer import NonFiniteLoss, Trainer
 
 
 class RunError(RuntimeError):
@@ -65,7 +65,7 @@ def save_adapter(model: Model, adapter, path: Path, formats=("gguf",)) -> Path:
     (adapter_config.json + adapter_model.safetensors) beside it in ``peft/``."""
     tensors = adapter.get()
     if "peft" in formats:
-        from pytrain.adapter_peft import write_peft_adapter
+        from pytrain.formats.adapter_peft import write_peft_adapter
         write_peft_adapter(path.parent / "peft", tensors, adapter.alpha, adapter.rank,
                            base_model_name_or_path=Path(model.path).name,
                            model_config=model.config)

@@ -1,7 +1,7 @@
 """LoRA adapters in Hugging Face PEFT's format (``adapter_config.json`` + ``adapter_model.safetensors``).
 
 pytrain keys its adapters by GGUF tensor name (``blk.N.attn_q.weight.lora_a`` → A [r, n_in],
-``.lora_b`` → B [n_out, r], numpy order, see :mod:`pytrain.lora`).  PEFT keys them by HF module
+``.lora_b`` → B [n_out, r], numpy order, see :mod:`pytrain.models.lora`).  PEFT keys them by HF module
 (``base_model.model.model.layers.N.self_attn.q_proj.lora_A.weight`` → A [r, n_in],
 ``....lora_B.weight`` → B [n_out, r]) and applies the same function, ``W·x + (lora_alpha/r)·B·(A·x)``.
 This module is the exact inverse of llama.cpp's ``convert_lora_to_gguf.py`` (pinned source,
@@ -57,7 +57,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from pytrain.atomic import fsync_dir, write_bytes
+from pytrain.formats.atomic import fsync_dir, write_bytes
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
@@ -434,7 +434,7 @@ def write_peft_adapter(folder: str | os.PathLike[str], tensors: Mapping[str, Any
     """Write a PEFT LoRA adapter folder that ``PeftModel.from_pretrained(hf_model, folder)``
     loads; returns the folder.
 
-    ``tensors``: pytrain's GGUF-keyed pairs (:meth:`pytrain.lora.LoraAdapter.get`), every A of
+    ``tensors``: pytrain's GGUF-keyed pairs (:meth:`pytrain.models.lora.LoraAdapter.get`), every A of
     rank ``rank``.  ``metadata``: extra ``__metadata__`` strings of the safetensors file
     (non-strings are stored as JSON; ``format`` is the writer's).  ``model_config`` (the
     model's ``Qwen35Config``) is required for DeltaNet targets, and when given also checks
@@ -520,8 +520,8 @@ def read_peft_adapter(folder: str | os.PathLike[str], model_config: Any = None
     """``(tensors, alpha, rank, config)`` of a PEFT LoRA adapter folder.
 
     ``tensors`` are pytrain's GGUF-keyed float32 pairs (``blk.N.<t>.weight.lora_a`` A [r, n_in],
-    ``.lora_b`` B [n_out, r]), ready for :meth:`pytrain.lora.LoraAdapter.set` or
-    :func:`pytrain.adapter_gguf.write_lora_gguf`; ``config`` is ``adapter_config.json`` as a
+    ``.lora_b`` B [n_out, r]), ready for :meth:`pytrain.models.lora.LoraAdapter.set` or
+    :func:`pytrain.formats.adapter_gguf.write_lora_gguf`; ``config`` is ``adapter_config.json`` as a
     dict.  ``model_config`` is needed for DeltaNet modules and, when given, checks every shape.
     Raises :class:`PeftAdapterError` naming the file.
     """
