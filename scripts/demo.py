@@ -8,7 +8,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from pytrain import run  # noqa: E402
+from pytrain.train import run  # noqa: E402
 from pytrain.data.chat_template import render  # noqa: E402
 from pytrain.config import load_config  # noqa: E402
 from pytrain.models.model import load_model  # noqa: E402

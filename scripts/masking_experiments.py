@@ -42,8 +42,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from pytrain import loss as L  # noqa: E402
-from pytrain import lora as lora_mod  # noqa: E402
+from pytrain.train import loss as L  # noqa: E402
+from pytrain.models import lora as lora_mod  # noqa: E402
 from pytrain.config import Config, load_config  # noqa: E402
 from pytrain.data import Batch, load_examples, make_batches, pad_token_id  # noqa: E402
 from pytrain.models.lora_targets import select_targets  # noqa: E402

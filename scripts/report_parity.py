@@ -403,7 +403,7 @@ def markdown(res: dict) -> str:
          "bounds) depend on the CPU and the ggml build (GGML_NATIVE picks the SIMD kernels, "
          "GGML_LLAMAFILE the F32 matmul): they are rounding, reproducible on one build, "
          "not across machines.",
-         f"- seconds: " + ", ".join(f"{k} {v:.0f}" for k, v in h["seconds"].items()), ""]
+         "- seconds: " + ", ".join(f"{k} {v:.0f}" for k, v in h["seconds"].items()), ""]
 
     fw = res["forward"]
     L += ["## Forward: max |Δ log-softmax| (tests/test_qwen35_parity.py)", "",

@@ -5,7 +5,6 @@ are ggml-cuda's ``supports_op``, restated in ``cuda_support.py``).  On a GPU the
 ``CPUFallbackError`` makes the same check for real."""
 from pathlib import Path
 
-import numpy as np
 import pytest
 from cuda_support import supported, unsupported_nodes
 

@@ -25,8 +25,8 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not has_gpu(), reason="needs a CUDA device (ggml reports none)")]
 
 import pytrain  # noqa: E402
-from pytrain import loss as L  # noqa: E402
-from pytrain import lora  # noqa: E402
+from pytrain.train import loss as L  # noqa: E402
+from pytrain.models import lora  # noqa: E402
 from pytrain.train.grad_graph import GradGraph  # noqa: E402
 from pytrain.models.lora_targets import select_targets  # noqa: E402
 
