@@ -11,7 +11,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator, Sequence
+from typing import Iterator
 
 import numpy as np
 
@@ -54,7 +54,8 @@ TYPES = {ffi.string(lib.ggml_type_name(t)).decode(): t
 
 
 def type_name(t: int) -> str:
-    return ffi.string(lib.ggml_type_name(t)).decode()
+    """A ggml type's name as GGUF tools print it (``Q4_K``, ``BF16``)."""
+    return ffi.string(lib.ggml_type_name(t)).decode().upper()
 
 
 def op_name(t) -> str:
@@ -137,14 +138,21 @@ def to_numpy(t) -> np.ndarray:
     dt = _RAW_DTYPES.get(t.type)
     if dt is not None:
         return raw.view(dt).reshape(shape(t))
-    n = lib.ggml_nelements(t)
-    out = np.empty(n, dtype=np.float32)
-    traits = lib.ggml_get_type_traits(t.type)
+    return decode(raw, t.type, lib.ggml_nelements(t)).reshape(shape(t))
+
+
+def decode(raw: np.ndarray, ggml_type: int, n: int) -> np.ndarray:
+    """float32 values of ``n`` elements stored as ``ggml_type`` in the bytes ``raw``, through
+    ggml's own ``to_float`` (a copy even for F32)."""
+    if ggml_type == lib.GGML_TYPE_F32:
+        return np.frombuffer(raw, np.float32, n).copy()
+    traits = lib.ggml_get_type_traits(ggml_type)
     if traits.to_float == ffi.NULL:
-        raise TypeError(f"ggml has no dequantization for type {type_name(t.type)}")
-    traits.to_float(ffi.cast("void *", ffi.from_buffer(raw)),
-                    ffi.cast("float *", ffi.from_buffer(out)), n)
-    return out.reshape(shape(t))
+        raise TypeError(f"ggml has no dequantization for type {type_name(ggml_type)}")
+    src = np.ascontiguousarray(raw)
+    out = np.empty(n, dtype=np.float32)
+    traits.to_float(ffi.cast("void *", ffi.from_buffer(src)), ffi.cast("float *", ffi.from_buffer(out)), n)
+    return out
 
 
 def from_numpy(t, arr: np.ndarray) -> None:
@@ -463,23 +471,10 @@ def new_graph_for(ctx, *outputs, size: int = 64):
     return g
 
 
-def build_forward(graph, tensors: Iterable) -> None:
-    for t in tensors:
-        lib.ggml_build_forward_expand(graph, t)
-
-
-def graph_ops(graph) -> list[str]:
-    return [op_name(lib.ggml_graph_node(graph, i)) for i in range(lib.ggml_graph_n_nodes(graph))]
-
-
 def grad_of(graph, t):
     """The gradient tensor of ``t`` in a backward graph, or None."""
     g = lib.ggml_graph_get_grad(graph, t)
     return None if g == ffi.NULL else g
-
-
-def tensor_array(tensors: Sequence):
-    return ffi.new("struct ggml_tensor *[]", list(tensors))
 
 
 def build_backward(ctx: Context, forward, loss, accumulators: dict | None = None,

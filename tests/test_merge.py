@@ -106,7 +106,7 @@ def tensor_f32(reader, name) -> np.ndarray:
     t = next(t for t in reader.tensors if t.name == name)
     raw = np.asarray(reader.data[t.data_offset: t.data_offset + t.n_bytes])
     n = int(t.n_elements)
-    return merge_mod._decode(raw, int(t.tensor_type), n).reshape(list(reversed(
+    return ggml.decode(raw, int(t.tensor_type), n).reshape(list(reversed(
         [int(d) for d in t.shape])))
 
 

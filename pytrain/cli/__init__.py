@@ -46,17 +46,10 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _load_adapter(model, path):
+    """The adapter GGUF or PEFT folder at ``path``, checked against ``model`` and loaded."""
+    from pytrain.formats.adapter_gguf import read_adapter
     from pytrain.models import lora
-    from pathlib import Path
-
-    from pytrain.formats.adapter_gguf import check_adapter_matches, read_lora_gguf
-    if Path(path).is_dir():     # a PEFT adapter folder
-        from pytrain.formats.adapter_peft import read_peft_adapter
-        tensors, alpha, rank, _cfg = read_peft_adapter(path, model.config)
-    else:
-        _arch, alpha, tensors, _meta = read_lora_gguf(
-            path, arch=model.metadata.get("general.architecture"))
-    check_adapter_matches(model.config, tensors, source=str(path))
+    tensors, alpha = read_adapter(path, model.arch.name, model.config)
     names = sorted({k.rsplit(".", 1)[0] for k in tensors})
     rank = tensors[names[0] + ".lora_a"].shape[0]
     ad = lora.create(model.runtime, model.config, names, rank, alpha)

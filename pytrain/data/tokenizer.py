@@ -218,9 +218,6 @@ class Tokenizer:
     def token_type(self, token_id: int) -> int:
         return self._types[token_id]
 
-    def is_control(self, token_id: int) -> bool:
-        return token_id in self._control
-
     @property
     def eog_ids(self) -> list[int]:
         """Tokens that end a turn or generation: eot, eos, and the control tokens llama.cpp

@@ -57,6 +57,8 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from pytrain.formats.adapter_gguf import AdapterError, lora_pairs
+
 from pytrain.formats.atomic import fsync_dir, write_bytes
 
 CONFIG_NAME = "adapter_config.json"
@@ -189,16 +191,13 @@ def _check_rank(rank: Any, where: str) -> int:
 
 def _gguf_pairs(tensors: Mapping[str, Any], rank: int, where: str
                 ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """``{gguf base: (A, B)}`` as float32, after name, shape, rank and finiteness checks."""
-    halves: dict[str, dict[str, np.ndarray]] = {}
+    """``{gguf base: (A, B)}`` as float32.  First what PEFT needs of each tensor (a module for
+    its base, a number type, the adapter's rank), then llama.cpp's pairing and shape rules
+    (``adapter_gguf.lora_pairs``), then finite values."""
     for name, arr in tensors.items():
-        if name.endswith(".lora_a"):
-            base, which = name[:-7], "a"
-        elif name.endswith(".lora_b"):
-            base, which = name[:-7], "b"
-        else:
-            raise PeftAdapterError(f"{where}: tensor {name!r} does not end in '.lora_a' or "
-                                   f"'.lora_b'")
+        base, half = name.rpartition(".")[0], name.rpartition(".")[2]
+        if half not in ("lora_a", "lora_b"):
+            continue                                     # lora_pairs names the bad suffix
         try:
             peft_module_name(base)                       # refuses unmapped targets by name
         except PeftAdapterError as e:
@@ -206,24 +205,20 @@ def _gguf_pairs(tensors: Mapping[str, Any], rank: int, where: str
         x = np.asarray(arr)
         if not (np.issubdtype(x.dtype, np.floating) or np.issubdtype(x.dtype, np.integer)):
             raise PeftAdapterError(f"{where}: tensor {name!r} has dtype {x.dtype}, not a number")
-        x = np.ascontiguousarray(x, dtype=np.float32)
-        if not np.isfinite(x).all():
-            raise PeftAdapterError(f"{where}: tensor {name!r} holds NaN or Inf (a diverged "
-                                   f"run?); refusing to write it")
-        halves.setdefault(base, {})[which] = x
-    if not halves:
-        raise PeftAdapterError(f"{where}: no LoRA tensors")
-    out = {}
-    for base, h in sorted(halves.items()):
-        for w in "ab":
-            if w not in h:
-                raise PeftAdapterError(f"{where}: LoRA pair for {base!r} is missing "
-                                       f"{base + '.lora_' + w!r}")
-        a, b = h["a"], h["b"]
-        if a.ndim != 2 or b.ndim != 2 or a.shape[0] != rank or b.shape[1] != rank:
+        if x.ndim == 2 and x.shape[0 if half == "lora_a" else 1] != rank:
             raise PeftAdapterError(
-                f"{where}: {base!r}: lora_a {tuple(a.shape)} and lora_b {tuple(b.shape)} must be "
-                f"A [r, n_in] and B [n_out, r] with r = {rank}")
+                f"{where}: {name!r} has shape {tuple(x.shape)}: A must be [r, n_in] and B "
+                f"[n_out, r] with r = {rank}")
+    try:
+        pairs = lora_pairs({k: np.asarray(v) for k, v in tensors.items()}, where)
+    except AdapterError as e:
+        raise PeftAdapterError(str(e)) from None
+    out = {}
+    for base, (a, b) in sorted(pairs.items()):
+        a, b = (np.ascontiguousarray(x, dtype=np.float32) for x in (a, b))
+        if not (np.isfinite(a).all() and np.isfinite(b).all()):
+            raise PeftAdapterError(f"{where}: {base!r} holds NaN or Inf (a diverged run?); "
+                                   f"refusing to write it")
         out[base] = (a, b)
     return out
 

@@ -62,12 +62,13 @@ import numpy as np
 from gguf import GGUFEndian
 
 from pytrain import ggml
-from pytrain.formats.adapter_gguf import AdapterError, check_adapter_matches, lora_pairs, read_lora_gguf
+from pytrain.formats.adapter_gguf import AdapterError, check_adapter_matches, lora_pairs
+from pytrain.formats.adapter_gguf import read_adapter as read_lora_file
 from pytrain.formats.atomic import replacing
 from pytrain.ggml import ffi, lib
 from pytrain.formats.gguf_meta import GGUFError
 from pytrain.formats.model_file import open_model
-from pytrain.models.weights import is_elementwise, open_reader, type_name, type_supported
+from pytrain.models.weights import is_elementwise, open_reader, type_supported
 
 MERGED_TYPES = ("keep", "f16", "f32")
 MERGE_KEY = "pytrain.merged_adapters"
@@ -143,14 +144,10 @@ def read_adapter(path: str | os.PathLike[str], base_path: str | os.PathLike[str]
     """``(tensors, alpha)`` of a LoRA adapter GGUF or PEFT adapter folder, checked against
     the base model at ``base_path`` (architecture, names and shapes)."""
     arch, _meta, _infos, config = open_model(base_path)
-    p = Path(path)
-    if p.is_dir():
-        from pytrain.formats.adapter_peft import read_peft_adapter
-        tensors, alpha, _rank, _cfg = read_peft_adapter(p, config)
-    else:
-        _arch, alpha, tensors, _m = read_lora_gguf(p, arch=arch)
-    _check_matches(config, tensors, str(p), base_path)
-    return tensors, float(alpha)
+    try:
+        return read_lora_file(path, arch, config)
+    except AdapterError as e:
+        raise MergeError(f"{e} -- refusing to merge it into {base_path}") from e
 
 
 def _check_matches(config, tensors: Mapping[str, np.ndarray], source: str, base) -> None:
@@ -184,17 +181,6 @@ def adapter_fingerprint(tensors: Mapping[str, np.ndarray], alpha: float) -> str:
 
 
 # --------------------------------------------------------------------------- encoding
-
-def _decode(raw: np.ndarray, t: int, n: int) -> np.ndarray:
-    """float32 values of ``n`` elements of type ``t`` (ggml's ``to_float``)."""
-    if t == F32:
-        return raw.view(np.float32).copy()
-    out = np.empty(n, dtype=np.float32)
-    src = np.ascontiguousarray(raw)
-    lib.ggml_get_type_traits(t).to_float(ffi.cast("void *", ffi.from_buffer(src)),
-                                         ffi.cast("float *", ffi.from_buffer(out)), n)
-    return out
-
 
 def _encode(arr: np.ndarray, t: int, row_len: int) -> np.ndarray:
     """Bytes of ``arr`` (float32) as type ``t``, with ggml's own converters/quantizers."""
@@ -377,7 +363,7 @@ def _write_merged(fh, data, t, info, ot: int, a: np.ndarray, b: np.ndarray, scal
     d_sq = d_max = r_sq = r_max = 0.0
     for r0 in range(0, n_rows, rows_per_chunk):
         r1 = min(n_rows, r0 + rows_per_chunk)
-        w = _decode(raw[r0 * src_row: r1 * src_row], info.type, (r1 - r0) * row_len)
+        w = ggml.decode(raw[r0 * src_row: r1 * src_row], info.type, (r1 - r0) * row_len)
         w = w.reshape(r1 - r0, row_len)
         delta = scale * (a[r0:r1] @ b.T if embd else b[r0:r1] @ a)       # float64
         merged = (w.astype(np.float64) + delta).astype(np.float32)
@@ -388,7 +374,7 @@ def _write_merged(fh, data, t, info, ot: int, a: np.ndarray, b: np.ndarray, scal
                              f"merged_type 'f32'")
         enc = _encode(merged, ot, row_len)
         if ot != F32:
-            back = _decode(enc, ot, merged.size).reshape(merged.shape)
+            back = ggml.decode(enc, ot, merged.size).reshape(merged.shape)
             err = np.abs(back.astype(np.float64) - merged)
             r_sq += float(np.square(err).sum())
             r_max = max(r_max, float(err.max()))
@@ -396,6 +382,6 @@ def _write_merged(fh, data, t, info, ot: int, a: np.ndarray, b: np.ndarray, scal
         d_max = max(d_max, float(np.abs(delta).max()))
         fh.write(enc)
     n = n_rows * row_len
-    return TensorMerge(info.name, tuple(info.shape), info.type_name, type_name(ot),
+    return TensorMerge(info.name, tuple(info.shape), info.type_name, ggml.type_name(ot),
                        int(b.shape[1]), float(scale), math.sqrt(d_sq / n), d_max,
                        math.sqrt(r_sq / n), r_max)

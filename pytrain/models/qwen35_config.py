@@ -31,10 +31,6 @@ class Qwen35Config:
     context_length: int = 0
 
     @property
-    def attention_layers(self) -> list[int]:
-        return [i for i, r in enumerate(self.recurrent) if not r]
-
-    @property
     def layer_kinds(self) -> list[str]:
         return ["linear" if r else "attention" for r in self.recurrent]
 

@@ -38,9 +38,6 @@ class Accumulators:
         for t in self.grad.values():
             lib.ggml_backend_tensor_memset(t, 0, 0, lib.ggml_nbytes(t))
 
-    def reset_moments(self) -> None:
-        lib.ggml_backend_buffer_clear(self.buffer, 0)
-
     def grads(self) -> dict[str, np.ndarray]:
         return {k: ggml.to_numpy(t).copy() for k, t in self.grad.items()}
 
