@@ -15,6 +15,8 @@ from typing import Iterator
 
 import numpy as np
 
+from pytrain.errors import PytrainError
+
 NATIVE_DIR = Path(__file__).resolve().parent / "_native"
 
 if not (NATIVE_DIR / "build_info.json").exists():
@@ -277,7 +279,11 @@ def _init_blas(threads: int):
     return backend
 
 
-class CPUFallbackError(RuntimeError):
+class DeviceError(PytrainError, ValueError):
+    """A device that is not there or not known."""
+
+
+class CPUFallbackError(PytrainError, RuntimeError):
     """A GPU run would execute some ops on the CPU, copying their inputs every step."""
 
 
@@ -290,7 +296,7 @@ class Runtime:
     def __init__(self, device: str = "auto", threads: int | None = None,
                  graph_size: int = 8192, allow_cpu_fallback: bool = False, blas: bool = True):
         if device not in ("cpu", "cuda", "auto"):
-            raise ValueError(f"device must be 'cpu', 'cuda' or 'auto', got {device!r}")
+            raise DeviceError(f"device must be 'cpu', 'cuda' or 'auto', got {device!r}")
         self.threads = threads or default_threads()
         self.allow_cpu_fallback = allow_cpu_fallback
         gpu = None
@@ -299,7 +305,7 @@ class Runtime:
             if dev != ffi.NULL:
                 gpu = lib.ggml_backend_dev_init(dev, ffi.NULL)
             elif device == "cuda":
-                raise RuntimeError("device 'cuda' requested but ggml reports no GPU device "
+                raise DeviceError("device 'cuda' requested but ggml reports no GPU device "
                                    "(build with PYTRAIN_CUDA=1 on a machine with CUDA)")
         self.cpu = lib.ggml_backend_init_by_type(lib.GGML_BACKEND_DEVICE_TYPE_CPU, ffi.NULL)
         lib.ggml_backend_cpu_set_n_threads(self.cpu, self.threads)

@@ -4,6 +4,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from pytrain.errors import PytrainError
+
 
 def _doctor(args: argparse.Namespace) -> int:
     from pytrain.cli import doctor
@@ -58,7 +60,7 @@ def _load_adapter(model, path):
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from pytrain.data import load_data, make_batches, pad_token_id
+    from pytrain.data import load_data, make_batches
     from pytrain.models.model import load_model
     from pytrain.train.optimizer import AdamW
     from pytrain.train.trainer import Trainer
@@ -67,7 +69,7 @@ def _eval(args: argparse.Namespace) -> int:
     splits = load_data(cfg.data, model.tokenizer)
     examples = splits.valid or splits.train
     batches = make_batches(examples, cfg.train.batch_size, cfg.data.packing, 0, shuffle=False,
-                           max_seq_len=cfg.data.max_seq_len, pad_id=pad_token_id(model.tokenizer))
+                           max_seq_len=cfg.data.max_seq_len, pad_id=model.pad_id)
     adapter = _load_adapter(model, args.adapter) if args.adapter else None
     if adapter is None:
         from pytrain.models import lora
@@ -178,8 +180,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, RuntimeError, OSError, KeyError) as e:
-        # bad config, data, model or adapter files: one clear line, no traceback
+    except (PytrainError, OSError) as e:
+        # bad config, data, model or adapter files, a missing device or file: one clear line;
+        # anything else is a bug in pytrain and keeps its traceback
         print(f"error: {e}", file=sys.stderr)
         return 1
 

@@ -27,6 +27,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
 
+from pytrain.errors import PytrainError
 from pytrain.models.lora_targets import DEFAULT_TARGETS, VALID_TARGETS
 
 FORMATS = ("chat", "completion", "text", "auto")
@@ -38,7 +39,7 @@ MASKS_FOR_FORMAT = {"chat": ("assistant_only", "all"),
 OUTPUT_FORMATS = ("gguf", "peft")
 
 
-class ConfigError(ValueError):
+class ConfigError(PytrainError, ValueError):
     """A config file or override that is not valid; the message names key, file and line."""
 
 

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import numpy as np
 
+from pytrain.errors import PytrainError
 from pytrain.data.chat_template import ChatTemplateError, encode_chat
 from pytrain.config import MASKS, MASKS_FOR_FORMAT
 
@@ -39,7 +40,7 @@ SKIP_REASONS = ("no_assistant_turn", "too_long", "no_targets")
 _KEEP_MESSAGES = 3  # first messages kept per skip reason, for the report
 
 
-class DataError(ValueError):
+class DataError(PytrainError, ValueError):
     """A dataset that cannot be used; the message names the file (and line)."""
 
 
@@ -407,7 +408,10 @@ def load_data(cfg: "DataConfig", tokenizer: "Tokenizer", template: str | None = 
     if cfg.validation is not None:
         valid, vstats = load_examples(cfg.validation, tokenizer, **kw)
         return DataSplits(train, valid, tstats, vstats)
-    seed = cfg.shuffle_seed if cfg.shuffle_seed is not None else 0
+    if cfg.shuffle_seed is None:
+        raise DataError("data.shuffle_seed is unset: load the config with load_config, which "
+                        "fills it from train.seed")
+    seed = cfg.shuffle_seed
     train, valid = split_examples(train, cfg.split, seed)
     return DataSplits(train, valid, tstats, None)
 

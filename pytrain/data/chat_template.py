@@ -55,6 +55,8 @@ import jinja2.nodes
 from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from pytrain.errors import PytrainError
+
 if TYPE_CHECKING:
     from pytrain.data.tokenizer import Tokenizer
 
@@ -62,7 +64,7 @@ Span = tuple[int, int]
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
 
-class ChatTemplateError(ValueError):
+class ChatTemplateError(PytrainError, ValueError):
     """A conversation that cannot be rendered or masked reliably."""
 
 

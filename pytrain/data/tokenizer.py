@@ -23,6 +23,8 @@ from typing import Any, Sequence
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as _HFTokenizer
 
+from pytrain.errors import PytrainError
+
 # llama_token_type values written by the converters (gguf.TokenType).
 TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = 1, 2, 3, 4, 5, 6
 
@@ -68,7 +70,7 @@ _EOG_TEXTS = frozenset({
 })
 
 
-class TokenizerError(ValueError):
+class TokenizerError(PytrainError, ValueError):
     """GGUF tokenizer metadata that pytrain cannot reproduce exactly."""
 
 

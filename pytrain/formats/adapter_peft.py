@@ -57,6 +57,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from pytrain.errors import PytrainError
 from pytrain.formats.adapter_gguf import AdapterError, lora_pairs
 
 from pytrain.formats.atomic import fsync_dir, write_bytes
@@ -84,7 +85,7 @@ _HF_MODULE = re.compile(r"(?P<prefix>.+)\.(?P<layer>\d+)\.(?P<module>[a-z_]+\.[a
 _ST_DTYPES = {"F32": ("<f4", 4), "F16": ("<f2", 2), "BF16": ("<u2", 2), "F64": ("<f8", 8)}
 
 
-class PeftAdapterError(ValueError):
+class PeftAdapterError(PytrainError, ValueError):
     """A PEFT adapter folder or tensor set pytrain cannot write or read exactly; names the file
     or tensor."""
 

@@ -15,6 +15,8 @@ from typing import Any, Callable, Protocol
 
 import numpy as np
 
+from pytrain.errors import PytrainError
+
 
 class ModelConfig(Protocol):
     """What generic code reads of an architecture's config."""
@@ -40,6 +42,10 @@ class Architecture:
     default_targets: tuple[str, ...] = ("attn_q", "attn_k", "attn_v", "attn_output")
 
 
+class ArchitectureError(PytrainError, ValueError):
+    """A model of an architecture pytrain does not know."""
+
+
 _MODULES = {"qwen35": "pytrain.models.qwen35"}
 _REGISTERED: dict[str, Architecture] = {}
 
@@ -59,6 +65,6 @@ def get(name: str, path: str = "") -> Architecture:
         register(import_module(_MODULES[name]).ARCHITECTURE)
     if name not in _REGISTERED:
         where = f"{path}: " if path else ""
-        raise ValueError(f"{where}unsupported architecture {name!r}; supported: "
+        raise ArchitectureError(f"{where}unsupported architecture {name!r}; supported: "
                          f"{', '.join(names())}")
     return _REGISTERED[name]

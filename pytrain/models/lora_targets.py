@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
+from pytrain.errors import PytrainError
 from pytrain.models import ModelConfig
 
 DEFAULT_TARGETS = ("attn_q", "attn_k", "attn_v", "attn_output")
@@ -20,7 +21,7 @@ LINEAR_TARGETS = ("attn_qkv", "attn_gate", "ssm_out", "ssm_beta", "ssm_alpha")
 VALID_TARGETS = ATTENTION_TARGETS + FFN_TARGETS + LINEAR_TARGETS
 
 
-class LoraTargetError(ValueError):
+class LoraTargetError(PytrainError, ValueError):
     """Target names that are unknown or select nothing."""
 
 

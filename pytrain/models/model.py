@@ -16,6 +16,7 @@ from pytrain.ggml import lib
 from pytrain.formats.model_file import open_model
 from pytrain import models
 from pytrain.models import Architecture
+from pytrain.data import pad_token_id
 from pytrain.data.tokenizer import Tokenizer
 from pytrain.models.weights import load_weights
 
@@ -40,6 +41,12 @@ class Model:
         """The architecture's graph builder over these weights."""
         return self.arch.graph(self.config, self.weights.tensors)
 
+    @property
+    def pad_id(self) -> int:
+        """The id written at padding positions (the pad token, else EOS); padding is never a
+        target, so it only decides what the forward pass reads there."""
+        return pad_token_id(self.tokenizer)
+
     def input_values(self, tokens: np.ndarray, seg: np.ndarray) -> dict:
         return self.arch.input_values(self.config, tokens, seg)
 
@@ -56,7 +63,7 @@ class Model:
         if seg is None:
             seg = np.zeros((B, T), np.int64)
         seg = np.atleast_2d(seg)
-        pad_tok = self.tokenizer.pad_id if self.tokenizer.pad_id is not None else 0
+        pad_tok = self.pad_id
         tok_p = np.full((B, Tp), pad_tok, np.int64)
         tok_p[:, :T] = arr
         seg_p = np.full((B, Tp), -1, np.int64)

@@ -25,13 +25,14 @@ from pathlib import Path
 
 import numpy as np
 
+from pytrain.errors import PytrainError
 from pytrain.formats.adapter_gguf import read_lora_gguf, write_lora_gguf
 from pytrain.formats.atomic import fsync_dir
 
 FORMAT = 2          # 2: total_steps and resume_key; format 1 still loads (without checks)
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(PytrainError, RuntimeError):
     """A checkpoint that cannot be used; the message names it and says why."""
 
 

@@ -69,7 +69,7 @@ class GradGraph:
                    n_valid_step: int | None = None, buggy: bool = False) -> tuple[float, int]:
         """Forward + backward of one micro-batch, adding its gradients into the
         accumulators; returns (this micro-batch's share of the step loss, its valid count)."""
-        pad = self.model.tokenizer.pad_id or 0
+        pad = self.model.pad_id
         # the bug reproduction labels the graph's own padding with the pad token as well
         tok, sg, tg = pad_batch(self.B, self.T, tokens, seg, targets, pad,
                                 pad if buggy else loss_mod.IGNORE)

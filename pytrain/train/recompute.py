@@ -146,7 +146,7 @@ class RecomputeGraph:
         if buggy:
             raise ValueError("the bug reproduction trains every row in one graph: use GradGraph")
         cfg, rt = self.model.config, self.model.runtime
-        pad = self.model.tokenizer.pad_id or 0
+        pad = self.model.pad_id
         tok, sg, tg = pad_batch(self.B, self.T, tokens, seg, targets, pad)
         self.model.arch.set_inputs(self.inp, self.model.input_values(tok, sg))
         self._run(self.pre)

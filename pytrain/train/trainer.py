@@ -93,8 +93,7 @@ class Trainer:
 
     def targets(self, batch) -> np.ndarray:
         if self.buggy:
-            pad = self.model.tokenizer.pad_id
-            return loss_mod.buggy_targets(batch.tokens, batch.seg, 0 if pad is None else pad)
+            return loss_mod.buggy_targets(batch.tokens, batch.seg, self.model.pad_id)
         return loss_mod.shift_targets(batch.tokens, batch.train_mask, batch.seg)
 
     def step(self, micro_batches: list, lr: float) -> StepResult | None:
@@ -175,7 +174,7 @@ class EvalGraph:
     def run(self, tokens, seg, targets) -> tuple[float, int]:
         """(sum of CE over valid targets, number of correct argmax predictions)."""
         tok, sg, tg = pad_batch(self.B, self.T, tokens, seg, targets,
-                                self.model.tokenizer.pad_id or 0)
+                                self.model.pad_id)
         rt = self.model.runtime
         rt.alloc_graph(self.graph, self.ctx)
         self.model.arch.set_inputs(self.fwd.inputs, self.model.input_values(tok, sg))
