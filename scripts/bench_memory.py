@@ -34,7 +34,7 @@ sys.path.insert(0, str(REPO))
 
 from pytrain import ggml  # noqa: E402
 from pytrain.models import lora  # noqa: E402
-from pytrain.train.grad_graph import GradGraph  # noqa: E402
+from pytrain.train.graphs import GradGraph  # noqa: E402
 from pytrain.models.lora_targets import select_targets  # noqa: E402
 from pytrain.models.qwen35_config import QWEN35_2B  # noqa: E402
 from pytrain.train.planning import compute_bytes, shape_model  # noqa: E402

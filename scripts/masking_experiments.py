@@ -568,7 +568,7 @@ def c_examples(name: str, out: Path, overrides, n: int, seed: int, p_long: float
 
 
 def grad_run(model, ad, tokens, seg, targets, n_valid_step=None, buggy=False, T=None) -> dict:
-    from pytrain.train.grad_graph import GradGraph
+    from pytrain.train.graphs import GradGraph
     g = GradGraph(model, ad, tokens.shape[0], T or tokens.shape[1])
     try:
         o = g.run(tokens.astype(np.int64), seg, targets, n_valid_step, buggy)
@@ -645,7 +645,7 @@ def run_accum(out: Path, overrides=(), *, n_pairs: int = 6, b_std: float = 0.02,
               max_turns: int = 8, seed: int = 0, plot: bool = True) -> dict:
     """Two micro-batches per step (config: train.grad_accum = 2 of train.batch_size examples):
     the first holds long chats (many targets), the second chats with fewer and fewer targets."""
-    from pytrain.train.grad_graph import GradGraph
+    from pytrain.train.graphs import GradGraph
     folder, cfg, model, ex = c_examples("accum", out, overrides, n_data, seed,
                                        max_turns=max_turns)
     ad = make_adapter(model, cfg, b_std, seed)

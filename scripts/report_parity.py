@@ -220,7 +220,7 @@ def peft_one(model, golden, width) -> dict:
     """The `result` fixture of test_peft_parity, then every comparison its tests make."""
     from pytrain.train import loss as L
     from pytrain.models import lora
-    from pytrain.train.grad_graph import GradGraph
+    from pytrain.train.graphs import GradGraph
     from pytrain.models.lora_targets import select_targets
 
     names = select_targets(model.config)

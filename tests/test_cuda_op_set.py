@@ -10,7 +10,7 @@ from cuda_support import supported, unsupported_nodes
 
 from pytrain import ggml, models
 from pytrain.models import lora
-from pytrain.train.grad_graph import GradGraph
+from pytrain.train.graphs import GradGraph
 from pytrain.formats.model_file import open_model
 from pytrain.models.lora_targets import select_targets
 from pytrain.models.model import Model
@@ -18,7 +18,7 @@ from pytrain.train.optimizer import AdamW, Optimizer
 from pytrain.models.qwen35_config import QWEN35_2B
 from pytrain.train.planning import shape_model
 from pytrain.data.tokenizer import Tokenizer
-from pytrain.train.trainer import EvalGraph
+from pytrain.train.graphs import EvalGraph
 from pytrain.models.weights import load_weights
 
 FIX = Path(__file__).resolve().parent / "fixtures" / "qwen35"

@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.gpu,
 import pytrain  # noqa: E402
 from pytrain.train import loss as L  # noqa: E402
 from pytrain.models import lora  # noqa: E402
-from pytrain.train.grad_graph import GradGraph  # noqa: E402
+from pytrain.train.graphs import GradGraph  # noqa: E402
 from pytrain.models.lora_targets import select_targets  # noqa: E402
 
 FIX = Path(__file__).resolve().parent / "fixtures" / "qwen35"

@@ -8,7 +8,7 @@ import pytest
 import pytrain
 from pytrain.train import loss as L
 from pytrain.models import lora
-from pytrain.train.grad_graph import GradGraph
+from pytrain.train.graphs import GradGraph
 from pytrain.models.lora_targets import select_targets
 
 FIX = Path(__file__).resolve().parent / "fixtures" / "qwen35"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -21,11 +22,6 @@ from pytrain.data.tokenizer import Tokenizer
 from pytrain.models.weights import load_weights
 
 
-def graph_budget(model: "Model", T: int) -> int:
-    """Nodes (and tensors) a forward + backward graph of this model may need."""
-    return 2048 + model.config.n_layer * model.arch.layer_budget(model.config, T)
-
-
 @dataclass
 class Model:
     path: str
@@ -36,9 +32,9 @@ class Model:
     tokenizer: Tokenizer
     arch: Architecture
 
-    @property
+    @cached_property
     def graph(self):
-        """The architecture's graph builder over these weights."""
+        """The architecture's graph builder over these weights (one per model)."""
         return self.arch.graph(self.config, self.weights.tensors)
 
     @property
@@ -46,6 +42,10 @@ class Model:
         """The id written at padding positions (the pad token, else EOS); padding is never a
         target, so it only decides what the forward pass reads there."""
         return pad_token_id(self.tokenizer)
+
+    def graph_budget(self, T: int) -> int:
+        """Nodes (and tensors) a forward + backward graph of this model may need at length T."""
+        return 2048 + self.config.n_layer * self.arch.layer_budget(self.config, T)
 
     def input_values(self, tokens: np.ndarray, seg: np.ndarray) -> dict:
         return self.arch.input_values(self.config, tokens, seg)
@@ -68,7 +68,7 @@ class Model:
         tok_p[:, :T] = arr
         seg_p = np.full((B, Tp), -1, np.int64)
         seg_p[:, :T] = seg
-        size = graph_budget(self, Tp)
+        size = self.graph_budget(Tp)
         ctx = ggml.Context(n_tensors=size, graph_size=size)
         try:
             fwd = self.graph.build(ctx.ptr, B, Tp, lora, rows=B if last_only else None)

@@ -22,10 +22,10 @@ import numpy as np
 from pytrain import ggml
 from pytrain.train import loss as loss_mod
 from pytrain.ggml import lib
-from pytrain.train.grad_graph import pad_batch
+from pytrain.train.graphs import pad_batch
 from pytrain.models.lora import LoraAdapter
 from pytrain.models.model import Model
-from pytrain.train.optimizer import Accumulators
+from pytrain.train.optimizer import OptimizerState
 
 _BLOCK = re.compile(r"^blk\.(\d+)\.")
 HEAD_CHUNK_BYTES = 256 << 20      # one [V, chunk] F32 tensor of the head and loss at most
@@ -66,10 +66,10 @@ class RecomputeGraph:
     shared accumulators and returns its share of the step loss."""
 
     def __init__(self, model: Model, adapter: LoraAdapter, B: int, T: int,
-                 acc: Accumulators | None = None):
+                 acc: OptimizerState | None = None):
         cfg, rt = model.config, model.runtime
         self.model, self.adapter = model, adapter
-        self.acc = acc or Accumulators(rt, adapter.params())
+        self.acc = acc or OptimizerState(rt, adapter.params())
         self.own_acc = acc is None
         self.B, self.T = B, model.arch.padded_length(T)
         self.l0 = first_adapted_layer(adapter.names)

@@ -8,13 +8,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pytrain import ggml
 from pytrain.train import loss as loss_mod
-from pytrain.ggml import lib
-from pytrain.train.grad_graph import GradGraph, pad_batch
+from pytrain.train.graphs import EvalGraph, GradGraph
 from pytrain.models.lora import LoraAdapter
-from pytrain.models.model import Model, graph_budget
-from pytrain.train.optimizer import Accumulators, AdamW, Optimizer
+from pytrain.models.model import Model
+from pytrain.train.optimizer import OptimizerState, AdamW, Optimizer
 from pytrain.train.planning import compute_bytes
 from pytrain.train.recompute import RecomputeGraph
 
@@ -48,7 +46,7 @@ class Trainer:
         if recompute not in ("auto", "off", "layers"):
             raise ValueError(f"recompute must be auto, off or layers, got {recompute!r}")
         self.recompute = recompute
-        self.acc = Accumulators(model.runtime, adapter.params())
+        self.acc = OptimizerState(model.runtime, adapter.params())
         self.opt = Optimizer(model.runtime, self.acc, hp)
         self.graphs: dict[tuple[int, int, int | None], GradGraph] = {}   # (B, T, rows)
         self.max_graphs = max_graphs
@@ -149,45 +147,3 @@ class Trainer:
             g.close()
         self.graphs.clear()
         self.eval_graphs.clear()
-
-
-class EvalGraph:
-    """Forward + masked CE (sum form) + argmax, for validation metrics."""
-
-    def __init__(self, model: Model, adapter: LoraAdapter | None, B: int, T: int, rows: int):
-        """``rows``: the LM head and loss run on that many positions (the targets)."""
-        self.model = model
-        self.B, self.T, self.rows = B, T, rows
-        size = graph_budget(model, T)
-        self.ctx = ggml.Context(n_tensors=size, graph_size=size)
-        c = self.ctx.ptr
-        self.fwd = model.graph.build(c, B, T, adapter.hook if adapter else None, rows=rows)
-        self.ce = loss_mod.build(model.runtime, c, self.fwd.logits, model.config.n_vocab, rows)
-        self.pred = lib.ggml_argmax(c, lib.ggml_reshape_2d(c, self.fwd.logits,
-                                                           model.config.n_vocab, rows))
-        for t in (self.ce.loss, self.pred):
-            lib.ggml_set_output(t)
-        self.graph = ggml.new_graph(self.ctx, size)
-        lib.ggml_build_forward_expand(self.graph, self.ce.loss)
-        lib.ggml_build_forward_expand(self.graph, self.pred)
-
-    def run(self, tokens, seg, targets) -> tuple[float, int]:
-        """(sum of CE over valid targets, number of correct argmax predictions)."""
-        tok, sg, tg = pad_batch(self.B, self.T, tokens, seg, targets,
-                                self.model.pad_id)
-        rt = self.model.runtime
-        rt.alloc_graph(self.graph, self.ctx)
-        self.model.arch.set_inputs(self.fwd.inputs, self.model.input_values(tok, sg))
-        sel, tg = loss_mod.select_rows(tg, self.rows)
-        ggml.from_numpy(self.fwd.inputs.rows, sel)
-        n = self.ce.prepare(tg, self.model.tokenizer.pad_id)
-        rt.compute(self.graph)
-        mean = float(ggml.to_numpy(self.ce.loss).reshape(-1)[0])
-        pred = ggml.to_numpy(self.pred).reshape(-1)
-        ok = tg >= 0
-        return mean * n, int((pred[ok] == tg[ok]).sum())
-
-    def close(self) -> None:
-        self.model.runtime.forget_graph()
-        self.ce.close()
-        self.ctx.close()
