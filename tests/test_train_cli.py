@@ -181,7 +181,7 @@ def test_sigterm_finishes_the_step_checkpoints_exits_130_and_resume_continues(tm
 # forward + backward (GradGraph.accumulate) append one line to MARKS when it returns.
 WRAPPER = r"""
 import sys
-from pytrain.train import grad_graph
+from pytrain.train import graphs as grad_graph
 marks = open(sys.argv[1], "a", buffering=1)
 real = grad_graph.GradGraph.accumulate
 def accumulate(self, *a, **k):

@@ -245,6 +245,25 @@ def merge_adapter(base_path: str | os.PathLike[str], adapter_tensors: Mapping[st
     """
     base, out = Path(base_path), Path(out_path)
     source = source or adapter_name
+    alpha = _check_alpha(alpha, merged_type, source)
+    _arch, _meta, infos, config = open_model(base)
+    _check_matches(config, adapter_tensors, source, base)
+    pairs = _pairs(adapter_tensors, source)
+    plan = _plan(pairs, infos, config, alpha, merged_type, base, source)
+    reader = _open_base(base, out)
+    sha = adapter_fingerprint(adapter_tensors, alpha)
+    ranks = sorted({int(b.shape[1]) for _a, b in pairs.values()})
+    record = json.dumps({"adapter": adapter_name, "alpha": alpha,
+                         "rank": ranks[0] if len(ranks) == 1 else ranks,
+                         "tensors": len(plan), "merged_type": merged_type,
+                         "sha256": sha}, separators=(",", ":"))
+    head, layout = _header(reader, plan, record)
+    report = MergeReport(str(base), str(out), merged_type, alpha, sha)
+    _write(out, reader, head, layout, plan, infos, report)
+    return report
+
+
+def _check_alpha(alpha, merged_type: str, source: str) -> float:
     if merged_type not in MERGED_TYPES:
         raise MergeError(f"merged_type must be one of {', '.join(MERGED_TYPES)}, got "
                          f"{merged_type!r}")
@@ -254,11 +273,12 @@ def merge_adapter(base_path: str | os.PathLike[str], adapter_tensors: Mapping[st
         raise MergeError(f"{source}: alpha must be a number, got {alpha!r}") from None
     if not math.isfinite(alpha) or alpha == 0.0:
         raise MergeError(f"{source}: alpha must be finite and non-zero, got {alpha!r}")
+    return alpha
 
-    _arch, _meta, infos, config = open_model(base)
-    _check_matches(config, adapter_tensors, source, base)
-    pairs = _pairs(adapter_tensors, source)
 
+def _plan(pairs, infos, config, alpha: float, merged_type: str, base: Path, source: str
+          ) -> dict[str, tuple[int, np.ndarray, np.ndarray, float]]:
+    """Per adapted tensor: (output type, A, B, scale), after refusing what cannot merge."""
     plan: dict[str, tuple[int, np.ndarray, np.ndarray, float]] = {}
     for name, (a, b) in pairs.items():
         info = infos[name]
@@ -277,9 +297,11 @@ def merge_adapter(base_path: str | os.PathLike[str], adapter_tensors: Mapping[st
         if why:
             raise MergeError(f"{base}: cannot requantize {name!r} to {info.type_name} ({why}); "
                              f"use merged_type 'f16' or 'f32' (--merged-type)")
-        rank = int(b.shape[1])
-        plan[name] = (ot, a, b, alpha / rank)
+        plan[name] = (ot, a, b, alpha / int(b.shape[1]))
+    return plan
 
+
+def _open_base(base: Path, out: Path):
     reader = open_reader(base)
     if reader.endianess != GGUFEndian.LITTLE:
         raise MergeError(f"{base}: big-endian GGUF files are not supported")
@@ -289,17 +311,14 @@ def merge_adapter(base_path: str | os.PathLike[str], adapter_tensors: Mapping[st
     if out.exists() and os.path.samefile(out, base):
         raise MergeError(f"{out}: refusing to overwrite the base model with the merged one; "
                          f"choose another output path")
-    align = int(reader.alignment)
-    sha = adapter_fingerprint(adapter_tensors, alpha)
-    ranks = sorted({int(b.shape[1]) for _a, b in pairs.values()})
-    record = json.dumps({"adapter": adapter_name, "alpha": alpha,
-                         "rank": ranks[0] if len(ranks) == 1 else ranks,
-                         "tensors": len(plan), "merged_type": merged_type,
-                         "sha256": sha}, separators=(",", ":"))
-    report = MergeReport(str(base), str(out), merged_type, alpha, sha)
+    return reader
 
-    # ---- header, key/values (copied raw), tensor index
+
+def _header(reader, plan, record: str) -> tuple[bytes, list]:
+    """The merged file's header (key/values copied raw, plus the merge record) and its tensor
+    layout: (tensor, output type, bytes, offset) per tensor."""
     data = reader.data
+    align = int(reader.alignment)
     kv_blobs: list[bytes] = []
     previous: list[str] = []
     for key, f in reader.fields.items():
@@ -312,8 +331,7 @@ def merge_adapter(base_path: str | os.PathLike[str], adapter_tensors: Mapping[st
         nbytes = sum(int(p.nbytes) for p in f.parts)
         kv_blobs.append(bytes(data[f.offset: f.offset + nbytes]))
     kv_blobs.append(_merge_record_field(previous, record))
-
-    layout = []                       # (tensor, out type, n_bytes, offset)
+    layout = []
     off = 0
     for t in reader.tensors:
         ot = plan[t.name][0] if t.name in plan else int(t.tensor_type)
@@ -331,9 +349,12 @@ def merge_adapter(base_path: str | os.PathLike[str], adapter_tensors: Mapping[st
     version = int(reader.fields["GGUF.version"].contents())   # 2 and 3 share this layout
     head = (_GGUF_MAGIC + struct.pack("<IQQ", version, len(reader.tensors), len(kv_blobs))
             + b"".join(kv_blobs) + index)
-    head += b"\0" * _pad(len(head), align)
+    return head + b"\0" * _pad(len(head), align), layout
 
-    # ---- write
+
+def _write(out: Path, reader, head: bytes, layout, plan, infos, report: MergeReport) -> None:
+    """Header, then every tensor: merged ones streamed, the rest copied byte for byte."""
+    data = reader.data
     with replacing(out) as tmp, open(tmp, "wb") as fh:
         fh.write(head)
         pos = 0
@@ -349,7 +370,6 @@ def merge_adapter(base_path: str | os.PathLike[str], adapter_tensors: Mapping[st
                 raise MergeError(f"{out}: internal error: tensor {t.name!r} wrote "
                                  f"{fh.tell() - len(head) - o} bytes, expected {nb}")
         report.bytes_written = fh.tell()
-    return report
 
 
 def _write_merged(fh, data, t, info, ot: int, a: np.ndarray, b: np.ndarray, scale: float

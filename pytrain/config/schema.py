@@ -1,0 +1,243 @@
+"""The config's sections and keys: types, defaults, choices, checks and help text (one
+dataclass per TOML section; ``describe`` prints them all)."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence, get_type_hints
+
+from pytrain.errors import PytrainError
+from pytrain.models.lora_targets import DEFAULT_TARGETS
+
+FORMATS = ("chat", "completion", "text", "auto")
+MASKS = ("assistant_only", "completion_only", "all")
+# Which masks make sense for which record format; the first is the format's default.
+MASKS_FOR_FORMAT = {"chat": ("assistant_only", "all"),
+                    "completion": ("completion_only", "all"),
+                    "text": ("all",)}
+OUTPUT_FORMATS = ("gguf", "peft")
+
+
+class ConfigError(PytrainError, ValueError):
+    """A config file or override that is not valid; the message names key, file and line."""
+
+
+def _opt(default: Any = None, help: str = "", *, choices: Sequence[Any] | None = None,
+         check: Callable[[Any], str | None] | None = None, path: bool = False,
+         factory: Callable[[], Any] | None = None) -> Any:
+    """A dataclass field with help text, allowed values, a range check and a path flag."""
+    meta = {"help": help, "choices": tuple(choices) if choices else None, "check": check,
+            "path": path}
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def _positive(v: Any) -> str | None:
+    return None if v is None or v > 0 else "must be > 0"
+
+
+def _non_negative(v: Any) -> str | None:
+    return None if v is None or v >= 0 else "must be >= 0"
+
+
+def _unit_interval(v: float) -> str | None:
+    return None if 0.0 <= v < 1.0 else "must be in [0, 1)"
+
+
+# ------------------------------------------------------------------------------- sections
+@dataclass
+class ModelConfig:
+    """The frozen base model."""
+
+    path: str | None = _opt(None, "GGUF model file (required)", path=True)
+    device: str = _opt("auto", "compute device: cpu, cuda, or auto (cuda when available)",
+                       choices=("cpu", "cuda", "auto"))
+    threads: int | None = _opt(None, "CPU threads (unset: ggml's default)", check=_positive)
+    type_policy: str = _opt("auto", "types the frozen weights are loaded as: auto (what every "
+                            "op of the training graph supports on the device), f32, or keep "
+                            "(as stored; may be unsupported)", choices=("auto", "f32", "keep"))
+
+
+@dataclass
+class DataConfig:
+    """Training and validation data (JSONL) and how it becomes batches."""
+
+    train: str | None = _opt(None, "training JSONL file (required)", path=True)
+    validation: str | None = _opt(None, "validation JSONL file (unset or \"none\": no file)",
+                                  path=True)
+    split: float = _opt(0.0, "fraction of the training examples held out for validation when "
+                        "there is no validation file (0: none)", check=_unit_interval)
+    format: str = _opt("auto", "record format: chat ({\"messages\": [...]}), completion "
+                       "({\"prompt\", \"completion\"}), text ({\"text\"}), or auto (decided per "
+                       "file from its first valid record)", choices=FORMATS)
+    max_seq_len: int = _opt(1024, "longest example in tokens (and the packed row length)",
+                            check=lambda v: None if v >= 2 else "must be >= 2")
+    truncation: str = _opt("right", "longer examples: right (keep the start), left (keep the "
+                           "end) or drop (skip them); counted either way",
+                           choices=("right", "left", "drop"))
+    packing: bool = _opt(False, "pack several examples into each row of max_seq_len tokens "
+                         "(each keeps its own sample id, so no target crosses a sample)")
+    mask: str | None = _opt(None, "which tokens are targets: assistant_only, completion_only "
+                            "or all (unset: follows the format: assistant_only for chat, "
+                            "completion_only for completion, all for text)", choices=MASKS)
+    shuffle_seed: int | None = _opt(None, "seed of the batch order and the validation split "
+                                    "(unset: train.seed)")
+    on_error: str = _opt("stop", "bad records (malformed JSON, wrong types, unknown roles): stop "
+                         "with an error naming file:line, or skip and count them",
+                         choices=("stop", "skip"))
+
+    def mask_for(self, fmt: str) -> str:
+        """The mask used for records of format ``fmt`` (``mask`` or the format's default)."""
+        return self.mask if self.mask is not None else MASKS_FOR_FORMAT[fmt][0]
+
+
+@dataclass
+class LoraConfig:
+    """The LoRA adapter: which tensors, what size, how initialised."""
+
+    rank: int = _opt(16, "adapter rank r", check=_positive)
+    alpha: float = _opt(32.0, "scale numerator: the update is (alpha / rank) * B A",
+                        check=_positive)
+    dropout: float = _opt(0.0, "dropout on the adapter input; only 0 for now (ggml has no "
+                          "random op to draw masks in the graph)", check=_unit_interval)
+    targets: list[str] = _opt(help="short tensor names to adapt (attn_q, attn_k, attn_v, "
+                              "attn_output, ffn_*, ...)", factory=lambda: list(DEFAULT_TARGETS))
+    skip_ssm: bool = _opt(True, "never adapt the DeltaNet (linear-attention) layers; adapting "
+                          "the recurrence destabilises sequential hybrids such as Qwen3.5")
+    init: str = _opt("peft", "initialisation: peft (A Kaiming-uniform, B zero) or gaussian "
+                     "(A ~ N(0, 1/rank), B zero); B = 0 so training starts at the base model",
+                     choices=("peft", "gaussian"))
+    seed: int | None = _opt(None, "seed of the adapter initialisation and dropout "
+                            "(unset: train.seed)")
+
+
+@dataclass
+class TrainConfig:
+    """Optimisation: steps, batch, AdamW, schedule, evaluation and saving cadence."""
+
+    epochs: int = _opt(1, "passes over the training data (ignored when max_steps is set)",
+                       check=_positive)
+    max_steps: int | None = _opt(None, "optimizer steps to run; overrides epochs",
+                                 check=_positive)
+    batch_size: int = _opt(4, "examples (or packed rows) per micro-batch", check=_positive)
+    grad_accum: int = _opt(1, "micro-batches per optimizer step; the loss is the token mean "
+                           "over all of them", check=_positive)
+    lr: float = _opt(1e-4, "peak learning rate", check=_positive)
+    schedule: str = _opt("constant", "learning-rate schedule after warmup",
+                         choices=("constant", "linear", "cosine"))
+    warmup: int = _opt(0, "linear warmup steps from 0 to lr", check=_non_negative)
+    weight_decay: float = _opt(0.0, "AdamW decoupled weight decay", check=_non_negative)
+    max_grad_norm: float = _opt(1.0, "clip the global gradient norm to this (0 disables)",
+                                check=_non_negative)
+    seed: int = _opt(0, "run seed (also the default for data.shuffle_seed and lora.seed)")
+    eval_every: int = _opt(0, "validate every N optimizer steps (0: only at the end)",
+                           check=_non_negative)
+    save_every: int = _opt(0, "checkpoint every N optimizer steps (0: only at the end)",
+                           check=_non_negative)
+    log_every: int = _opt(1, "log training loss every N optimizer steps", check=_positive)
+    adam_beta1: float = _opt(0.9, "AdamW beta1", check=_unit_interval)
+    adam_beta2: float = _opt(0.999, "AdamW beta2", check=_unit_interval)
+    adam_eps: float = _opt(1e-8, "AdamW epsilon", check=_positive)
+    recompute: str = _opt("auto", "activation memory: off (one graph per step keeps every "
+                          "activation), layers (keep each layer's input only and recompute the "
+                          "layer in the backward: a second forward, a fraction of the memory), "
+                          "auto (layers when the one-graph step would need over 1/8 of the "
+                          "device's memory)", choices=("auto", "off", "layers"))
+    loss_bug_repro: bool = _opt(False, "reproduces the unfixed masking bug for the regression "
+                                "experiments ONLY: pad labels trained, division by all rows, "
+                                "prompt not masked; never for real training")
+
+
+@dataclass
+class OutputConfig:
+    """Where the run writes adapters, checkpoints, logs and the resolved config."""
+
+    dir: str | None = _opt(None, "run folder (unset: runs/<config name> under the working "
+                           "directory)", path=True)
+    formats: list[str] = _opt(help="adapter formats written: gguf (llama.cpp --lora) and/or "
+                              "peft (adapter_model.safetensors + adapter_config.json)",
+                              factory=lambda: ["gguf"])
+    keep_checkpoints: int = _opt(3, "periodic checkpoints kept (0: keep all)",
+                                 check=_non_negative)
+
+
+SECTIONS: dict[str, type] = {"model": ModelConfig, "data": DataConfig, "lora": LoraConfig,
+                             "train": TrainConfig, "output": OutputConfig}
+REQUIRED = ("model.path", "data.train")
+
+
+@dataclass
+class Config:
+    """A whole, validated run configuration; ``source`` is the file it came from, if any."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+    source: str | None = field(default=None, compare=False)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        """Plain nested dict (JSON-ready; unset values are None), one entry per section."""
+        return {name: {f.name: _copy(getattr(getattr(self, name), f.name))
+                       for f in dataclasses.fields(cls)}
+                for name, cls in SECTIONS.items()}
+
+    def to_toml(self) -> str:
+        """The config as TOML that :func:`load_config` reads back to an equal Config (paths
+        are absolute; unset values are left out, TOML having no null)."""
+        lines = [f"# resolved pytrain config{f' (from {self.source})' if self.source else ''}"]
+        for name, values in self.to_dict().items():
+            lines.append(f"\n[{name}]")
+            for k, v in values.items():
+                if v is not None:
+                    lines.append(f"{k} = {_toml_value(v)}")
+        return "\n".join(lines) + "\n"
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], base_dir: str | Path | None = None,
+                  *, partial: bool = False) -> "Config":
+        """Validate a nested dict as if it were a TOML file in ``base_dir`` (default: cwd)."""
+        from pytrain.config.load import _build        # the loader builds Configs
+        base = Path(base_dir) if base_dir is not None else Path.cwd()
+        return _build(data, "<dict>", None, base, [], partial=partial)
+
+
+def _copy(v: Any) -> Any:
+    return list(v) if isinstance(v, list) else v
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int):
+        return str(v)
+    if isinstance(v, float):
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v, ensure_ascii=False)
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    raise TypeError(f"cannot write {v!r} as TOML")
+
+
+# ------------------------------------------------------------------------------- help
+def describe() -> str:
+    """Every section and key with its type, default and help text (for ``--help`` output)."""
+    out = []
+    for section, cls in SECTIONS.items():
+        out.append(f"[{section}]  {(cls.__doc__ or '').strip()}")
+        hints = get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            tname = re.sub(r"<class '(\w+)'>|typing\.", r"\1", str(hints[f.name]))
+            dflt = "unset" if default is None else _toml_value(default)
+            out.append(f"  {f.name} ({tname}, default {dflt}): {f.metadata['help']}")
+            if f.metadata.get("choices"):
+                out.append(f"      one of: {', '.join(map(str, f.metadata['choices']))}")
+        out.append("")
+    return "\n".join(out)
