@@ -26,17 +26,22 @@ if not (NATIVE_DIR / "build_info.json").exists():
 # between them: with the default (active) wait on this project's 2-core machines a training
 # step of the small default model took 1.0 s instead of 0.17, a mid-size one 3.4 s instead of
 # 1.7.  libgomp reads the policy once, when it loads with ggml, so it is set before that
-# (unless the caller chose one, or loaded OpenMP first).
-if (json.loads((NATIVE_DIR / "build_info.json").read_text()).get("blas")
-        and os.environ.get("PYTRAIN_BLAS", "1") not in ("", "0")):
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
+# (unless the caller chose one, or loaded OpenMP first), and taken out of the environment again
+# so that programs this process starts (a reference run, a compiler) keep their own default.
+_passive = (json.loads((NATIVE_DIR / "build_info.json").read_text()).get("blas")
+            and os.environ.get("PYTRAIN_BLAS", "1") not in ("", "0")
+            and "OMP_WAIT_POLICY" not in os.environ)
+if _passive:
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
 try:
     from pytrain._native._ggml import ffi, lib  # type: ignore[import-not-found]
 except ImportError as e:  # pragma: no cover - depends on the build
     raise ImportError(
         f"pytrain's native ggml library is missing or stale ({e}); build it with "
         f"`make build` or `python native/build.py` from the source tree") from e
+finally:
+    if _passive:
+        del os.environ["OMP_WAIT_POLICY"]
 
 # numpy dtypes of the types we move as raw memory.  BF16 has no numpy dtype: it travels as
 # float32 and is converted by ggml's own row converters.
