@@ -133,16 +133,23 @@ def check_adapter_matches(model_config: Any, tensors: Mapping[str, np.ndarray],
                                f"(an adapter for a different model?)")
 
 
-def _check_alpha(alpha: float, where: str) -> float:
+def check_alpha(alpha, where: str, error: type[Exception] | None = None, name: str = "alpha"
+                ) -> float:
+    """``alpha`` as a float, or ``error`` (AdapterError by default) saying why it cannot be an
+    adapter's alpha: not a number, zero (llama.cpp reads 0 as 'scale 1', not alpha/rank), not
+    finite, beyond float32."""
+    error = error or AdapterError
+    if isinstance(alpha, bool):
+        raise error(f"{where}: {name} must be a number, got {alpha!r}")
     try:
         a = float(alpha)
     except (TypeError, ValueError):
-        raise AdapterError(f"{where}: alpha must be a number, got {alpha!r}") from None
+        raise error(f"{where}: {name} must be a number, got {alpha!r}") from None
     if not math.isfinite(a) or a == 0.0:
-        raise AdapterError(f"{where}: alpha must be finite and non-zero, got {alpha!r} "
-                           f"(llama.cpp reads alpha 0 as 'scale 1', not alpha/rank)")
+        raise error(f"{where}: {name} must be finite and non-zero, got {alpha!r} "
+                    f"(llama.cpp reads alpha 0 as 'scale 1', not alpha/rank)")
     if abs(a) > float(np.finfo(np.float32).max):
-        raise AdapterError(f"{where}: alpha {alpha!r} does not fit a float32")
+        raise error(f"{where}: {name} {alpha!r} does not fit a float32")
     return a
 
 
@@ -205,7 +212,7 @@ def write_lora_gguf(path: str | os.PathLike[str], arch: str, alpha: float,
     if not isinstance(arch, str) or not arch:
         raise AdapterError(f"{p}: arch must be the base model's general.architecture, "
                            f"got {arch!r}")
-    alpha = _check_alpha(alpha, str(p))
+    alpha = check_alpha(alpha, str(p))
     arrays: dict[str, np.ndarray] = {}
     for name, arr in tensors.items():
         if len(name.encode()) > MAX_NAME_BYTES:
@@ -283,7 +290,7 @@ def read_lora_gguf(path: str | os.PathLike[str], arch: str | None = None
     if KEY_ALPHA not in meta:
         raise AdapterError(f"{p}: no {KEY_ALPHA} key (llama.cpp would apply scale 1, not "
                            f"alpha/rank)")
-    alpha = _check_alpha(meta[KEY_ALPHA], str(p))
+    alpha = check_alpha(meta[KEY_ALPHA], str(p))
     tensors: dict[str, np.ndarray] = {}
     for t in reader.tensors:
         if not (t.name.endswith(SUFFIX_A) or t.name.endswith(SUFFIX_B)) \

@@ -48,7 +48,6 @@ a bias, rsLoRA, DoRA and the other LoRA variants, ``rank_pattern`` / ``alpha_pat
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 
@@ -58,7 +57,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from pytrain.errors import PytrainError
-from pytrain.formats.adapter_gguf import AdapterError, lora_pairs
+from pytrain.formats.adapter_gguf import AdapterError, check_alpha, lora_pairs
 
 from pytrain.formats.atomic import fsync_dir, write_bytes
 
@@ -173,15 +172,7 @@ def _convert_pair(base: str, a: np.ndarray, b: np.ndarray, model_config: Any, wh
 # --------------------------------------------------------------------------- validation
 
 def _check_alpha(alpha: Any, where: str) -> float:
-    if isinstance(alpha, bool):
-        raise PeftAdapterError(f"{where}: lora_alpha must be a number, got {alpha!r}")
-    try:
-        a = float(alpha)
-    except (TypeError, ValueError):
-        raise PeftAdapterError(f"{where}: lora_alpha must be a number, got {alpha!r}") from None
-    if not math.isfinite(a) or a == 0.0:
-        raise PeftAdapterError(f"{where}: lora_alpha must be finite and non-zero, got {alpha!r}")
-    return a
+    return check_alpha(alpha, where, PeftAdapterError, "lora_alpha")
 
 
 def _check_rank(rank: Any, where: str) -> int:

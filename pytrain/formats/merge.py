@@ -62,7 +62,7 @@ import numpy as np
 from gguf import GGUFEndian
 
 from pytrain import ggml
-from pytrain.formats.adapter_gguf import AdapterError, check_adapter_matches, lora_pairs
+from pytrain.formats.adapter_gguf import AdapterError, check_adapter_matches, check_alpha, lora_pairs
 from pytrain.formats.adapter_gguf import read_adapter as read_lora_file
 from pytrain.formats.atomic import replacing
 from pytrain.ggml import ffi, lib
@@ -267,13 +267,7 @@ def _check_alpha(alpha, merged_type: str, source: str) -> float:
     if merged_type not in MERGED_TYPES:
         raise MergeError(f"merged_type must be one of {', '.join(MERGED_TYPES)}, got "
                          f"{merged_type!r}")
-    try:
-        alpha = float(alpha)
-    except (TypeError, ValueError):
-        raise MergeError(f"{source}: alpha must be a number, got {alpha!r}") from None
-    if not math.isfinite(alpha) or alpha == 0.0:
-        raise MergeError(f"{source}: alpha must be finite and non-zero, got {alpha!r}")
-    return alpha
+    return check_alpha(alpha, source, MergeError)
 
 
 def _plan(pairs, infos, config, alpha: float, merged_type: str, base: Path, source: str
