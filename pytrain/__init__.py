@@ -4,6 +4,6 @@ __version__ = "0.1.0"
 
 
 def load_model(path, device: str = "auto", threads: int | None = None, type_policy: str = "auto"):
-    """Load a GGUF model: see pytrain.model.Model (``.logits``, ``.generate``, ``.tokenizer``)."""
-    from pytrain.model import load_model as _load
+    """Load a GGUF model: see pytrain.models.model.Model (``.logits``, ``.generate``, ``.tokenizer``)."""
+    from pytrain.models.model import load_model as _load
     return _load(path, device=device, threads=threads, type_policy=type_policy)

@@ -11,9 +11,11 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator, Sequence
+from typing import Iterator
 
 import numpy as np
+
+from pytrain.errors import PytrainError
 
 NATIVE_DIR = Path(__file__).resolve().parent / "_native"
 
@@ -24,17 +26,22 @@ if not (NATIVE_DIR / "build_info.json").exists():
 # between them: with the default (active) wait on this project's 2-core machines a training
 # step of the small default model took 1.0 s instead of 0.17, a mid-size one 3.4 s instead of
 # 1.7.  libgomp reads the policy once, when it loads with ggml, so it is set before that
-# (unless the caller chose one, or loaded OpenMP first).
-if (json.loads((NATIVE_DIR / "build_info.json").read_text()).get("blas")
-        and os.environ.get("PYTRAIN_BLAS", "1") not in ("", "0")):
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
+# (unless the caller chose one, or loaded OpenMP first), and taken out of the environment again
+# so that programs this process starts (a reference run, a compiler) keep their own default.
+_passive = (json.loads((NATIVE_DIR / "build_info.json").read_text()).get("blas")
+            and os.environ.get("PYTRAIN_BLAS", "1") not in ("", "0")
+            and "OMP_WAIT_POLICY" not in os.environ)
+if _passive:
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
 try:
     from pytrain._native._ggml import ffi, lib  # type: ignore[import-not-found]
 except ImportError as e:  # pragma: no cover - depends on the build
     raise ImportError(
         f"pytrain's native ggml library is missing or stale ({e}); build it with "
         f"`make build` or `python native/build.py` from the source tree") from e
+finally:
+    if _passive:
+        del os.environ["OMP_WAIT_POLICY"]
 
 # numpy dtypes of the types we move as raw memory.  BF16 has no numpy dtype: it travels as
 # float32 and is converted by ggml's own row converters.
@@ -54,7 +61,8 @@ TYPES = {ffi.string(lib.ggml_type_name(t)).decode(): t
 
 
 def type_name(t: int) -> str:
-    return ffi.string(lib.ggml_type_name(t)).decode()
+    """A ggml type's name as GGUF tools print it (``Q4_K``, ``BF16``)."""
+    return ffi.string(lib.ggml_type_name(t)).decode().upper()
 
 
 def op_name(t) -> str:
@@ -137,14 +145,21 @@ def to_numpy(t) -> np.ndarray:
     dt = _RAW_DTYPES.get(t.type)
     if dt is not None:
         return raw.view(dt).reshape(shape(t))
-    n = lib.ggml_nelements(t)
-    out = np.empty(n, dtype=np.float32)
-    traits = lib.ggml_get_type_traits(t.type)
+    return decode(raw, t.type, lib.ggml_nelements(t)).reshape(shape(t))
+
+
+def decode(raw: np.ndarray, ggml_type: int, n: int) -> np.ndarray:
+    """float32 values of ``n`` elements stored as ``ggml_type`` in the bytes ``raw``, through
+    ggml's own ``to_float`` (a copy even for F32)."""
+    if ggml_type == lib.GGML_TYPE_F32:
+        return np.frombuffer(raw, np.float32, n).copy()
+    traits = lib.ggml_get_type_traits(ggml_type)
     if traits.to_float == ffi.NULL:
-        raise TypeError(f"ggml has no dequantization for type {type_name(t.type)}")
-    traits.to_float(ffi.cast("void *", ffi.from_buffer(raw)),
-                    ffi.cast("float *", ffi.from_buffer(out)), n)
-    return out.reshape(shape(t))
+        raise TypeError(f"ggml has no dequantization for type {type_name(ggml_type)}")
+    src = np.ascontiguousarray(raw)
+    out = np.empty(n, dtype=np.float32)
+    traits.to_float(ffi.cast("void *", ffi.from_buffer(src)), ffi.cast("float *", ffi.from_buffer(out)), n)
+    return out
 
 
 def from_numpy(t, arr: np.ndarray) -> None:
@@ -269,7 +284,11 @@ def _init_blas(threads: int):
     return backend
 
 
-class CPUFallbackError(RuntimeError):
+class DeviceError(PytrainError, ValueError):
+    """A device that is not there or not known."""
+
+
+class CPUFallbackError(PytrainError, RuntimeError):
     """A GPU run would execute some ops on the CPU, copying their inputs every step."""
 
 
@@ -282,7 +301,7 @@ class Runtime:
     def __init__(self, device: str = "auto", threads: int | None = None,
                  graph_size: int = 8192, allow_cpu_fallback: bool = False, blas: bool = True):
         if device not in ("cpu", "cuda", "auto"):
-            raise ValueError(f"device must be 'cpu', 'cuda' or 'auto', got {device!r}")
+            raise DeviceError(f"device must be 'cpu', 'cuda' or 'auto', got {device!r}")
         self.threads = threads or default_threads()
         self.allow_cpu_fallback = allow_cpu_fallback
         gpu = None
@@ -291,7 +310,7 @@ class Runtime:
             if dev != ffi.NULL:
                 gpu = lib.ggml_backend_dev_init(dev, ffi.NULL)
             elif device == "cuda":
-                raise RuntimeError("device 'cuda' requested but ggml reports no GPU device "
+                raise DeviceError("device 'cuda' requested but ggml reports no GPU device "
                                    "(build with PYTRAIN_CUDA=1 on a machine with CUDA)")
         self.cpu = lib.ggml_backend_init_by_type(lib.GGML_BACKEND_DEVICE_TYPE_CPU, ffi.NULL)
         lib.ggml_backend_cpu_set_n_threads(self.cpu, self.threads)
@@ -463,23 +482,10 @@ def new_graph_for(ctx, *outputs, size: int = 64):
     return g
 
 
-def build_forward(graph, tensors: Iterable) -> None:
-    for t in tensors:
-        lib.ggml_build_forward_expand(graph, t)
-
-
-def graph_ops(graph) -> list[str]:
-    return [op_name(lib.ggml_graph_node(graph, i)) for i in range(lib.ggml_graph_n_nodes(graph))]
-
-
 def grad_of(graph, t):
     """The gradient tensor of ``t`` in a backward graph, or None."""
     g = lib.ggml_graph_get_grad(graph, t)
     return None if g == ffi.NULL else g
-
-
-def tensor_array(tensors: Sequence):
-    return ffi.new("struct ggml_tensor *[]", list(tensors))
 
 
 def build_backward(ctx: Context, forward, loss, accumulators: dict | None = None,

@@ -7,7 +7,7 @@ writes a markdown table to ``bench_results/forward.md``.  A benchmark, not a tes
 about speed.
 
 Models (``--models``, comma-separated, default ``default,mid,2b``):
-    default  the embedded ``pytrain/data/default-model.gguf`` (skipped with a message when absent);
+    default  the embedded ``pytrain/assets/default-model.gguf`` (skipped with a message when absent);
              HF runs only when its HF checkpoint (``--default-hf``, default
              /tmp/pytrain-default-model/hf, left by scripts/make_default_model.py) exists
     mid      the project's CPU benchmark shape: hidden 512, 8 layers (full attention at 3 and 7),
@@ -78,7 +78,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = REPO / "scripts"
 FIXTURE_TOKENIZER = REPO / "tests" / "fixtures" / "qwen35" / "tokenizer"
-DEFAULT_GGUF = REPO / "pytrain" / "data" / "default-model.gguf"
+DEFAULT_GGUF = REPO / "pytrain" / "assets" / "default-model.gguf"
 GEN_VERSION = 1  # bump to regenerate cached models
 
 SPECS = {
@@ -416,7 +416,7 @@ def prepare(name: str, a) -> dict | None:
             return None
         sys.path.insert(0, str(REPO))
         try:
-            from pytrain.model_file import open_model
+            from pytrain.formats.model_file import open_model
             _arch, _meta, _infos, cfg = open_model(DEFAULT_GGUF)
             vocab = int(cfg.n_vocab)
             desc = (f"embedded default model: hidden {cfg.n_embd}, {cfg.n_layer} layers, "

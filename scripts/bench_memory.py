@@ -4,7 +4,7 @@ with and without layer-wise recompute: written to bench_results/memory.md (+ .js
 
 Nothing is allocated and no GPU is needed: the graphs pytrain builds for a training step are
 measured by the scheduler (``ggml_backend_sched_reserve_size``) on weights that are metadata
-only (``pytrain.planning.shape_model``).  What a CUDA run holds is
+only (``pytrain.train.planning.shape_model``).  What a CUDA run holds is
 
     weights (in the GGUF's type) + persistent step tensors (layer inputs, gradients handed
     down, the batch's inputs) + the largest compute buffer of one graph + LoRA and AdamW
@@ -32,11 +32,13 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from pytrain import ggml, lora  # noqa: E402
-from pytrain.grad_graph import GradGraph  # noqa: E402
-from pytrain.lora_targets import select_targets  # noqa: E402
-from pytrain.planning import QWEN35_2B, compute_bytes, shape_model  # noqa: E402
-from pytrain.recompute import RecomputeGraph  # noqa: E402
+from pytrain import ggml  # noqa: E402
+from pytrain.models import lora  # noqa: E402
+from pytrain.train.graphs import GradGraph  # noqa: E402
+from pytrain.models.lora_targets import select_targets  # noqa: E402
+from pytrain.models.qwen35_config import QWEN35_2B  # noqa: E402
+from pytrain.train.planning import compute_bytes, shape_model  # noqa: E402
+from pytrain.train.recompute import RecomputeGraph  # noqa: E402
 
 GiB = 2 ** 30
 PEFT_ANCHOR_GIB = 32.9
@@ -45,7 +47,7 @@ TYPES = ("bf16", "f16", "q8_0", "q4_K")
 
 def weight_bytes(file_type: str) -> int:
     """The weights as a CUDA run loads them (matrices in the file's type, the rest F32)."""
-    m = shape_model(QWEN35_2B, file_type, device="cuda")
+    m = shape_model("qwen35", QWEN35_2B, file_type, device="cuda")
     n = m.weights.loaded_bytes
     m.close()
     return n
@@ -54,7 +56,7 @@ def weight_bytes(file_type: str) -> int:
 def step_memory(B: int, T: int) -> dict:
     """Compute buffers of the one-graph step and of the layer-wise step (largest graph), plus
     the layer-wise step's persistent tensors and the adapter with its AdamW state."""
-    m = shape_model(QWEN35_2B, "f16")          # graph sizes do not depend on the weight type
+    m = shape_model("qwen35", QWEN35_2B, "f16")          # graph sizes do not depend on the weight type
     try:
         ad = lora.create(m.runtime, m.config, select_targets(m.config), 16, 32.0)
         adapter = sum(int(ggml.lib.ggml_nbytes(p)) for p in ad.params()) * 4   # +grad, m, v

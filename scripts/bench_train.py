@@ -11,7 +11,7 @@ table to ``bench_results/train.md`` (``--labels-only``: the label comparison alo
 ``bench_results/labels.md``).
 
 Models (``--models``, comma-separated, default ``default,mid,mid-v248k``; the committed run adds ``2b``):
-    default    the embedded ``pytrain/data/default-model.gguf`` (``--default-gguf``; skipped with a
+    default    the embedded ``pytrain/assets/default-model.gguf`` (``--default-gguf``; skipped with a
                message when absent); HF runs only when its HF checkpoint (``--default-hf``, default
                /tmp/pytrain-default-model/hf, left by scripts/make_default_model.py) exists
     mid        the project's CPU benchmark shape (hidden 512, 8 layers with full attention at 3 and 7,
@@ -56,7 +56,7 @@ On a shared machine ``--nice -20`` (root) runs each worker in its own session (s
 autogroup) at niceness -20, so that other jobs yield the cores while it runs; without it, ggml's
 spinning thread pool loses far more than torch whenever another process takes a core.  "tokens" = all real tokens of the batch (B*T); "target tokens" = tokens with a label.
 pytrain's steps are split into phases by wrapping pytrain functions at runtime (no pytrain code
-changes): host input upload (``qwen35.input_values``/``set_inputs``), the labels
+changes): host input upload (the architecture's ``input_values``/``set_inputs``), the labels
 (``MaskedCE.prepare``, split into ``set_targets``: host + O(N) upload; ``build_labels``: the
 fill + SET_ROWS graph on the backend; ``read_column``: the pad-column read inside
 ``check_labels``), graph allocation (``Runtime.alloc_graph``), compute of the forward+backward
@@ -214,9 +214,9 @@ class _Phases:
     """Wraps pytrain functions at runtime to split a step's wall time into phases."""
 
     def __init__(self, trainer):
-        import pytrain.loss as L
+        import pytrain.train.loss as L
         from pytrain import ggml
-        from pytrain.models import qwen35
+        from dataclasses import replace
         self.t: dict[str, float] = {}
         self.tr = trainer
         me = self
@@ -256,8 +256,9 @@ class _Phases:
         L.read_column = timed(const("labels.read_column"), L.read_column)
         ggml.from_numpy = timed(lambda *a, **k: ("labels.set_targets.upload" if inside["set_targets"]
                                                  else "from_numpy.other"), ggml.from_numpy)
-        qwen35.input_values = timed(lambda *a, **k: "inputs", qwen35.input_values)
-        qwen35.set_inputs = timed(lambda *a, **k: "inputs", qwen35.set_inputs)
+        m = trainer.model     # host inputs go through the model's architecture entry
+        m.arch = replace(m.arch, input_values=timed(lambda *a, **k: "inputs", m.arch.input_values),
+                         set_inputs=timed(lambda *a, **k: "inputs", m.arch.set_inputs))
         ggml.Runtime.alloc_graph = timed(lambda *a, **k: "alloc_graph", ggml.Runtime.alloc_graph)
         ggml.Runtime.compute = timed(
             lambda self_, graph, *a, **k: ("compute fwd+bwd" if ggml.address(graph) in grad_graphs()
@@ -271,10 +272,10 @@ class _Phases:
 def pytrain_worker(a) -> None:
     sys.path.insert(0, str(REPO))
     import pytrain
-    from pytrain import lora
-    from pytrain.lora_targets import lora_param_count, select_targets
-    from pytrain.optimizer import AdamW
-    from pytrain.trainer import Trainer
+    from pytrain.models import lora
+    from pytrain.models.lora_targets import lora_param_count, select_targets
+    from pytrain.train.optimizer import AdamW
+    from pytrain.train.trainer import Trainer
 
     B, T = a.batch
     t0 = time.perf_counter()
@@ -593,7 +594,8 @@ def _old_set_labels(ce, targets, n_vocab: int, pad_id: int, read_column) -> dict
     ONE read of its pad-token column, then the row mask and the loss scale uploaded.  Returns the
     parts' seconds."""
     import numpy as np
-    from pytrain import ggml, loss as L
+    from pytrain import ggml
+    from pytrain.train import loss as L
     inp = ce.inputs
     flat = targets.reshape(-1)
     n = flat.size
@@ -622,7 +624,8 @@ def _old_set_labels(ce, targets, n_vocab: int, pad_id: int, read_column) -> dict
 def labels_worker(a) -> None:
     sys.path.insert(0, str(REPO))
     import numpy as np
-    from pytrain import ggml, loss as L
+    from pytrain import ggml
+    from pytrain.train import loss as L
     from pytrain.ggml import lib
     rt = ggml.Runtime("cpu", threads=int(a.threads))
     V = a.vocab
@@ -783,7 +786,7 @@ def prepare(name: str, a) -> dict | None:
             print(f"[default] skipped: {a.default_gguf} is absent", flush=True)
             return None
         sys.path.insert(0, str(REPO))
-        from pytrain.model_file import open_model
+        from pytrain.formats.model_file import open_model
         _arch, _meta, _infos, cfg = open_model(a.default_gguf)
         hf = a.default_hf if (a.default_hf / "model.safetensors").exists() else None
         if hf is None:

@@ -8,10 +8,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from pytrain import run  # noqa: E402
-from pytrain.chat_template import render  # noqa: E402
+from pytrain.train import run  # noqa: E402
+from pytrain.data.chat_template import render  # noqa: E402
 from pytrain.config import load_config  # noqa: E402
-from pytrain.model import load_model  # noqa: E402
+from pytrain.models.model import load_model  # noqa: E402
 
 
 def questions(path: Path, n: int = 4) -> list[list[dict]]:

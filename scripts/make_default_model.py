@@ -1,17 +1,17 @@
-"""Make pytrain's embedded default model and demo fine-tuning data (pytrain/data/).
+"""Make pytrain's embedded default model and demo fine-tuning data (pytrain/assets/).
 
 Why: pytrain ships a demo that runs anywhere in minutes, with no download.  It needs a real-format
 Qwen3.5 GGUF that already knows the chat format (so a LoRA run has something to build on) and a
 small chat dataset that teaches it something new, visible in greedy generation before and after.
 
 What it makes:
-    pytrain/data/default-model.gguf   a small Qwen3.5 (hidden 128, 6 layers: DeltaNet at 0, 1, 2, 4
+    pytrain/assets/default-model.gguf   a small Qwen3.5 (hidden 128, 6 layers: DeltaNet at 0, 1, 2, 4
         and gated attention at 3, 5; 4 q / 2 kv heads x 32; DeltaNet 2 key / 4 value heads x 32;
         FFN 384; 1024-token byte-level BPE; tied embeddings), pretrained with HF transformers on a
         synthetic corpus (simple English plus conversations rendered with the model's own Qwen3.5
         chat template: arithmetic, facts, counting, copying, reading questions, greetings), then
         converted to F32 with the pinned llama.cpp convert_hf_to_gguf.py (pre forced to qwen35)
-    pytrain/data/demo_train.jsonl, demo_valid.jsonl   OpenAI-style chat records teaching animal
+    pytrain/assets/demo_train.jsonl, demo_valid.jsonl   OpenAI-style chat records teaching animal
         sounds ("What does the cow say?" -> "The cow says moo."), which the base model never saw
 
 How (from the repo root, with the reference stack of scripts/requirements-reference.txt):
@@ -408,7 +408,7 @@ def check_demo(model, hf_tok, train_recs, valid_recs, steps=150, batch=8, lr=1e-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--work", type=Path, default=Path("/tmp/pytrain-default-model"))
-    ap.add_argument("--out", type=Path, default=ref.REPO / "pytrain" / "data")
+    ap.add_argument("--out", type=Path, default=ref.REPO / "pytrain" / "assets")
     ap.add_argument("--fresh", action="store_true", help="redo the tokenizer and pretraining")
     ap.add_argument("--steps", type=int, default=PRETRAIN["steps"])
     ap.add_argument("--check-demo", action="store_true", help="run the HF+PEFT LoRA learnability check")

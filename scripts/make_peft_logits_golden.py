@@ -1,6 +1,6 @@
 """Make tests/fixtures/qwen35/peft_logits.npz: HF + PEFT logits with adapters pytrain wrote.
 
-Why: `pytrain.adapter_peft.write_peft_adapter` must produce a folder that PEFT loads as the very
+Why: `pytrain.formats.adapter_peft.write_peft_adapter` must produce a folder that PEFT loads as the very
 adapter pytrain trained, and `read_peft_adapter` must bring it back.  This script is the
 reference side: it lets PEFT itself load folders written by pytrain's writer into the HF model
 behind `tests/fixtures/qwen35/gqa-f32.gguf`, and stores the logits; tests/test_peft_adapter.py
@@ -49,7 +49,7 @@ Output keys (tokens: gqa.npz's first 100 columns; per adapter set S in {all, spa
 
 How (repo root):
     PYTHONPATH=$PWD /opt/refenv/bin/python scripts/make_peft_logits_golden.py
-(refenv needs numpy and safetensors for pytrain.adapter_peft; gguf is the pinned gguf-py.)
+(refenv needs numpy and safetensors for pytrain.formats.adapter_peft; gguf is the pinned gguf-py.)
 Deterministic (fixed seeds, one thread, PYTHONHASHSEED=0 set by re-exec): a rerun writes the
 same bytes; ~20 s on 2 cores.
 """
@@ -67,7 +67,7 @@ import make_peft_golden as mg  # noqa: E402
 import qwen35_reference as ref  # noqa: E402
 
 sys.path.insert(0, str(ref.REPO))
-from pytrain.adapter_peft import (GGUF_TO_HF, peft_module_name, read_peft_adapter,  # noqa: E402
+from pytrain.formats.adapter_peft import (GGUF_TO_HF, peft_module_name, read_peft_adapter,  # noqa: E402
                                   write_peft_adapter)
 from pytrain.models.qwen35_config import Qwen35Config  # noqa: E402
 

@@ -42,12 +42,12 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from pytrain import loss as L  # noqa: E402
-from pytrain import lora as lora_mod  # noqa: E402
+from pytrain.train import loss as L  # noqa: E402
+from pytrain.models import lora as lora_mod  # noqa: E402
 from pytrain.config import Config, load_config  # noqa: E402
 from pytrain.data import Batch, load_examples, make_batches, pad_token_id  # noqa: E402
-from pytrain.lora_targets import select_targets  # noqa: E402
-from pytrain.model import load_model  # noqa: E402
+from pytrain.models.lora_targets import select_targets  # noqa: E402
+from pytrain.models.model import load_model  # noqa: E402
 
 CONFIG_DIR = ROOT / "config" / "experiments"
 FIXTURE = ROOT / "tests" / "fixtures" / "qwen35" / "gqa-f32.gguf"
@@ -179,7 +179,7 @@ def checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
 
 def load_adapter_into(model, ad, path: Path):
     """``ad`` (created once) set to the tensors of the adapter file ``path``."""
-    from pytrain.adapter_gguf import read_lora_gguf
+    from pytrain.formats.adapter_gguf import read_lora_gguf
     if ad is None:
         from pytrain.cli import _load_adapter
         return _load_adapter(model, path)
@@ -286,7 +286,7 @@ def run_seed003(out: Path, overrides=(), *, n_train: int = 4000, n_test: int = 2
                 n_free: int = 32, max_new: int = 16, seed: int = 0, plot: bool = True) -> dict:
     """Two SFT runs of config seed003_sft.toml, data.mask assistant_only vs all; exact accuracy on
     held-out pairs at every checkpoint; free-generation question share at the end."""
-    from pytrain import run
+    from pytrain.train import run
     name = "seed003_context" if context[1] else "seed003"
     max_new += 2 * context[1]          # room to write the random words before the question
     folder = out / name
@@ -446,7 +446,7 @@ def buggy_eval(model, batches, lora=None) -> float:
 
 def run_seed000(out: Path, overrides=(), *, n_train: int = 192, n_valid: int = 16,
                 p_long: float = 0.2, max_turns: int = 8, seed: int = 0, plot: bool = True) -> dict:
-    from pytrain import run
+    from pytrain.train import run
     from pytrain.data import load_data
     folder = out / "seed000"
     tr = write_jsonl(folder / "train.jsonl", varied_chats(n_train, seed, p_long, max_turns))
@@ -568,7 +568,7 @@ def c_examples(name: str, out: Path, overrides, n: int, seed: int, p_long: float
 
 
 def grad_run(model, ad, tokens, seg, targets, n_valid_step=None, buggy=False, T=None) -> dict:
-    from pytrain.grad_graph import GradGraph
+    from pytrain.train.graphs import GradGraph
     g = GradGraph(model, ad, tokens.shape[0], T or tokens.shape[1])
     try:
         o = g.run(tokens.astype(np.int64), seg, targets, n_valid_step, buggy)
@@ -645,7 +645,7 @@ def run_accum(out: Path, overrides=(), *, n_pairs: int = 6, b_std: float = 0.02,
               max_turns: int = 8, seed: int = 0, plot: bool = True) -> dict:
     """Two micro-batches per step (config: train.grad_accum = 2 of train.batch_size examples):
     the first holds long chats (many targets), the second chats with fewer and fewer targets."""
-    from pytrain.grad_graph import GradGraph
+    from pytrain.train.graphs import GradGraph
     folder, cfg, model, ex = c_examples("accum", out, overrides, n_data, seed,
                                        max_turns=max_turns)
     ad = make_adapter(model, cfg, b_std, seed)

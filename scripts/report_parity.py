@@ -218,10 +218,10 @@ def delta_net_section(log) -> dict:
 
 def peft_one(model, golden, width) -> dict:
     """The `result` fixture of test_peft_parity, then every comparison its tests make."""
-    from pytrain import loss as L
-    from pytrain import lora
-    from pytrain.grad_graph import GradGraph
-    from pytrain.lora_targets import select_targets
+    from pytrain.train import loss as L
+    from pytrain.models import lora
+    from pytrain.train.graphs import GradGraph
+    from pytrain.models.lora_targets import select_targets
 
     names = select_targets(model.config)
     ad = lora.create(model.runtime, model.config, names, rank=TP.RANK, alpha=TP.ALPHA, seed=0)
@@ -304,9 +304,9 @@ def llama_section(log) -> dict:
                                       "(python scripts/build_llama_cpp.py)")
     import test_llama_cpp_adapter as TL
     from gguf_factory import quantized_copy
-    from pytrain import lora
-    from pytrain.adapter_gguf import check_adapter_matches, write_lora_gguf
-    from pytrain.lora_targets import select_targets
+    from pytrain.models import lora
+    from pytrain.formats.adapter_gguf import check_adapter_matches, write_lora_gguf
+    from pytrain.models.lora_targets import select_targets
 
     test_fn = TL.test_llama_cpp_loads_adapter_and_matches_pytrain
     fixtures = [a[0] for a in params_of(test_fn, "fixture")]
@@ -403,7 +403,7 @@ def markdown(res: dict) -> str:
          "bounds) depend on the CPU and the ggml build (GGML_NATIVE picks the SIMD kernels, "
          "GGML_LLAMAFILE the F32 matmul): they are rounding, reproducible on one build, "
          "not across machines.",
-         f"- seconds: " + ", ".join(f"{k} {v:.0f}" for k, v in h["seconds"].items()), ""]
+         "- seconds: " + ", ".join(f"{k} {v:.0f}" for k, v in h["seconds"].items()), ""]
 
     fw = res["forward"]
     L += ["## Forward: max |Δ log-softmax| (tests/test_qwen35_parity.py)", "",

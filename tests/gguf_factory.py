@@ -220,3 +220,26 @@ def quantized_copy(f32_model: Path, like: Path, out: Path, type_name: str) -> Pa
     w.write_tensors_to_file()
     w.close()
     return out
+
+
+def renamed_arch_copy(src: Path, out: Path, arch: str) -> Path:
+    """``src`` with ``general.architecture`` and every ``<old arch>.*`` key renamed to
+    ``arch``: the same tensors under another architecture name."""
+    r = gguf.GGUFReader(src)
+    old = str(r.fields["general.architecture"].contents())
+    w = gguf.GGUFWriter(out, arch)
+    for f in r.fields.values():
+        if f.name.startswith("GGUF.") or f.name == "general.architecture":
+            continue
+        name = arch + f.name[len(old):] if f.name.startswith(old + ".") else f.name
+        sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(name, f.contents(), f.types[0], sub_type=sub)
+    for t in r.tensors:
+        raw = np.asarray(t.data)
+        w.add_tensor(t.name, raw, raw_shape=[int(n) for n in reversed(t.shape)],
+                     raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 from gguf import GGUFWriter
 
-from pytrain import adapter_gguf as AG
-from pytrain.adapter_gguf import AdapterError, check_adapter_matches, read_lora_gguf, \
+from pytrain.formats import adapter_gguf as AG
+from pytrain.formats.adapter_gguf import AdapterError, check_adapter_matches, read_lora_gguf, \
     write_lora_gguf
-from pytrain.gguf_meta import GGUFError
-from pytrain.model_file import open_model
+from pytrain.formats.gguf_meta import GGUFError
+from pytrain.formats.model_file import open_model
 
 FIX = Path(__file__).resolve().parent / "fixtures" / "qwen35"
 

@@ -16,11 +16,12 @@ import pytest
 from gguf_factory import quantized_copy
 
 import pytrain
-from pytrain import ggml, lora
+from pytrain import ggml
+from pytrain.models import lora
 from pytrain.data import Example, make_batches
-from pytrain.lora_targets import select_targets
-from pytrain.optimizer import AdamW
-from pytrain.trainer import Trainer
+from pytrain.models.lora_targets import select_targets
+from pytrain.train.optimizer import AdamW
+from pytrain.train.trainer import Trainer
 
 FIX = Path(__file__).resolve().parent / "fixtures" / "qwen35"
 

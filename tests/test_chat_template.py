@@ -15,9 +15,9 @@ import jinja2
 import pytest
 
 import build as native_build  # native/build.py (conftest puts native/ on sys.path)
-from pytrain.chat_template import (ChatTemplateError, encode_chat, render,
+from pytrain.data.chat_template import (ChatTemplateError, encode_chat, render,
                                    render_with_assistant_spans, spans_to_mask)
-from pytrain.tokenizer import Tokenizer
+from pytrain.data.tokenizer import Tokenizer
 
 FIXTURES = Path(__file__).parent / "fixtures"
 GOLDEN = json.loads((FIXTURES / "chat_template_golden.json").read_text(encoding="utf-8"))

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from pytrain.config import (SECTIONS, Config, ConfigError, describe, load_config)
-from pytrain.lora_targets import DEFAULT_TARGETS
+from pytrain.models.lora_targets import DEFAULT_TARGETS
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -215,7 +215,7 @@ def test_example_configs_load(name):
     assert cfg.data.format == "chat" and cfg.lora.skip_ssm
     assert cfg.lora.targets == list(DEFAULT_TARGETS)
     if name == "demo.toml":
-        assert cfg.model.path == str(ROOT / "pytrain" / "data" / "default-model.gguf")
+        assert cfg.model.path == str(ROOT / "pytrain" / "assets" / "default-model.gguf")
         assert (cfg.lora.rank, cfg.lora.alpha, cfg.train.lr) == (16, 32.0, 5e-3)
         assert cfg.train.schedule == "constant" and cfg.train.eval_every == 50
     else:

@@ -5,20 +5,21 @@ are ggml-cuda's ``supports_op``, restated in ``cuda_support.py``).  On a GPU the
 ``CPUFallbackError`` makes the same check for real."""
 from pathlib import Path
 
-import numpy as np
 import pytest
 from cuda_support import supported, unsupported_nodes
 
-from pytrain import ggml, lora
-from pytrain.grad_graph import GradGraph
-from pytrain.model_file import open_model
-from pytrain.lora_targets import select_targets
-from pytrain.model import Model
-from pytrain.optimizer import AdamW, Optimizer
-from pytrain.planning import QWEN35_2B, shape_model
-from pytrain.tokenizer import Tokenizer
-from pytrain.trainer import EvalGraph
-from pytrain.weights import load_weights
+from pytrain import ggml, models
+from pytrain.models import lora
+from pytrain.train.graphs import GradGraph
+from pytrain.formats.model_file import open_model
+from pytrain.models.lora_targets import select_targets
+from pytrain.models.model import Model
+from pytrain.train.optimizer import AdamW, Optimizer
+from pytrain.models.qwen35_config import QWEN35_2B
+from pytrain.train.planning import shape_model
+from pytrain.data.tokenizer import Tokenizer
+from pytrain.train.graphs import EvalGraph
+from pytrain.models.weights import load_weights
 
 FIX = Path(__file__).resolve().parent / "fixtures" / "qwen35"
 
@@ -28,7 +29,7 @@ def cuda_typed_model(path: Path) -> Model:
     _arch, meta, _infos, config = open_model(path)
     rt = ggml.Runtime("cpu", threads=1)
     w = load_weights(path, rt, config.tensor_shapes(), "auto", policy_device="cuda")
-    return Model(str(path), config, meta, rt, w, Tokenizer.from_metadata(meta))
+    return Model(str(path), config, meta, rt, w, Tokenizer.from_metadata(meta), models.get(_arch))
 
 
 @pytest.fixture(scope="module", params=["gqa-f32.gguf", "gqa-bf16.gguf", "gqa-q8_0.gguf",
@@ -46,7 +47,9 @@ def test_training_graph_runs_entirely_on_cuda(model, B, T):
     try:
         bad = unsupported_nodes(g.graph)
         assert not bad, f"{len(bad)} nodes ggml-cuda would not run, e.g.:\n" + "\n".join(bad[:12])
-        assert ggml.graph_ops(g.graph).count("OUT_PROD") > 0      # the check saw the backward
+        lib = ggml.lib
+        assert any(lib.ggml_graph_node(g.graph, i).op == lib.GGML_OP_OUT_PROD   # the backward
+                   for i in range(lib.ggml_graph_n_nodes(g.graph)))
     finally:
         g.close()
 
@@ -56,7 +59,7 @@ def test_qwen35_2b_training_graph_runs_entirely_on_cuda(file_type):
     """The real model's shape at the largest micro-batch (4 x 16384 tokens): head counts and
     widths decide which broadcasts and copies the graph needs.  The weights stay in the file's
     type, so the backward's OUT_PROD nodes read BF16/F16/quantized weights (patch 0003)."""
-    m = shape_model(QWEN35_2B, file_type, device="cuda")
+    m = shape_model("qwen35", QWEN35_2B, file_type, device="cuda")
     try:
         assert m.weights.tensors["token_embd.weight"].type == ggml.TYPES[file_type]
         ad = lora.create(m.runtime, m.config, select_targets(m.config), 16, 32.0)

@@ -15,7 +15,7 @@ import pytest
 from pytrain.config import load_config
 from pytrain.data import (DataError, DataStats, Example, load_data, load_examples,
                           make_batches, pad_token_id, split_examples)
-from pytrain.tokenizer import Tokenizer
+from pytrain.data.tokenizer import Tokenizer
 
 GGUF = Path(__file__).resolve().parent / "fixtures" / "qwen35" / "gqa-f32.gguf"
 
@@ -315,7 +315,7 @@ def test_padding_share_and_stats():
 @pytest.mark.parametrize("packing", [False, True])
 def test_shift_targets_sees_exactly_the_expected_targets(packing):
     """Known lengths and prompts -> known target count, through the loss's own shift."""
-    from pytrain.loss import IGNORE, shift_targets
+    from pytrain.train.loss import IGNORE, shift_targets
 
     eos = 7  # pad id == eos id: real EOS targets must stay targets
     lengths, prompt = [6, 3, 9, 4, 12], 2
@@ -342,7 +342,7 @@ def test_shift_targets_sees_exactly_the_expected_targets(packing):
 
 
 def test_from_files_through_config(tmp_path, tok):
-    from pytrain.loss import IGNORE, shift_targets
+    from pytrain.train.loss import IGNORE, shift_targets
 
     jsonl(tmp_path, *([CHAT, MULTI] * 5), name="train.jsonl")
     valid = jsonl(tmp_path, MULTI, name="valid.jsonl")

@@ -1,4 +1,4 @@
-"""`pytrain generate` from the command line on the embedded model (pytrain/data/default-model.gguf):
+"""`pytrain generate` from the command line on the embedded model (pytrain/assets/default-model.gguf):
 sampling is reproducible per --seed (also across processes), different seeds sample different
 text, and temperature 0 is greedy decoding, equal to ``Model.generate(..., temperature=0.0)``."""
 import subprocess
@@ -10,7 +10,7 @@ import pytest
 from pytrain.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
-MODEL = ROOT / "pytrain" / "data" / "default-model.gguf"
+MODEL = ROOT / "pytrain" / "assets" / "default-model.gguf"
 PROMPT = "What does the cow say?"
 COMMON = ["--device", "cpu", "--threads", "1"]
 
@@ -53,7 +53,7 @@ def test_different_seeds_sample_different_text(capsys):
 def test_temperature_zero_is_greedy_and_ignores_the_seed(capsys):
     """--temperature 0 gives the same text for any seed, equal to the argmax continuation
     computed from Python with Model.generate(..., temperature=0.0) on the same prompt ids."""
-    from pytrain.model import load_model
+    from pytrain.models.model import load_model
     raw = "Tom has a red ball. Tom"
     outs = [generate(capsys, "--raw", "--prompt", raw, "--temperature", "0", "--seed", str(s),
                      "--max-new-tokens", "24") for s in (0, 7)]
@@ -88,8 +88,8 @@ def test_temperature_zero_is_greedy_and_ignores_the_seed(capsys):
 def test_chat_prompt_greedy_equals_model_generate(capsys, seed):
     """Chat mode: the CLI renders the user message with the model's template (thinking off)
     and adds the generation prompt; greedy output equals Model.generate on that rendering."""
-    from pytrain.chat_template import render
-    from pytrain.model import load_model
+    from pytrain.data.chat_template import render
+    from pytrain.models.model import load_model
     cli = generate(capsys, "--prompt", PROMPT, "--seed", str(seed), "--max-new-tokens", "32")
     m = load_model(MODEL, "cpu", 1)
     try:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import build as native_build  # native/build.py (conftest puts native/ on sys.path)
-from pytrain.gguf_meta import GGUFError, open_gguf, read_metadata
+from pytrain.formats.gguf_meta import GGUFError, open_gguf, read_metadata
 
 FIXTURE_MODEL = Path(__file__).parent / "fixtures" / "qwen35" / "gqa-f32.gguf"
 

@@ -25,10 +25,10 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not has_gpu(), reason="needs a CUDA device (ggml reports none)")]
 
 import pytrain  # noqa: E402
-from pytrain import loss as L  # noqa: E402
-from pytrain import lora  # noqa: E402
-from pytrain.grad_graph import GradGraph  # noqa: E402
-from pytrain.lora_targets import select_targets  # noqa: E402
+from pytrain.train import loss as L  # noqa: E402
+from pytrain.models import lora  # noqa: E402
+from pytrain.train.graphs import GradGraph  # noqa: E402
+from pytrain.models.lora_targets import select_targets  # noqa: E402
 
 FIX = Path(__file__).resolve().parent / "fixtures" / "qwen35"
 TF32_LOGPROB, TF32_LOSS, TF32_GRAD = 0.3, 2e-2, 5e-2
@@ -59,7 +59,7 @@ def test_cuda_logits_match_the_float64_reference(name, golden, bound):
 
 @pytest.mark.parametrize("recompute", ["off", "layers"])
 def test_cuda_lora_gradients_match_peft(recompute):
-    from pytrain.recompute import RecomputeGraph
+    from pytrain.train.recompute import RecomputeGraph
     gold = dict(np.load(FIX / "peft_grads.npz"))
     m = pytrain.load_model(FIX / "gqa-f32.gguf", device="cuda")
     try:
@@ -87,7 +87,7 @@ def test_cuda_lora_gradients_match_peft(recompute):
 def test_training_graphs_stay_on_the_gpu(B, T):
     """The runtime refuses a graph the scheduler would split onto the CPU (CPUFallbackError):
     allocating the step graphs at the largest micro-batch proves none falls back."""
-    from pytrain.recompute import RecomputeGraph
+    from pytrain.train.recompute import RecomputeGraph
     m = pytrain.load_model(FIX / "gqa-q8_0.gguf", device="cuda")
     try:
         ad = lora.create(m.runtime, m.config, select_targets(m.config), 4, 8.0)

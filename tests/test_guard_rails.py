@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pytrain import checkpoint as ckpt
+from pytrain.train import checkpoint as ckpt
 from pytrain.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -23,7 +23,7 @@ SAVER = textwrap.dedent("""
     import os, shutil, sys, time
     import numpy as np
     from pathlib import Path
-    from pytrain import checkpoint as ckpt
+    from pytrain.train import checkpoint as ckpt
 
     class Adapter:   # what ckpt.save needs of a LoraAdapter: alpha and get()
         alpha = 8.0
@@ -62,7 +62,7 @@ SAVER = textwrap.dedent("""
     big = {"m.x": np.random.default_rng(0).normal(size=(300_000,)).astype(np.float32)}
     def save(step, version):
         ckpt.save(folder, step, Adapter(version), big,
-                  ckpt.TrainState(step, 0, step, version, fp), keep=3)
+                  ckpt.TrainState(step, 0, step, version, fp), keep=3, arch="qwen35")
     save(1, 1)
     save(2, 2)
     armed = True
@@ -126,9 +126,9 @@ def test_unwritable_output_dir_is_reported_before_training(tmp_path, capsys):
 
 def test_adapter_for_another_base_is_refused(tmp_path, capsys):
     import pytrain
-    from pytrain import lora
-    from pytrain.adapter_gguf import write_lora_gguf
-    from pytrain.lora_targets import select_targets
+    from pytrain.models import lora
+    from pytrain.formats.adapter_gguf import write_lora_gguf
+    from pytrain.models.lora_targets import select_targets
     m = pytrain.load_model(FIX / "gqa-f32.gguf", device="cpu")
     ad = lora.create(m.runtime, m.config, select_targets(m.config), 4, 8)   # layers 1 and 3
     path = write_lora_gguf(tmp_path / "gqa-adapter.gguf", "qwen35", 8.0, ad.get())

@@ -31,9 +31,9 @@ import pytest
 from llama_cpp_check import llama_cpp_compatible, run_llama
 
 import pytrain
-from pytrain import lora
-from pytrain.adapter_gguf import check_adapter_matches, read_lora_gguf, write_lora_gguf
-from pytrain.lora_targets import select_targets
+from pytrain.models import lora
+from pytrain.formats.adapter_gguf import check_adapter_matches, read_lora_gguf, write_lora_gguf
+from pytrain.models.lora_targets import select_targets
 
 ROOT = Path(__file__).resolve().parent.parent
 FIX = ROOT / "tests" / "fixtures" / "qwen35"

@@ -1,7 +1,7 @@
 """LoRA target selection on a Qwen3.5 layout (DeltaNet layers 0-2, 4-6; attention 3, 7)."""
 import pytest
 
-from pytrain.lora_targets import (DEFAULT_TARGETS, VALID_TARGETS, LoraTargetError,
+from pytrain.models.lora_targets import (DEFAULT_TARGETS, VALID_TARGETS, LoraTargetError,
                                   lora_param_count, lora_shapes, select_targets)
 from pytrain.models.qwen35_config import Qwen35Config
 

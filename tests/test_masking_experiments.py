@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parent.parent
 FIX = ROOT / "tests" / "fixtures" / "qwen35" / "gqa-f32.gguf"
 pytestmark = pytest.mark.slow   # tens of seconds: real (tiny) training runs
 SEED = 0
-DEFAULT = ROOT / "pytrain" / "data" / "default-model.gguf"
+DEFAULT = ROOT / "pytrain" / "assets" / "default-model.gguf"
 BASE = [f"model.path={FIX}", "model.threads=1"]
 
 

@@ -41,12 +41,13 @@ from llama_cpp_check import llama_cpp_compatible, run_llama
 from gguf import GGUFReader
 
 import pytrain
-from pytrain import cli, ggml, lora
-from pytrain import merge as merge_mod
-from pytrain.adapter_gguf import write_lora_gguf
-from pytrain.lora_targets import select_targets
-from pytrain.merge import MERGE_KEY, MergeError, merge_adapter
-from pytrain.model_file import open_model
+from pytrain import cli, ggml
+from pytrain.models import lora
+from pytrain.formats import merge as merge_mod
+from pytrain.formats.adapter_gguf import write_lora_gguf
+from pytrain.models.lora_targets import select_targets
+from pytrain.formats.merge import MERGE_KEY, MergeError, merge_adapter
+from pytrain.formats.model_file import open_model
 
 ROOT = Path(__file__).resolve().parent.parent
 FIX = ROOT / "tests" / "fixtures" / "qwen35"
@@ -105,7 +106,7 @@ def tensor_f32(reader, name) -> np.ndarray:
     t = next(t for t in reader.tensors if t.name == name)
     raw = np.asarray(reader.data[t.data_offset: t.data_offset + t.n_bytes])
     n = int(t.n_elements)
-    return merge_mod._decode(raw, int(t.tensor_type), n).reshape(list(reversed(
+    return ggml.decode(raw, int(t.tensor_type), n).reshape(list(reversed(
         [int(d) for d in t.shape])))
 
 
@@ -428,7 +429,7 @@ def test_failure_mid_write_leaves_no_file(tmp_path, monkeypatch):
 # --------------------------------------------------------------------------- CLI
 
 def test_cli_export_merge_end_to_end(tmp_path, capsys):
-    from pytrain.adapter_peft import write_peft_adapter
+    from pytrain.formats.adapter_peft import write_peft_adapter
     base = FIX / "gqa-f32.gguf"
     cfg = config_of(base)
     t = make_adapter(cfg)

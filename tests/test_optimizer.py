@@ -6,11 +6,12 @@ import numpy as np
 import pytest
 
 import pytrain
-from pytrain import loss as L, lora
-from pytrain.grad_graph import GradGraph
-from pytrain.lora_targets import select_targets
-from pytrain.optimizer import Accumulators, AdamW, Optimizer, schedule
-from pytrain.trainer import Trainer
+from pytrain.train import loss as L
+from pytrain.models import lora
+from pytrain.train.graphs import GradGraph
+from pytrain.models.lora_targets import select_targets
+from pytrain.train.optimizer import OptimizerState, AdamW, Optimizer, schedule
+from pytrain.train.trainer import Trainer
 
 FIX = Path(__file__).resolve().parent / "fixtures" / "qwen35"
 
@@ -53,7 +54,7 @@ def test_adamw_with_clipping_matches_numpy(model):
         vals[k] = rng.normal(0, 0.1, vals[k].shape).astype(np.float32)
     ad.set(vals)
     hp = AdamW(lr=1e-2, weight_decay=0.1, max_grad_norm=0.05)
-    acc = Accumulators(model.runtime, ad.params())
+    acc = OptimizerState(model.runtime, ad.params())
     opt = Optimizer(model.runtime, acc, hp)
     g = GradGraph(model, ad, B=2, T=12, acc=acc)
     b = make_batch(rng, [12, 7], 12)

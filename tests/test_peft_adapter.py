@@ -1,4 +1,4 @@
-"""PEFT adapter export/import (pytrain.adapter_peft) against HF transformers + PEFT.
+"""PEFT adapter export/import (pytrain.formats.adapter_peft) against HF transformers + PEFT.
 
 The reference is tests/fixtures/qwen35/peft_logits.npz (scripts/make_peft_logits_golden.py):
 PEFT 0.21.2 loaded folders written by ``write_peft_adapter`` into the HF model behind
@@ -36,9 +36,9 @@ import numpy as np
 import pytest
 
 import pytrain
-from pytrain import lora
-from pytrain.adapter_gguf import read_lora_gguf, write_lora_gguf
-from pytrain.adapter_peft import (CONFIG_NAME, WEIGHTS_NAME, PeftAdapterError, gguf_base_name,
+from pytrain.models import lora
+from pytrain.formats.adapter_gguf import read_lora_gguf, write_lora_gguf
+from pytrain.formats.adapter_peft import (CONFIG_NAME, WEIGHTS_NAME, PeftAdapterError, gguf_base_name,
                                   peft_config_dict, peft_module_name, read_peft_adapter,
                                   read_peft_metadata, write_peft_adapter)
 
@@ -345,7 +345,7 @@ def test_failed_write_leaves_previous_adapter(tmp_path, rng, monkeypatch):
         write_peft_adapter(folder, bad, 8, 2)
     # a crash while writing the second file: the first was replaced whole, the second is the
     # old one, and no temporary file is left behind
-    import pytrain.adapter_peft as ap
+    import pytrain.formats.adapter_peft as ap
     real = os.fsync
     calls = []
 

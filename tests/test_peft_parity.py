@@ -33,10 +33,10 @@ import numpy as np
 import pytest
 
 import pytrain
-from pytrain import loss as L
-from pytrain import lora
-from pytrain.grad_graph import GradGraph
-from pytrain.lora_targets import select_targets
+from pytrain.train import loss as L
+from pytrain.models import lora
+from pytrain.train.graphs import GradGraph
+from pytrain.models.lora_targets import select_targets
 
 FIX = Path(__file__).resolve().parent / "fixtures" / "qwen35"
 RANK, ALPHA = 4, 8

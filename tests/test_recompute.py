@@ -1,4 +1,4 @@
-"""Layer-wise recompute (``pytrain.recompute``) gives the one-graph step's loss and LoRA
+"""Layer-wise recompute (``pytrain.train.recompute``) gives the one-graph step's loss and LoRA
 gradients, and needs a fraction of its compute buffer."""
 from pathlib import Path
 
@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 
 import pytrain
-from pytrain import loss as L
-from pytrain import lora
-from pytrain import recompute as R
-from pytrain.grad_graph import GradGraph
-from pytrain.lora_targets import select_targets
+from pytrain.train import loss as L
+from pytrain.models import lora
+from pytrain.train import recompute as R
+from pytrain.train.graphs import GradGraph
+from pytrain.models.lora_targets import select_targets
 
 FIX = Path(__file__).resolve().parent / "fixtures" / "qwen35"
 ONE_CHUNK = R.HEAD_CHUNK_BYTES          # the default: the fixtures' targets fit one chunk
@@ -76,8 +76,8 @@ def test_training_with_recompute_gives_the_same_adapter():
     tiny; measuring with the runtime's scheduler once left a plan without buffers and the
     next step crashed)."""
     from pytrain.data import Example, make_batches
-    from pytrain.optimizer import AdamW
-    from pytrain.trainer import Trainer
+    from pytrain.train.optimizer import AdamW
+    from pytrain.train.trainer import Trainer
     rng = np.random.default_rng(3)
     ex = [Example(rng.integers(0, 480, n).astype(np.int32), rng.random(n) < 0.7)
           for n in (17, 30, 9, 24, 31, 12, 20, 26, 14, 33, 8, 21)]
@@ -103,8 +103,9 @@ def test_recompute_needs_a_fraction_of_the_memory_at_the_2b_shape():
     """Measured by the scheduler without allocating: batch 4 x 1024 of the Qwen3.5-2B shape,
     half the tokens targets.  The one-graph step needs ~34 GiB; layer by layer the largest
     graph needs a few (bench_results/memory.md has the table)."""
-    from pytrain.planning import QWEN35_2B, compute_bytes, shape_model
-    m = shape_model(QWEN35_2B, "f16")
+    from pytrain.models.qwen35_config import QWEN35_2B
+    from pytrain.train.planning import compute_bytes, shape_model
+    m = shape_model("qwen35", QWEN35_2B, "f16")
     try:
         ad = lora.create(m.runtime, m.config, select_targets(m.config), 16, 32.0)
         g = GradGraph(m, ad, 4, 1024, rows=2048)

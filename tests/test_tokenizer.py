@@ -8,8 +8,8 @@ import pytest
 from tokenizers import Tokenizer as HFTokenizer
 
 import build as native_build  # native/build.py (conftest puts native/ on sys.path)
-from pytrain.gguf_meta import read_metadata
-from pytrain.tokenizer import Tokenizer, TokenizerError
+from pytrain.formats.gguf_meta import read_metadata
+from pytrain.data.tokenizer import Tokenizer, TokenizerError
 
 FIXTURES = Path(__file__).parent / "fixtures"
 FIXTURE_MODEL = FIXTURES / "qwen35" / "gqa-f32.gguf"  # real Qwen3.5 format, 512-token vocab

@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pytrain import checkpoint as ckpt
-from pytrain.adapter_gguf import read_lora_gguf
+from pytrain.train import checkpoint as ckpt
+from pytrain.formats.adapter_gguf import read_lora_gguf
 from pytrain.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -181,7 +181,7 @@ def test_sigterm_finishes_the_step_checkpoints_exits_130_and_resume_continues(tm
 # forward + backward (GradGraph.accumulate) append one line to MARKS when it returns.
 WRAPPER = r"""
 import sys
-from pytrain import grad_graph
+from pytrain.train import graphs as grad_graph
 marks = open(sys.argv[1], "a", buffering=1)
 real = grad_graph.GradGraph.accumulate
 def accumulate(self, *a, **k):
@@ -310,7 +310,7 @@ def expected_steps(folder: Path, cfg_path: Path, epochs: int):
     with seed train.seed + epoch) in consecutive groups of grad_accum micro-batches."""
     from pytrain.config import load_config
     from pytrain.data import load_data, make_batches, pad_token_id
-    from pytrain.tokenizer import Tokenizer
+    from pytrain.data.tokenizer import Tokenizer
     cfg = load_config(cfg_path)
     tok = Tokenizer.from_gguf(MODEL)
     train = load_data(cfg.data, tok).train
@@ -356,7 +356,7 @@ def test_grad_accum_equals_one_batch_of_the_same_examples(tmp_path):
     per-micro-batch means would differ."""
     from pytrain.config import load_config
     from pytrain.data import load_data, make_batches
-    from pytrain.tokenizer import Tokenizer
+    from pytrain.data.tokenizer import Tokenizer
     write_data(tmp_path, copies=2)
     acc = write_config(tmp_path, "acc.toml", epochs=3, batch_size=8, grad_accum=2,
                        output={"dir": "acc"})

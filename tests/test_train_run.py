@@ -6,7 +6,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pytrain.adapter_gguf import read_lora_gguf
+from pytrain.formats.adapter_gguf import read_lora_gguf
 from pytrain.cli import main
 
 FIX = Path(__file__).resolve().parent / "fixtures" / "qwen35"
@@ -55,7 +55,7 @@ def test_train_writes_adapter_metrics_plot_and_lowers_validation_loss(tmp_path, 
     assert steps[-1]["drift"] > steps[0]["drift"] > 0
     arch, alpha, tensors, _ = read_lora_gguf(out / "adapter.gguf")
     assert arch == "qwen35" and alpha == 16.0 and "blk.1.attn_q.weight.lora_a" in tensors
-    from pytrain.adapter_peft import read_peft_adapter
+    from pytrain.formats.adapter_peft import read_peft_adapter
     peft, p_alpha, rank, _ = read_peft_adapter(out / "peft")
     assert p_alpha == 16.0 and rank == 8
     for k, v in tensors.items():
@@ -111,7 +111,7 @@ def test_resume_ends_with_the_same_adapter(tmp_path, monkeypatch, capsys):
     per epoch): the same adapter to float error."""
     import os
     import signal
-    from pytrain.trainer import Trainer
+    from pytrain.train.trainer import Trainer
     sigint_before = signal.getsignal(signal.SIGINT)
     write_data(tmp_path)
     cfg = write_config(tmp_path, max_steps=10, eval_every=0, schedule="cosine", warmup=2)
@@ -185,7 +185,7 @@ def test_extending_a_finished_run_continues_it(tmp_path, capsys):
     """max_steps 2 (save_every 2) trained to the end, then `--set train.max_steps=4 --resume`:
     steps 3 and 4 are the next batches of epoch 0, and the adapter equals that of one
     uninterrupted 4-step run (constant schedule).  The batches have different widths."""
-    from pytrain.checkpoint import latest
+    from pytrain.train.checkpoint import latest
     from pytrain.data import make_batches
     write_uneven_data(tmp_path)
     cfg = write_config(tmp_path, max_steps=4, batch_size=4, eval_every=0, formats=["gguf"])
@@ -222,7 +222,7 @@ def test_extending_a_finished_run_continues_it(tmp_path, capsys):
 def _examples(cfg: Path):
     from pytrain.config import load_config
     from pytrain.data import load_data
-    from pytrain.model import load_model
+    from pytrain.models.model import load_model
     c = load_config(cfg, [])
     m = load_model(c.model.path, "cpu", 1)
     try:

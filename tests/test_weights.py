@@ -15,9 +15,9 @@ import pytest
 from gguf_factory import write_qwen35
 from pytrain import ggml
 from pytrain.ggml import ffi, lib
-from pytrain.gguf_meta import GGUFError
-from pytrain.model_file import ModelFileError, open_model
-from pytrain.weights import (BF16, F16, F32, WeightsError, is_elementwise, load_type,
+from pytrain.formats.gguf_meta import GGUFError
+from pytrain.formats.model_file import ModelFileError, open_model
+from pytrain.models.weights import (BF16, F16, F32, WeightsError, is_elementwise, load_type,
                              load_weights)
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "qwen35"

@@ -1,18 +1,70 @@
-"""Model architectures, one module each (like llama.cpp's src/models/).
+"""Model architectures, one module each (like llama.cpp's src/models/), and their registry.
 
-``ARCHITECTURES`` maps a GGUF ``general.architecture`` to its module; the loader refuses any
-other architecture and lists these.
+An architecture is one ``Architecture`` entry: how to read its config from the GGUF keys, how
+to build its graph, which host inputs that graph takes, how sequences are padded for it and
+how many graph nodes it needs.  Everything else in pytrain (the trainer, the step graphs,
+checkpoints, adapter writers, merge, the CLI) asks the model's entry and names no
+architecture.  ``general.architecture`` of a GGUF selects the entry; an unknown one is refused
+with the list of known ones.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from importlib import import_module
+from typing import Any, Callable, Protocol
 
-ARCHITECTURES = {"qwen35": "pytrain.models.qwen35"}
+import numpy as np
+
+from pytrain.errors import PytrainError
 
 
-def architecture_module(arch: str, path: str = "") -> object:
-    if arch not in ARCHITECTURES:
+class ModelConfig(Protocol):
+    """What generic code reads of an architecture's config."""
+    n_layer: int
+    n_embd: int
+    n_vocab: int
+    recurrent: tuple[bool, ...]      # per layer: True = a recurrent (state-space) layer
+
+    def tensor_shapes(self) -> dict[str, tuple[int, ...]]: ...
+
+
+@dataclass(frozen=True)
+class Architecture:
+    name: str                                            # the GGUF general.architecture
+    config_from_metadata: Callable[..., ModelConfig]     # (meta, tensor_names, n_vocab=, source=)
+    graph: Callable[[ModelConfig, dict], Any]            # (config, weights) -> graph builder:
+    #   new_inputs(ctx, B, T), embed(ctx, inp), layer(ctx, il, x, inp, B, T, lora),
+    #   head(ctx, x, inp, B, T, rows), build(ctx, B, T, lora, rows) -> .logits, .inputs
+    input_values: Callable[[ModelConfig, np.ndarray, np.ndarray], dict]   # tokens, seg [B, T]
+    set_inputs: Callable[[Any, dict], None]              # (graph inputs, input_values(...))
+    padded_length: Callable[[int], int]                  # the T a graph runs for T tokens
+    layer_budget: Callable[[ModelConfig, int], int]      # graph nodes of one layer at T
+    default_targets: tuple[str, ...] = ("attn_q", "attn_k", "attn_v", "attn_output")
+
+
+class ArchitectureError(PytrainError, ValueError):
+    """A model of an architecture pytrain does not know."""
+
+
+_MODULES = {"qwen35": "pytrain.models.qwen35"}
+_REGISTERED: dict[str, Architecture] = {}
+
+
+def register(arch: Architecture) -> Architecture:
+    """Make ``arch`` loadable by its name (the modules above register on first use)."""
+    _REGISTERED[arch.name] = arch
+    return arch
+
+
+def names() -> list[str]:
+    return sorted(set(_MODULES) | set(_REGISTERED))
+
+
+def get(name: str, path: str = "") -> Architecture:
+    if name not in _REGISTERED and name in _MODULES:
+        register(import_module(_MODULES[name]).ARCHITECTURE)
+    if name not in _REGISTERED:
         where = f"{path}: " if path else ""
-        raise ValueError(f"{where}unsupported architecture {arch!r}; supported: "
-                         f"{', '.join(sorted(ARCHITECTURES))}")
-    return import_module(ARCHITECTURES[arch])
+        raise ArchitectureError(f"{where}unsupported architecture {name!r}; supported: "
+                         f"{', '.join(names())}")
+    return _REGISTERED[name]

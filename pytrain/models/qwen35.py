@@ -21,6 +21,7 @@ import numpy as np
 
 from pytrain import ggml
 from pytrain.ggml import lib
+from pytrain.models import Architecture
 from pytrain.models import delta_net as dn
 from pytrain.models.qwen35_config import Qwen35Config
 
@@ -244,8 +245,8 @@ def input_values(config: Qwen35Config, tokens: np.ndarray, seg: np.ndarray) -> d
     return vals
 
 
-def set_inputs(fwd: Forward, vals: dict[str, np.ndarray]) -> None:
-    inp = fwd.inputs
+def set_inputs(inp: GraphInputs, vals: dict[str, np.ndarray]) -> None:
+    """Upload ``input_values`` into the graph inputs that the allocated graph uses."""
     targets = {"tokens": inp.tokens, "pos": inp.pos, "kq_mask": inp.kq_mask,
                "conv_keep": inp.conv_keep, "conv_zeros": inp.conv_zeros}
     if inp.chunks is not None:
@@ -253,3 +254,21 @@ def set_inputs(fwd: Forward, vals: dict[str, np.ndarray]) -> None:
     for name, t in targets.items():
         if t is not None and ggml.is_allocated(t):
             ggml.from_numpy(t, vals[name])
+
+
+def layer_budget(config: Qwen35Config, T: int) -> int:
+    """Nodes (and tensors) a forward graph of one layer may need: the DeltaNet recurrence adds
+    a few dozen per chunk."""
+    n_chunks = max(1, T // dn.chunk_size(T))
+    return 2048 + (400 + 60 * n_chunks) * 3
+
+
+ARCHITECTURE = Architecture(
+    name="qwen35",
+    config_from_metadata=Qwen35Config.from_metadata,
+    graph=Qwen35Graph,
+    input_values=input_values,
+    set_inputs=set_inputs,
+    padded_length=padded_length,
+    layer_budget=layer_budget,
+)

@@ -31,10 +31,6 @@ class Qwen35Config:
     context_length: int = 0
 
     @property
-    def attention_layers(self) -> list[int]:
-        return [i for i, r in enumerate(self.recurrent) if not r]
-
-    @property
     def layer_kinds(self) -> list[str]:
         return ["linear" if r else "attention" for r in self.recurrent]
 
@@ -135,3 +131,12 @@ class Qwen35Config:
                 s[p + "attn_q_norm.weight"] = (hd,)
                 s[p + "attn_k_norm.weight"] = (hd,)
         return s
+
+
+# The Qwen3.5-2B shape (hidden 2048, 24 layers with attention every 4th, 8/2 heads x 256,
+# FFN 6144, DeltaNet 16/16 heads x 128, vocabulary 248320, tied embeddings)
+QWEN35_2B = Qwen35Config(n_layer=24, n_embd=2048, n_ff=6144, n_head=8, n_head_kv=2,
+                         head_dim=256, n_vocab=248320, rms_eps=1e-6, rope_base=1e7, n_rot=64,
+                         rope_sections=(11, 11, 10, 0), conv_kernel=4, ssm_inner=2048,
+                         ssm_state=128, ssm_v_heads=16, ssm_k_heads=16,
+                         recurrent=tuple(i % 4 != 3 for i in range(24)))

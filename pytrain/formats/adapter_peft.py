@@ -1,7 +1,7 @@
 """LoRA adapters in Hugging Face PEFT's format (``adapter_config.json`` + ``adapter_model.safetensors``).
 
 pytrain keys its adapters by GGUF tensor name (``blk.N.attn_q.weight.lora_a`` → A [r, n_in],
-``.lora_b`` → B [n_out, r], numpy order, see :mod:`pytrain.lora`).  PEFT keys them by HF module
+``.lora_b`` → B [n_out, r], numpy order, see :mod:`pytrain.models.lora`).  PEFT keys them by HF module
 (``base_model.model.model.layers.N.self_attn.q_proj.lora_A.weight`` → A [r, n_in],
 ``....lora_B.weight`` → B [n_out, r]) and applies the same function, ``W·x + (lora_alpha/r)·B·(A·x)``.
 This module is the exact inverse of llama.cpp's ``convert_lora_to_gguf.py`` (pinned source,
@@ -48,7 +48,6 @@ a bias, rsLoRA, DoRA and the other LoRA variants, ``rank_pattern`` / ``alpha_pat
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 
@@ -57,7 +56,10 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from pytrain.atomic import fsync_dir, write_bytes
+from pytrain.errors import PytrainError
+from pytrain.formats.adapter_gguf import AdapterError, check_alpha, lora_pairs
+
+from pytrain.formats.atomic import fsync_dir, write_bytes
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
@@ -82,7 +84,7 @@ _HF_MODULE = re.compile(r"(?P<prefix>.+)\.(?P<layer>\d+)\.(?P<module>[a-z_]+\.[a
 _ST_DTYPES = {"F32": ("<f4", 4), "F16": ("<f2", 2), "BF16": ("<u2", 2), "F64": ("<f8", 8)}
 
 
-class PeftAdapterError(ValueError):
+class PeftAdapterError(PytrainError, ValueError):
     """A PEFT adapter folder or tensor set pytrain cannot write or read exactly; names the file
     or tensor."""
 
@@ -170,15 +172,7 @@ def _convert_pair(base: str, a: np.ndarray, b: np.ndarray, model_config: Any, wh
 # --------------------------------------------------------------------------- validation
 
 def _check_alpha(alpha: Any, where: str) -> float:
-    if isinstance(alpha, bool):
-        raise PeftAdapterError(f"{where}: lora_alpha must be a number, got {alpha!r}")
-    try:
-        a = float(alpha)
-    except (TypeError, ValueError):
-        raise PeftAdapterError(f"{where}: lora_alpha must be a number, got {alpha!r}") from None
-    if not math.isfinite(a) or a == 0.0:
-        raise PeftAdapterError(f"{where}: lora_alpha must be finite and non-zero, got {alpha!r}")
-    return a
+    return check_alpha(alpha, where, PeftAdapterError, "lora_alpha")
 
 
 def _check_rank(rank: Any, where: str) -> int:
@@ -189,16 +183,13 @@ def _check_rank(rank: Any, where: str) -> int:
 
 def _gguf_pairs(tensors: Mapping[str, Any], rank: int, where: str
                 ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """``{gguf base: (A, B)}`` as float32, after name, shape, rank and finiteness checks."""
-    halves: dict[str, dict[str, np.ndarray]] = {}
+    """``{gguf base: (A, B)}`` as float32.  First what PEFT needs of each tensor (a module for
+    its base, a number type, the adapter's rank), then llama.cpp's pairing and shape rules
+    (``adapter_gguf.lora_pairs``), then finite values."""
     for name, arr in tensors.items():
-        if name.endswith(".lora_a"):
-            base, which = name[:-7], "a"
-        elif name.endswith(".lora_b"):
-            base, which = name[:-7], "b"
-        else:
-            raise PeftAdapterError(f"{where}: tensor {name!r} does not end in '.lora_a' or "
-                                   f"'.lora_b'")
+        base, half = name.rpartition(".")[0], name.rpartition(".")[2]
+        if half not in ("lora_a", "lora_b"):
+            continue                                     # lora_pairs names the bad suffix
         try:
             peft_module_name(base)                       # refuses unmapped targets by name
         except PeftAdapterError as e:
@@ -206,24 +197,20 @@ def _gguf_pairs(tensors: Mapping[str, Any], rank: int, where: str
         x = np.asarray(arr)
         if not (np.issubdtype(x.dtype, np.floating) or np.issubdtype(x.dtype, np.integer)):
             raise PeftAdapterError(f"{where}: tensor {name!r} has dtype {x.dtype}, not a number")
-        x = np.ascontiguousarray(x, dtype=np.float32)
-        if not np.isfinite(x).all():
-            raise PeftAdapterError(f"{where}: tensor {name!r} holds NaN or Inf (a diverged "
-                                   f"run?); refusing to write it")
-        halves.setdefault(base, {})[which] = x
-    if not halves:
-        raise PeftAdapterError(f"{where}: no LoRA tensors")
-    out = {}
-    for base, h in sorted(halves.items()):
-        for w in "ab":
-            if w not in h:
-                raise PeftAdapterError(f"{where}: LoRA pair for {base!r} is missing "
-                                       f"{base + '.lora_' + w!r}")
-        a, b = h["a"], h["b"]
-        if a.ndim != 2 or b.ndim != 2 or a.shape[0] != rank or b.shape[1] != rank:
+        if x.ndim == 2 and x.shape[0 if half == "lora_a" else 1] != rank:
             raise PeftAdapterError(
-                f"{where}: {base!r}: lora_a {tuple(a.shape)} and lora_b {tuple(b.shape)} must be "
-                f"A [r, n_in] and B [n_out, r] with r = {rank}")
+                f"{where}: {name!r} has shape {tuple(x.shape)}: A must be [r, n_in] and B "
+                f"[n_out, r] with r = {rank}")
+    try:
+        pairs = lora_pairs({k: np.asarray(v) for k, v in tensors.items()}, where)
+    except AdapterError as e:
+        raise PeftAdapterError(str(e)) from None
+    out = {}
+    for base, (a, b) in sorted(pairs.items()):
+        a, b = (np.ascontiguousarray(x, dtype=np.float32) for x in (a, b))
+        if not (np.isfinite(a).all() and np.isfinite(b).all()):
+            raise PeftAdapterError(f"{where}: {base!r} holds NaN or Inf (a diverged run?); "
+                                   f"refusing to write it")
         out[base] = (a, b)
     return out
 
@@ -434,7 +421,7 @@ def write_peft_adapter(folder: str | os.PathLike[str], tensors: Mapping[str, Any
     """Write a PEFT LoRA adapter folder that ``PeftModel.from_pretrained(hf_model, folder)``
     loads; returns the folder.
 
-    ``tensors``: pytrain's GGUF-keyed pairs (:meth:`pytrain.lora.LoraAdapter.get`), every A of
+    ``tensors``: pytrain's GGUF-keyed pairs (:meth:`pytrain.models.lora.LoraAdapter.get`), every A of
     rank ``rank``.  ``metadata``: extra ``__metadata__`` strings of the safetensors file
     (non-strings are stored as JSON; ``format`` is the writer's).  ``model_config`` (the
     model's ``Qwen35Config``) is required for DeltaNet targets, and when given also checks
@@ -520,8 +507,8 @@ def read_peft_adapter(folder: str | os.PathLike[str], model_config: Any = None
     """``(tensors, alpha, rank, config)`` of a PEFT LoRA adapter folder.
 
     ``tensors`` are pytrain's GGUF-keyed float32 pairs (``blk.N.<t>.weight.lora_a`` A [r, n_in],
-    ``.lora_b`` B [n_out, r]), ready for :meth:`pytrain.lora.LoraAdapter.set` or
-    :func:`pytrain.adapter_gguf.write_lora_gguf`; ``config`` is ``adapter_config.json`` as a
+    ``.lora_b`` B [n_out, r]), ready for :meth:`pytrain.models.lora.LoraAdapter.set` or
+    :func:`pytrain.formats.adapter_gguf.write_lora_gguf`; ``config`` is ``adapter_config.json`` as a
     dict.  ``model_config`` is needed for DeltaNet modules and, when given, checks every shape.
     Raises :class:`PeftAdapterError` naming the file.
     """

@@ -23,6 +23,8 @@ from typing import Any, Sequence
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as _HFTokenizer
 
+from pytrain.errors import PytrainError
+
 # llama_token_type values written by the converters (gguf.TokenType).
 TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = 1, 2, 3, 4, 5, 6
 
@@ -68,7 +70,7 @@ _EOG_TEXTS = frozenset({
 })
 
 
-class TokenizerError(ValueError):
+class TokenizerError(PytrainError, ValueError):
     """GGUF tokenizer metadata that pytrain cannot reproduce exactly."""
 
 
@@ -139,7 +141,7 @@ class Tokenizer:
     # -- construction ---------------------------------------------------------------------
     @classmethod
     def from_metadata(cls, meta: dict[str, Any]) -> "Tokenizer":
-        """Build from :func:`pytrain.gguf_meta.read_metadata` output."""
+        """Build from :func:`pytrain.formats.gguf_meta.read_metadata` output."""
         model = meta.get("tokenizer.ggml.model")
         if model != "gpt2":
             raise TokenizerError(f"unsupported tokenizer.ggml.model {model!r}: pytrain supports "
@@ -162,7 +164,7 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, path: str | os.PathLike[str]) -> "Tokenizer":
-        from .gguf_meta import read_metadata
+        from pytrain.formats.gguf_meta import read_metadata
         return cls.from_metadata(read_metadata(path))
 
     # -- encoding -------------------------------------------------------------------------
@@ -217,9 +219,6 @@ class Tokenizer:
 
     def token_type(self, token_id: int) -> int:
         return self._types[token_id]
-
-    def is_control(self, token_id: int) -> bool:
-        return token_id in self._control
 
     @property
     def eog_ids(self) -> list[int]:

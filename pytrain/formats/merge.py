@@ -4,7 +4,7 @@ For every adapted matrix ``W`` [n_out, n_in] (numpy order) the merged file holds
 
     W' = W + (alpha / r) · B · A          A [r, n_in], B [n_out, r], r = B.shape[1] per pair
 
-which is what llama.cpp (``W·x + scale·B·(A·x)``) and :class:`pytrain.lora.LoraAdapter`
+which is what llama.cpp (``W·x + scale·B·(A·x)``) and :class:`pytrain.models.lora.LoraAdapter`
 compute with the adapter loaded separately.  The one embedding case llama.cpp defines,
 ``token_embd.weight`` with A [n_vocab, r] and B [n_embd, r], merges as
 ``W' = W + (alpha / r) · A · Bᵀ`` (llama.cpp: ``B·get_rows(A, tokens)``); it is refused for
@@ -38,7 +38,7 @@ Types.  ``merged_type`` says what the *adapted* tensors are written as:
     ``f16`` refuses values beyond F16's range (65504) rather than writing Inf.
 
 Refusals, all before anything touches the disk: an adapter made for another base (names or
-shapes, via :func:`pytrain.adapter_gguf.check_adapter_matches`), LoRA on a tensor llama.cpp
+shapes, via :func:`pytrain.formats.adapter_gguf.check_adapter_matches`), LoRA on a tensor llama.cpp
 does not apply LoRA to as a matrix product (``ssm_conv1d.weight``), non-finite adapter
 values, an output path that is the base file itself.
 
@@ -62,12 +62,13 @@ import numpy as np
 from gguf import GGUFEndian
 
 from pytrain import ggml
-from pytrain.adapter_gguf import AdapterError, check_adapter_matches, lora_pairs, read_lora_gguf
-from pytrain.atomic import replacing
+from pytrain.formats.adapter_gguf import AdapterError, check_adapter_matches, check_alpha, lora_pairs
+from pytrain.formats.adapter_gguf import read_adapter as read_lora_file
+from pytrain.formats.atomic import replacing
 from pytrain.ggml import ffi, lib
-from pytrain.gguf_meta import GGUFError
-from pytrain.model_file import open_model
-from pytrain.weights import is_elementwise, open_reader, type_name, type_supported
+from pytrain.formats.gguf_meta import GGUFError
+from pytrain.formats.model_file import open_model
+from pytrain.models.weights import is_elementwise, open_reader, type_supported
 
 MERGED_TYPES = ("keep", "f16", "f32")
 MERGE_KEY = "pytrain.merged_adapters"
@@ -143,14 +144,10 @@ def read_adapter(path: str | os.PathLike[str], base_path: str | os.PathLike[str]
     """``(tensors, alpha)`` of a LoRA adapter GGUF or PEFT adapter folder, checked against
     the base model at ``base_path`` (architecture, names and shapes)."""
     arch, _meta, _infos, config = open_model(base_path)
-    p = Path(path)
-    if p.is_dir():
-        from pytrain.adapter_peft import read_peft_adapter
-        tensors, alpha, _rank, _cfg = read_peft_adapter(p, config)
-    else:
-        _arch, alpha, tensors, _m = read_lora_gguf(p, arch=arch)
-    _check_matches(config, tensors, str(p), base_path)
-    return tensors, float(alpha)
+    try:
+        return read_lora_file(path, arch, config)
+    except AdapterError as e:
+        raise MergeError(f"{e} -- refusing to merge it into {base_path}") from e
 
 
 def _check_matches(config, tensors: Mapping[str, np.ndarray], source: str, base) -> None:
@@ -184,17 +181,6 @@ def adapter_fingerprint(tensors: Mapping[str, np.ndarray], alpha: float) -> str:
 
 
 # --------------------------------------------------------------------------- encoding
-
-def _decode(raw: np.ndarray, t: int, n: int) -> np.ndarray:
-    """float32 values of ``n`` elements of type ``t`` (ggml's ``to_float``)."""
-    if t == F32:
-        return raw.view(np.float32).copy()
-    out = np.empty(n, dtype=np.float32)
-    src = np.ascontiguousarray(raw)
-    lib.ggml_get_type_traits(t).to_float(ffi.cast("void *", ffi.from_buffer(src)),
-                                         ffi.cast("float *", ffi.from_buffer(out)), n)
-    return out
-
 
 def _encode(arr: np.ndarray, t: int, row_len: int) -> np.ndarray:
     """Bytes of ``arr`` (float32) as type ``t``, with ggml's own converters/quantizers."""
@@ -251,7 +237,7 @@ def merge_adapter(base_path: str | os.PathLike[str], adapter_tensors: Mapping[st
     docstring for the formula, types, metadata and refusals.
 
     ``adapter_tensors``: ``{"<base>.lora_a": A [r, n_in], "<base>.lora_b": B [n_out, r]}``
-    (numpy order, as :func:`pytrain.adapter_gguf.read_lora_gguf` returns them); ``alpha``: the
+    (numpy order, as :func:`pytrain.formats.adapter_gguf.read_lora_gguf` returns them); ``alpha``: the
     adapter's alpha (scale alpha/r per pair).  ``adapter_name`` is recorded in the merged
     file's ``pytrain.merged_adapters`` entry; ``source`` names the adapter in error messages.
     Returns a :class:`MergeReport` (per adapted tensor: update size and rounding or
@@ -259,20 +245,34 @@ def merge_adapter(base_path: str | os.PathLike[str], adapter_tensors: Mapping[st
     """
     base, out = Path(base_path), Path(out_path)
     source = source or adapter_name
-    if merged_type not in MERGED_TYPES:
-        raise MergeError(f"merged_type must be one of {', '.join(MERGED_TYPES)}, got "
-                         f"{merged_type!r}")
-    try:
-        alpha = float(alpha)
-    except (TypeError, ValueError):
-        raise MergeError(f"{source}: alpha must be a number, got {alpha!r}") from None
-    if not math.isfinite(alpha) or alpha == 0.0:
-        raise MergeError(f"{source}: alpha must be finite and non-zero, got {alpha!r}")
-
+    alpha = _check_alpha(alpha, merged_type, source)
     _arch, _meta, infos, config = open_model(base)
     _check_matches(config, adapter_tensors, source, base)
     pairs = _pairs(adapter_tensors, source)
+    plan = _plan(pairs, infos, config, alpha, merged_type, base, source)
+    reader = _open_base(base, out)
+    sha = adapter_fingerprint(adapter_tensors, alpha)
+    ranks = sorted({int(b.shape[1]) for _a, b in pairs.values()})
+    record = json.dumps({"adapter": adapter_name, "alpha": alpha,
+                         "rank": ranks[0] if len(ranks) == 1 else ranks,
+                         "tensors": len(plan), "merged_type": merged_type,
+                         "sha256": sha}, separators=(",", ":"))
+    head, layout = _header(reader, plan, record)
+    report = MergeReport(str(base), str(out), merged_type, alpha, sha)
+    _write(out, reader, head, layout, plan, infos, report)
+    return report
 
+
+def _check_alpha(alpha, merged_type: str, source: str) -> float:
+    if merged_type not in MERGED_TYPES:
+        raise MergeError(f"merged_type must be one of {', '.join(MERGED_TYPES)}, got "
+                         f"{merged_type!r}")
+    return check_alpha(alpha, source, MergeError)
+
+
+def _plan(pairs, infos, config, alpha: float, merged_type: str, base: Path, source: str
+          ) -> dict[str, tuple[int, np.ndarray, np.ndarray, float]]:
+    """Per adapted tensor: (output type, A, B, scale), after refusing what cannot merge."""
     plan: dict[str, tuple[int, np.ndarray, np.ndarray, float]] = {}
     for name, (a, b) in pairs.items():
         info = infos[name]
@@ -291,9 +291,11 @@ def merge_adapter(base_path: str | os.PathLike[str], adapter_tensors: Mapping[st
         if why:
             raise MergeError(f"{base}: cannot requantize {name!r} to {info.type_name} ({why}); "
                              f"use merged_type 'f16' or 'f32' (--merged-type)")
-        rank = int(b.shape[1])
-        plan[name] = (ot, a, b, alpha / rank)
+        plan[name] = (ot, a, b, alpha / int(b.shape[1]))
+    return plan
 
+
+def _open_base(base: Path, out: Path):
     reader = open_reader(base)
     if reader.endianess != GGUFEndian.LITTLE:
         raise MergeError(f"{base}: big-endian GGUF files are not supported")
@@ -303,17 +305,14 @@ def merge_adapter(base_path: str | os.PathLike[str], adapter_tensors: Mapping[st
     if out.exists() and os.path.samefile(out, base):
         raise MergeError(f"{out}: refusing to overwrite the base model with the merged one; "
                          f"choose another output path")
-    align = int(reader.alignment)
-    sha = adapter_fingerprint(adapter_tensors, alpha)
-    ranks = sorted({int(b.shape[1]) for _a, b in pairs.values()})
-    record = json.dumps({"adapter": adapter_name, "alpha": alpha,
-                         "rank": ranks[0] if len(ranks) == 1 else ranks,
-                         "tensors": len(plan), "merged_type": merged_type,
-                         "sha256": sha}, separators=(",", ":"))
-    report = MergeReport(str(base), str(out), merged_type, alpha, sha)
+    return reader
 
-    # ---- header, key/values (copied raw), tensor index
+
+def _header(reader, plan, record: str) -> tuple[bytes, list]:
+    """The merged file's header (key/values copied raw, plus the merge record) and its tensor
+    layout: (tensor, output type, bytes, offset) per tensor."""
     data = reader.data
+    align = int(reader.alignment)
     kv_blobs: list[bytes] = []
     previous: list[str] = []
     for key, f in reader.fields.items():
@@ -326,8 +325,7 @@ def merge_adapter(base_path: str | os.PathLike[str], adapter_tensors: Mapping[st
         nbytes = sum(int(p.nbytes) for p in f.parts)
         kv_blobs.append(bytes(data[f.offset: f.offset + nbytes]))
     kv_blobs.append(_merge_record_field(previous, record))
-
-    layout = []                       # (tensor, out type, n_bytes, offset)
+    layout = []
     off = 0
     for t in reader.tensors:
         ot = plan[t.name][0] if t.name in plan else int(t.tensor_type)
@@ -345,9 +343,12 @@ def merge_adapter(base_path: str | os.PathLike[str], adapter_tensors: Mapping[st
     version = int(reader.fields["GGUF.version"].contents())   # 2 and 3 share this layout
     head = (_GGUF_MAGIC + struct.pack("<IQQ", version, len(reader.tensors), len(kv_blobs))
             + b"".join(kv_blobs) + index)
-    head += b"\0" * _pad(len(head), align)
+    return head + b"\0" * _pad(len(head), align), layout
 
-    # ---- write
+
+def _write(out: Path, reader, head: bytes, layout, plan, infos, report: MergeReport) -> None:
+    """Header, then every tensor: merged ones streamed, the rest copied byte for byte."""
+    data = reader.data
     with replacing(out) as tmp, open(tmp, "wb") as fh:
         fh.write(head)
         pos = 0
@@ -363,7 +364,6 @@ def merge_adapter(base_path: str | os.PathLike[str], adapter_tensors: Mapping[st
                 raise MergeError(f"{out}: internal error: tensor {t.name!r} wrote "
                                  f"{fh.tell() - len(head) - o} bytes, expected {nb}")
         report.bytes_written = fh.tell()
-    return report
 
 
 def _write_merged(fh, data, t, info, ot: int, a: np.ndarray, b: np.ndarray, scale: float
@@ -377,7 +377,7 @@ def _write_merged(fh, data, t, info, ot: int, a: np.ndarray, b: np.ndarray, scal
     d_sq = d_max = r_sq = r_max = 0.0
     for r0 in range(0, n_rows, rows_per_chunk):
         r1 = min(n_rows, r0 + rows_per_chunk)
-        w = _decode(raw[r0 * src_row: r1 * src_row], info.type, (r1 - r0) * row_len)
+        w = ggml.decode(raw[r0 * src_row: r1 * src_row], info.type, (r1 - r0) * row_len)
         w = w.reshape(r1 - r0, row_len)
         delta = scale * (a[r0:r1] @ b.T if embd else b[r0:r1] @ a)       # float64
         merged = (w.astype(np.float64) + delta).astype(np.float32)
@@ -388,7 +388,7 @@ def _write_merged(fh, data, t, info, ot: int, a: np.ndarray, b: np.ndarray, scal
                              f"merged_type 'f32'")
         enc = _encode(merged, ot, row_len)
         if ot != F32:
-            back = _decode(enc, ot, merged.size).reshape(merged.shape)
+            back = ggml.decode(enc, ot, merged.size).reshape(merged.shape)
             err = np.abs(back.astype(np.float64) - merged)
             r_sq += float(np.square(err).sum())
             r_max = max(r_max, float(err.max()))
@@ -396,6 +396,6 @@ def _write_merged(fh, data, t, info, ot: int, a: np.ndarray, b: np.ndarray, scal
         d_max = max(d_max, float(np.abs(delta).max()))
         fh.write(enc)
     n = n_rows * row_len
-    return TensorMerge(info.name, tuple(info.shape), info.type_name, type_name(ot),
+    return TensorMerge(info.name, tuple(info.shape), info.type_name, ggml.type_name(ot),
                        int(b.shape[1]), float(scale), math.sqrt(d_sq / n), d_max,
                        math.sqrt(r_sq / n), r_max)

@@ -4,14 +4,16 @@ from __future__ import annotations
 import argparse
 import sys
 
+from pytrain.errors import PytrainError
+
 
 def _doctor(args: argparse.Namespace) -> int:
-    from pytrain import doctor
+    from pytrain.cli import doctor
     return doctor.main()
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from pytrain import inspect_model
+    from pytrain.cli import inspect_model
     return inspect_model.main(args.model)
 
 
@@ -21,7 +23,7 @@ def _config(args: argparse.Namespace):
 
 
 def _train(args: argparse.Namespace) -> int:
-    from pytrain import run
+    from pytrain.train import run
     cfg = _config(args)
     try:
         res = run.train(cfg, progress=not args.no_progress, resume=args.resume)
@@ -46,17 +48,10 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _load_adapter(model, path):
-    from pytrain import lora
-    from pathlib import Path
-
-    from pytrain.adapter_gguf import check_adapter_matches, read_lora_gguf
-    if Path(path).is_dir():     # a PEFT adapter folder
-        from pytrain.adapter_peft import read_peft_adapter
-        tensors, alpha, rank, _cfg = read_peft_adapter(path, model.config)
-    else:
-        _arch, alpha, tensors, _meta = read_lora_gguf(
-            path, arch=model.metadata.get("general.architecture"))
-    check_adapter_matches(model.config, tensors, source=str(path))
+    """The adapter GGUF or PEFT folder at ``path``, checked against ``model`` and loaded."""
+    from pytrain.formats.adapter_gguf import read_adapter
+    from pytrain.models import lora
+    tensors, alpha = read_adapter(path, model.arch.name, model.config)
     names = sorted({k.rsplit(".", 1)[0] for k in tensors})
     rank = tensors[names[0] + ".lora_a"].shape[0]
     ad = lora.create(model.runtime, model.config, names, rank, alpha)
@@ -65,20 +60,20 @@ def _load_adapter(model, path):
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from pytrain.data import load_data, make_batches, pad_token_id
-    from pytrain.model import load_model
-    from pytrain.optimizer import AdamW
-    from pytrain.trainer import Trainer
+    from pytrain.data import load_data, make_batches
+    from pytrain.models.model import load_model
+    from pytrain.train.optimizer import AdamW
+    from pytrain.train.trainer import Trainer
     cfg = _config(args)
     model = load_model(cfg.model.path, cfg.model.device, cfg.model.threads, cfg.model.type_policy)
     splits = load_data(cfg.data, model.tokenizer)
     examples = splits.valid or splits.train
     batches = make_batches(examples, cfg.train.batch_size, cfg.data.packing, 0, shuffle=False,
-                           max_seq_len=cfg.data.max_seq_len, pad_id=pad_token_id(model.tokenizer))
+                           max_seq_len=cfg.data.max_seq_len, pad_id=model.pad_id)
     adapter = _load_adapter(model, args.adapter) if args.adapter else None
     if adapter is None:
-        from pytrain import lora
-        from pytrain.lora_targets import select_targets
+        from pytrain.models import lora
+        from pytrain.models.lora_targets import select_targets
         adapter = lora.create(model.runtime, model.config, select_targets(model.config), 1, 1.0)
     ev = Trainer(model, adapter, AdamW()).evaluate(batches)
     which = "validation" if splits.valid else "training"
@@ -88,8 +83,8 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from pytrain.chat_template import render
-    from pytrain.model import load_model
+    from pytrain.data.chat_template import render
+    from pytrain.models.model import load_model
     model = load_model(args.model, args.device, args.threads)
     tok = model.tokenizer
     adapter = _load_adapter(model, args.adapter) if args.adapter else None
@@ -111,7 +106,7 @@ def _export(args: argparse.Namespace) -> int:
     """Merge an adapter into its base model (``--merge``); the only export for now."""
     from pathlib import Path
 
-    from pytrain.merge import merge_adapter, read_adapter
+    from pytrain.formats.merge import merge_adapter, read_adapter
     if not args.merge:
         print("error: only `pytrain export MODEL --adapter ADAPTER --merge -o OUT.gguf` is "
               "supported for now (merging the adapter into the base model); pass --merge",
@@ -185,8 +180,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, RuntimeError, OSError, KeyError) as e:
-        # bad config, data, model or adapter files: one clear line, no traceback
+    except (PytrainError, OSError) as e:
+        # bad config, data, model or adapter files, a missing device or file: one clear line;
+        # anything else is a bug in pytrain and keeps its traceback
         print(f"error: {e}", file=sys.stderr)
         return 1
 

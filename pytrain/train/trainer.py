@@ -8,25 +8,23 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pytrain import ggml, loss as loss_mod
-from pytrain.ggml import lib
-from pytrain.grad_graph import GradGraph, pad_batch
-from pytrain.lora import LoraAdapter
-from pytrain.model import Model, graph_budget
-from pytrain.models import qwen35
-from pytrain.optimizer import Accumulators, AdamW, Optimizer
-from pytrain.planning import compute_bytes
-from pytrain.recompute import RecomputeGraph
+from pytrain.train import loss as loss_mod
+from pytrain.train.graphs import EvalGraph, GradGraph
+from pytrain.models.lora import LoraAdapter
+from pytrain.models.model import Model
+from pytrain.train.optimizer import OptimizerState, AdamW, Optimizer
+from pytrain.train.planning import compute_bytes
+from pytrain.train.recompute import RecomputeGraph
 
 
 class NonFiniteLoss(RuntimeError):
     """Loss or gradient norm became NaN/inf; the parameters were left as they were."""
 
 
-def bucket_length(T: int) -> int:
+def bucket_length(model: Model, T: int) -> int:
     """Graph length for a batch of T tokens: a multiple of 16 (few distinct graphs), then
-    whole DeltaNet chunks."""
-    return qwen35.padded_length(-(-T // 16) * 16)
+    what the architecture pads to (whole DeltaNet chunks for qwen35)."""
+    return model.arch.padded_length(-(-T // 16) * 16)
 
 
 @dataclass
@@ -48,7 +46,7 @@ class Trainer:
         if recompute not in ("auto", "off", "layers"):
             raise ValueError(f"recompute must be auto, off or layers, got {recompute!r}")
         self.recompute = recompute
-        self.acc = Accumulators(model.runtime, adapter.params())
+        self.acc = OptimizerState(model.runtime, adapter.params())
         self.opt = Optimizer(model.runtime, self.acc, hp)
         self.graphs: dict[tuple[int, int, int | None], GradGraph] = {}   # (B, T, rows)
         self.max_graphs = max_graphs
@@ -59,7 +57,7 @@ class Trainer:
         """The step graph for a [B, T] micro-batch with ``n_targets`` targets (None: the head
         and loss on every row, as the bug reproduction needs): one ``GradGraph``, or a
         ``RecomputeGraph`` (layer by layer, the head on row chunks) when ``recompute`` says so."""
-        T = bucket_length(T)
+        T = bucket_length(self.model, T)
         if n_targets is not None and self._recompute(B, T):
             key = (B, T, "layers")
         else:
@@ -93,8 +91,7 @@ class Trainer:
 
     def targets(self, batch) -> np.ndarray:
         if self.buggy:
-            pad = self.model.tokenizer.pad_id
-            return loss_mod.buggy_targets(batch.tokens, batch.seg, 0 if pad is None else pad)
+            return loss_mod.buggy_targets(batch.tokens, batch.seg, self.model.pad_id)
         return loss_mod.shift_targets(batch.tokens, batch.train_mask, batch.seg)
 
     def step(self, micro_batches: list, lr: float) -> StepResult | None:
@@ -131,7 +128,7 @@ class Trainer:
             k = int((tg >= 0).sum())
             if k == 0:
                 continue
-            B, T = b.tokens.shape[0], bucket_length(b.tokens.shape[1])
+            B, T = b.tokens.shape[0], bucket_length(self.model, b.tokens.shape[1])
             key = (B, T, loss_mod.rows_bucket(k, B * T))
             if key not in self.eval_graphs:
                 self.eval_graphs[key] = EvalGraph(self.model, self.adapter, *key)
@@ -150,45 +147,3 @@ class Trainer:
             g.close()
         self.graphs.clear()
         self.eval_graphs.clear()
-
-
-class EvalGraph:
-    """Forward + masked CE (sum form) + argmax, for validation metrics."""
-
-    def __init__(self, model: Model, adapter: LoraAdapter | None, B: int, T: int, rows: int):
-        """``rows``: the LM head and loss run on that many positions (the targets)."""
-        self.model = model
-        self.B, self.T, self.rows = B, T, rows
-        size = graph_budget(model.config, T)
-        self.ctx = ggml.Context(n_tensors=size, graph_size=size)
-        c = self.ctx.ptr
-        self.fwd = model.graph.build(c, B, T, adapter.hook if adapter else None, rows=rows)
-        self.ce = loss_mod.build(model.runtime, c, self.fwd.logits, model.config.n_vocab, rows)
-        self.pred = lib.ggml_argmax(c, lib.ggml_reshape_2d(c, self.fwd.logits,
-                                                           model.config.n_vocab, rows))
-        for t in (self.ce.loss, self.pred):
-            lib.ggml_set_output(t)
-        self.graph = ggml.new_graph(self.ctx, size)
-        lib.ggml_build_forward_expand(self.graph, self.ce.loss)
-        lib.ggml_build_forward_expand(self.graph, self.pred)
-
-    def run(self, tokens, seg, targets) -> tuple[float, int]:
-        """(sum of CE over valid targets, number of correct argmax predictions)."""
-        tok, sg, tg = pad_batch(self.B, self.T, tokens, seg, targets,
-                                self.model.tokenizer.pad_id or 0)
-        rt = self.model.runtime
-        rt.alloc_graph(self.graph, self.ctx)
-        qwen35.set_inputs(self.fwd, qwen35.input_values(self.model.config, tok, sg))
-        sel, tg = loss_mod.select_rows(tg, self.rows)
-        ggml.from_numpy(self.fwd.inputs.rows, sel)
-        n = self.ce.prepare(tg, self.model.tokenizer.pad_id)
-        rt.compute(self.graph)
-        mean = float(ggml.to_numpy(self.ce.loss).reshape(-1)[0])
-        pred = ggml.to_numpy(self.pred).reshape(-1)
-        ok = tg >= 0
-        return mean * n, int((pred[ok] == tg[ok]).sum())
-
-    def close(self) -> None:
-        self.model.runtime.forget_graph()
-        self.ce.close()
-        self.ctx.close()

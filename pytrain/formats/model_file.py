@@ -1,9 +1,8 @@
 """Open a model GGUF: architecture check, metadata, tensor index and hyperparameters.
 
 One entry point so every command (train, inspect, export) refuses the same files with the
-same messages, before anything is allocated.  The architecture is checked against
-``pytrain.models.ARCHITECTURES`` without importing the graph module: inspecting a file must
-not depend on the training graph code.
+same messages, before anything is allocated.  ``general.architecture`` picks the registry entry
+(``pytrain.models.get``), which reads the config from the GGUF keys.
 """
 from __future__ import annotations
 
@@ -11,10 +10,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-from pytrain.gguf_meta import GGUFError, metadata_from_reader
-from pytrain.models import ARCHITECTURES, architecture_module
-from pytrain.models.qwen35_config import Qwen35Config
-from pytrain.weights import TensorInfo, open_reader, tensor_infos
+from pytrain.formats.gguf_meta import GGUFError, metadata_from_reader
+from pytrain import models
+from pytrain.models.weights import TensorInfo, open_reader, tensor_infos
 
 
 class ModelFileError(GGUFError):
@@ -22,7 +20,7 @@ class ModelFileError(GGUFError):
 
 
 def open_model(path: str | os.PathLike[str]
-               ) -> tuple[str, dict[str, Any], dict[str, TensorInfo], Qwen35Config]:
+               ) -> tuple[str, dict[str, Any], dict[str, TensorInfo], models.ModelConfig]:
     """``(arch, metadata, tensor_infos, config)`` of the model at ``path``.
 
     ``config.n_vocab`` comes from ``token_embd.weight`` (the converter writes no vocabulary
@@ -35,12 +33,11 @@ def open_model(path: str | os.PathLike[str]
     arch = meta.get("general.architecture")
     if not isinstance(arch, str):
         raise ModelFileError(f"{p}: no general.architecture key; supported: "
-                             f"{', '.join(sorted(ARCHITECTURES))}")
-    if arch not in ARCHITECTURES:
-        try:
-            architecture_module(arch, str(p))   # raises with the list of supported ones
-        except ValueError as e:
-            raise ModelFileError(str(e)) from e
+                             f"{', '.join(models.names())}")
+    try:
+        entry = models.get(arch, str(p))
+    except ValueError as e:
+        raise ModelFileError(str(e)) from e
     if meta.get("general.type", "model") != "model":
         raise ModelFileError(f"{p}: general.type is {meta['general.type']!r}, not a base model "
                              f"(an adapter file?)")
@@ -48,7 +45,7 @@ def open_model(path: str | os.PathLike[str]
     if embd is None or len(embd.shape) != 2:
         raise ModelFileError(f"{p}: no 2-D token_embd.weight tensor")
     try:
-        config = Qwen35Config.from_metadata(meta, set(infos), n_vocab=embd.shape[0],
+        config = entry.config_from_metadata(meta, set(infos), n_vocab=embd.shape[0],
                                             source=str(p))
     except KeyError as e:
         raise ModelFileError(e.args[0] if e.args else f"{p}: incomplete metadata") from e

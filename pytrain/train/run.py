@@ -19,19 +19,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
-from pytrain import atomic
-from pytrain import checkpoint as ckpt
-from pytrain import lora as lora_mod
-from pytrain.adapter_gguf import write_lora_gguf
+from pytrain.errors import PytrainError
+from pytrain.formats import atomic
+from pytrain.train import checkpoint as ckpt
+from pytrain.models import lora as lora_mod
+from pytrain.formats.adapter_gguf import write_lora_gguf
 from pytrain.config import Config
-from pytrain.data import DataSplits, load_data, make_batches, pad_token_id
-from pytrain.lora_targets import select_targets
-from pytrain.model import Model, load_model
-from pytrain.optimizer import AdamW, schedule
-from pytrain.trainer import NonFiniteLoss, Trainer
+from pytrain.data import DataSplits, load_data, make_batches
+from pytrain.models.lora_targets import select_targets
+from pytrain.models.model import Model, load_model
+from pytrain.train.optimizer import AdamW, schedule
+from pytrain.train.trainer import NonFiniteLoss, Trainer
 
 
-class RunError(RuntimeError):
+class RunError(PytrainError, RuntimeError):
     """A run that cannot start or had to stop; the message says why and what was kept."""
 
 
@@ -65,11 +66,11 @@ def save_adapter(model: Model, adapter, path: Path, formats=("gguf",)) -> Path:
     (adapter_config.json + adapter_model.safetensors) beside it in ``peft/``."""
     tensors = adapter.get()
     if "peft" in formats:
-        from pytrain.adapter_peft import write_peft_adapter
+        from pytrain.formats.adapter_peft import write_peft_adapter
         write_peft_adapter(path.parent / "peft", tensors, adapter.alpha, adapter.rank,
                            base_model_name_or_path=Path(model.path).name,
                            model_config=model.config)
-    return write_lora_gguf(path, "qwen35", adapter.alpha, tensors,
+    return write_lora_gguf(path, model.arch.name, adapter.alpha, tensors,
                            base_metadata={"general.name": f"pytrain LoRA for {Path(model.path).name}"})
 
 
@@ -160,8 +161,7 @@ class Session:
 
     @property
     def seed(self) -> int:
-        d, t = self.cfg.data, self.cfg.train
-        return d.shuffle_seed if d.shuffle_seed is not None else t.seed
+        return self.cfg.data.shuffle_seed          # resolved by the config (train.seed if unset)
 
     def epoch_steps(self, epoch: int) -> list[list]:
         """The optimizer steps of ``epoch``: its batch order (seeded by the epoch) in groups of
@@ -169,7 +169,7 @@ class Session:
         if epoch not in self._epochs:
             t, d = self.cfg.train, self.cfg.data
             b = make_batches(self.splits.train, t.batch_size, d.packing, self.seed + epoch,
-                             max_seq_len=d.max_seq_len, pad_id=pad_token_id(self.model.tokenizer))
+                             max_seq_len=d.max_seq_len, pad_id=self.model.pad_id)
             if epoch == 0:
                 self.splits.train_stats.record_batches(b)
                 self.stats["train"] = self.splits.train_stats.to_dict()
@@ -216,7 +216,7 @@ def open_session(cfg: Config, out: Path, log: Callable[[str], None]) -> Session:
         names = select_targets(model.config, cfg.lora.targets, cfg.lora.skip_ssm)
         adapter = lora_mod.create(
             model.runtime, model.config, names, cfg.lora.rank, cfg.lora.alpha,
-            seed=cfg.lora.seed if cfg.lora.seed is not None else cfg.train.seed,
+            seed=cfg.lora.seed,                   # resolved by the config (train.seed if unset)
             init=cfg.lora.init)
         t = cfg.train
         hp = AdamW(lr=t.lr, beta1=t.adam_beta1, beta2=t.adam_beta2, eps=t.adam_eps,
@@ -226,7 +226,7 @@ def open_session(cfg: Config, out: Path, log: Callable[[str], None]) -> Session:
         model.close()
         raise
     valid = (make_batches(splits.valid, t.batch_size, cfg.data.packing, 0, shuffle=False,
-                          max_seq_len=cfg.data.max_seq_len, pad_id=pad_token_id(model.tokenizer))
+                          max_seq_len=cfg.data.max_seq_len, pad_id=model.pad_id)
              if splits.valid else [])
     stats = {"train": splits.train_stats.to_dict(),
              "valid": splits.valid_stats.to_dict() if splits.valid_stats else None}
@@ -325,7 +325,7 @@ class Loop:
         state = ckpt.TrainState(self.step, epoch, index, s.trainer.opt.t, self.fingerprint,
                                 total_steps=self.total, resume_key=s.resume_key())
         where = ckpt.save(self.ckpt_dir, self.step, s.adapter, s.trainer.acc.moments(), state,
-                          keep=s.cfg.output.keep_checkpoints)
+                          keep=s.cfg.output.keep_checkpoints, arch=s.model.arch.name)
         self.saved_step = self.step
         return where
 

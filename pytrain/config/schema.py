@@ -1,33 +1,16 @@
-"""Run configuration: a TOML file (plus ``--set section.key=value`` overrides) as dataclasses.
-
-Why strict: a misspelt key (``learning_rate`` for ``lr``) or a quoted number silently falling
-back to a default is the same class of quiet bug as an unmasked loss, so every unknown key and
-every wrong type is an error that names the key, the file and, when it can be found, the line.
-Each field carries its help text in ``metadata["help"]`` (:func:`describe` prints them all).
-
-Paths written in a file resolve against that file's folder, so a config and its data can move
-together; paths given as overrides resolve against the working directory, as a shell user
-expects.  Seeds left unset (``data.shuffle_seed``, ``lora.seed``) follow ``train.seed`` and are
-stored resolved, so the saved config (:meth:`Config.to_toml`) reproduces the run.
-"""
+"""The config's sections and keys: types, defaults, choices, checks and help text (one
+dataclass per TOML section; ``describe`` prints them all)."""
 from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import re
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence, Union, get_args, get_origin, get_type_hints
-import types
+from typing import Any, Callable, Sequence, get_type_hints
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - exercised on 3.10 only
-    import tomli as tomllib
-
-from pytrain.lora_targets import DEFAULT_TARGETS, VALID_TARGETS
+from pytrain.errors import PytrainError
+from pytrain.models.lora_targets import DEFAULT_TARGETS
 
 FORMATS = ("chat", "completion", "text", "auto")
 MASKS = ("assistant_only", "completion_only", "all")
@@ -38,7 +21,7 @@ MASKS_FOR_FORMAT = {"chat": ("assistant_only", "all"),
 OUTPUT_FORMATS = ("gguf", "peft")
 
 
-class ConfigError(ValueError):
+class ConfigError(PytrainError, ValueError):
     """A config file or override that is not valid; the message names key, file and line."""
 
 
@@ -219,6 +202,7 @@ class Config:
     def from_dict(cls, data: dict[str, Any], base_dir: str | Path | None = None,
                   *, partial: bool = False) -> "Config":
         """Validate a nested dict as if it were a TOML file in ``base_dir`` (default: cwd)."""
+        from pytrain.config.load import _build        # the loader builds Configs
         base = Path(base_dir) if base_dir is not None else Path.cwd()
         return _build(data, "<dict>", None, base, [], partial=partial)
 
@@ -239,241 +223,6 @@ def _toml_value(v: Any) -> str:
     if isinstance(v, list):
         return "[" + ", ".join(_toml_value(x) for x in v) + "]"
     raise TypeError(f"cannot write {v!r} as TOML")
-
-
-# ------------------------------------------------------------------------------- loading
-def load_config(path: str | Path | None, overrides: Iterable[str] = (), *,
-                partial: bool = False) -> Config:
-    """Read ``path`` (TOML), apply ``overrides`` (``section.key=value``, values parsed as TOML
-    literals, else taken as a bare string) and validate everything.
-
-    ``path`` None starts from the defaults (overrides must then name the required keys).
-    ``partial`` skips the required-key check (for commands that need only some sections).
-    Raises :class:`ConfigError`.
-    """
-    if path is not None:
-        p = Path(path).expanduser()
-        try:
-            text = p.read_text(encoding="utf-8")
-        except OSError as e:
-            raise ConfigError(f"{path}: cannot read config: {e.strerror or e}") from e
-        try:
-            raw = tomllib.loads(text)
-        except tomllib.TOMLDecodeError as e:
-            m = re.search(r"\(at line (\d+), column (\d+)\)", str(e))
-            where = f"{path}:{m.group(1)}" if m else str(path)
-            msg = re.sub(r"\s*\(at line \d+, column \d+\)", "", str(e))
-            raise ConfigError(f"{where}: invalid TOML: {msg}"
-                              + (f" (column {m.group(2)})" if m else "")) from e
-        source, base = str(path), p.resolve().parent
-    else:
-        text, raw, source, base = None, {}, "<defaults>", Path.cwd()
-    parsed = [_parse_override(o) for o in overrides]
-    cfg = _build(raw, source, text, base, parsed, partial=partial)
-    cfg.source = str(Path(path).expanduser().resolve()) if path is not None else None
-    if cfg.output.dir is None:
-        stem = Path(path).stem if path is not None else "run"
-        cfg.output.dir = str((Path.cwd() / "runs" / stem).resolve())
-    return cfg
-
-
-def _parse_override(item: str) -> tuple[str, str, Any, str]:
-    """``section.key=value`` -> (section, key, value, label)."""
-    label = f"--set {item}"
-    key, sep, value = item.partition("=")
-    key = key.strip()
-    if not sep or key.count(".") != 1 or not all(key.split(".")):
-        raise ConfigError(f"{label}: expected section.key=value (for example train.lr=1e-4)")
-    section, name = key.split(".")
-    value = value.strip()
-    try:
-        parsed = tomllib.loads(f"v = {value}")["v"]
-    except tomllib.TOMLDecodeError:
-        parsed = value
-    return section, name, parsed, label
-
-
-def _find_line(text: str | None, section: str, key: str | None = None) -> int | None:
-    """Best-effort line of ``[section] key = ...`` (or of the section header) in TOML text;
-    tomllib reports lines only for syntax errors."""
-    if text is None:
-        return None
-    current = ""
-    header_line = None
-    qkey = r'(?:{0}|"{0}"|\'{0}\')'
-    for n, line in enumerate(text.splitlines(), 1):
-        s = line.strip()
-        m = re.match(r"^\[\s*([^\[\]]+?)\s*\]", s)
-        if m:
-            current = m.group(1).strip().strip('"\'')
-            if current == section and header_line is None:
-                header_line = n
-            continue
-        if key is None:
-            if current == "" and re.match(qkey.format(re.escape(section)) + r"\s*[.=]", s):
-                return n
-            continue
-        if current == section and re.match(qkey.format(re.escape(key)) + r"\s*=", s):
-            return n
-        if current == "" and re.match(qkey.format(re.escape(section)) + r"\s*\.\s*"
-                                      + qkey.format(re.escape(key)) + r"\s*=", s):
-            return n
-    return header_line if key is None else None
-
-
-class _Where:
-    """Formats ``file:line: key: message`` for one source (file or override)."""
-
-    def __init__(self, source: str, text: str | None) -> None:
-        self.source, self.text = source, text
-
-    def error(self, section: str, key: str | None, msg: str) -> ConfigError:
-        line = _find_line(self.text, section, key)
-        loc = f"{self.source}:{line}" if line else self.source
-        name = f"{section}.{key}" if key else section
-        return ConfigError(f"{loc}: {name}: {msg}")
-
-
-def _build(raw: dict[str, Any], source: str, text: str | None, base: Path,
-           overrides: list[tuple[str, str, Any, str]], *, partial: bool) -> Config:
-    where = _Where(source, text)
-    values: dict[str, dict[str, Any]] = {s: {} for s in SECTIONS}
-    origin: dict[tuple[str, str], tuple[_Where, Path]] = {}
-
-    def take(section: str, key: str, value: Any, w: _Where, base_dir: Path) -> None:
-        cls = SECTIONS[section]
-        names = {f.name for f in dataclasses.fields(cls)}
-        if key not in names:
-            raise w.error(section, key, f"unknown key; valid keys of [{section}]: "
-                                        f"{', '.join(sorted(names))}")
-        values[section][key] = value
-        origin[(section, key)] = (w, base_dir)
-
-    for section, table in raw.items():
-        if section not in SECTIONS:
-            raise where.error(section, None, f"unknown section; valid sections: "
-                                             f"{', '.join(SECTIONS)}")
-        if not isinstance(table, dict):
-            raise where.error(section, None, f"expected a table [{section}], got "
-                                             f"{_describe(table)}")
-        for key, value in table.items():
-            take(section, key, value, where, base)
-    for section, key, value, label in overrides:
-        w = _Where(label, None)
-        if section not in SECTIONS:
-            raise w.error(section, None, f"unknown section; valid sections: {', '.join(SECTIONS)}")
-        take(section, key, value, w, Path.cwd())
-
-    built: dict[str, Any] = {}
-    for section, cls in SECTIONS.items():
-        hints = get_type_hints(cls)
-        kwargs = {}
-        for f in dataclasses.fields(cls):
-            if f.name not in values[section]:
-                continue
-            w, base_dir = origin[(section, f.name)]
-            try:
-                v = _coerce(values[section][f.name], hints[f.name])
-            except _TypeMismatch as e:
-                raise w.error(section, f.name, str(e)) from None
-            meta = f.metadata
-            if v is not None and meta.get("choices") and v not in meta["choices"]:
-                raise w.error(section, f.name, f"{v!r} is not one of "
-                                               f"{', '.join(map(repr, meta['choices']))}")
-            problem = meta["check"](v) if meta.get("check") and v is not None else None
-            if problem:
-                raise w.error(section, f.name, f"{problem}, got {v!r}")
-            if meta.get("path") and v is not None:
-                v = str((base_dir / Path(v).expanduser()).resolve())
-            kwargs[f.name] = v
-        built[section] = cls(**kwargs)
-    cfg = Config(**built)
-
-    def err(section: str, key: str, msg: str) -> ConfigError:
-        w = origin.get((section, key), (where, base))[0]
-        return w.error(section, key, msg)
-
-    if not partial:
-        for name in REQUIRED:
-            section, key = name.split(".")
-            if getattr(getattr(cfg, section), key) is None:
-                raise ConfigError(f"{source}: {name}: required key missing")
-    d = cfg.data
-    if d.validation is not None and d.split > 0:
-        raise err("data", "split", "a validation split is only taken when there is no "
-                                   "data.validation file; set one or the other")
-    if d.mask is not None and d.format != "auto" and d.mask not in MASKS_FOR_FORMAT[d.format]:
-        raise err("data", "mask", f"{d.mask!r} does not apply to format {d.format!r} (valid: "
-                                  f"{', '.join(MASKS_FOR_FORMAT[d.format])})")
-    targets = []
-    for t in cfg.lora.targets:
-        t = t.strip().removesuffix(".weight")
-        if t not in VALID_TARGETS:
-            raise err("lora", "targets", f"unknown target {t!r}; valid: {', '.join(VALID_TARGETS)}")
-        if t not in targets:
-            targets.append(t)
-    if not targets:
-        raise err("lora", "targets", "no targets given")
-    cfg.lora.targets = targets
-    fmts = list(dict.fromkeys(cfg.output.formats))
-    bad = [f for f in fmts if f not in OUTPUT_FORMATS]
-    if bad or not fmts:
-        what = f"{bad[0]!r} is not an adapter format" if bad else "no formats given"
-        raise err("output", "formats", f"{what}; valid: {', '.join(OUTPUT_FORMATS)}")
-    cfg.output.formats = fmts
-    if d.shuffle_seed is None:
-        d.shuffle_seed = cfg.train.seed
-    if cfg.lora.seed is None:
-        cfg.lora.seed = cfg.train.seed
-    return cfg
-
-
-class _TypeMismatch(Exception):
-    pass
-
-
-def _describe(v: Any) -> str:
-    return f"{type(v).__name__} {v!r}" if not isinstance(v, dict) else "a table"
-
-
-def _coerce(v: Any, tp: Any) -> Any:
-    """``v`` as type ``tp`` (int, float, bool, str, list[str], X | None) or _TypeMismatch.
-
-    No lossy conversions: a bool is not an int, a float is not an int, a quoted number is not
-    a number.  An int is accepted for a float.  ``"none"`` unsets an optional value.
-    """
-    origin = get_origin(tp)
-    if origin in (Union, types.UnionType):
-        args = [a for a in get_args(tp) if a is not type(None)]
-        if v is None or (isinstance(v, str) and v.strip().lower() in ("none", "null")):
-            return None
-        return _coerce(v, args[0])
-    if origin is list:
-        (item,) = get_args(tp)
-        if isinstance(v, str):  # "attn_q, attn_v" from a CLI override
-            v = [s for s in re.split(r"[,\s]+", v) if s]
-        if not isinstance(v, list):
-            raise _TypeMismatch(f"expected a list of {item.__name__}s, got {_describe(v)}")
-        return [_coerce(x, item) for x in v]
-    if tp is bool:
-        if isinstance(v, bool):
-            return v
-        raise _TypeMismatch(f"expected true or false, got {_describe(v)}")
-    if tp is int:
-        if isinstance(v, int) and not isinstance(v, bool):
-            return v
-        raise _TypeMismatch(f"expected an integer, got {_describe(v)}")
-    if tp is float:
-        if isinstance(v, (int, float)) and not isinstance(v, bool):
-            if not math.isfinite(v):
-                raise _TypeMismatch(f"expected a finite number, got {v!r}")
-            return float(v)
-        raise _TypeMismatch(f"expected a number, got {_describe(v)}")
-    if tp is str:
-        if isinstance(v, str):
-            return v
-        raise _TypeMismatch(f"expected a string, got {_describe(v)}")
-    raise TypeError(f"unsupported config type {tp!r}")  # a bug in this module
 
 
 # ------------------------------------------------------------------------------- help

@@ -1,5 +1,7 @@
-"""One static graph per batch shape: forward with the adapter → masked CE → backward, adding
-its gradients into the shared accumulators.
+"""The step graphs, one static graph per batch shape: ``GradGraph`` (forward with the adapter →
+masked CE → backward, adding its gradients into the shared accumulators) and ``EvalGraph``
+(forward → masked CE and argmax, for validation metrics).  The layer-wise variant of
+``GradGraph`` is ``recompute.RecomputeGraph``.
 
 Built once and reused for every micro-batch of that shape: only inputs change (tokens,
 positions, masks, labels, loss_scale), so no graph is rebuilt per step.
@@ -8,12 +10,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from pytrain import ggml, loss as loss_mod
+from pytrain import ggml
+from pytrain.train import loss as loss_mod
 from pytrain.ggml import lib
-from pytrain.lora import LoraAdapter
-from pytrain.model import Model, graph_budget
-from pytrain.models import qwen35
-from pytrain.optimizer import Accumulators
+from pytrain.models.lora import LoraAdapter
+from pytrain.models.model import Model
+from pytrain.train.optimizer import OptimizerState
 
 
 def pad_batch(B: int, T: int, tokens: np.ndarray, seg: np.ndarray, targets: np.ndarray,
@@ -30,7 +32,7 @@ def pad_batch(B: int, T: int, tokens: np.ndarray, seg: np.ndarray, targets: np.n
 
 class GradGraph:
     def __init__(self, model: Model, adapter: LoraAdapter, B: int, T: int,
-                 acc: Accumulators | None = None, keep_logit_grad: bool = False,
+                 acc: OptimizerState | None = None, keep_logit_grad: bool = False,
                  rows: int | None = None):
         """``rows``: run the LM head and the loss on that many positions, the micro-batch's
         targets (loss.select_rows), instead of all B·T; None: on all of them (needed by the
@@ -38,10 +40,10 @@ class GradGraph:
         assert rows is None or not keep_logit_grad, "logit gradients are kept for all rows only"
         self.rows = rows
         self.model, self.adapter = model, adapter
-        self.acc = acc or Accumulators(model.runtime, adapter.params())
+        self.acc = acc or OptimizerState(model.runtime, adapter.params())
         self.own_acc = acc is None
-        self.B, self.T = B, qwen35.padded_length(T)
-        size = graph_budget(model.config, self.T)
+        self.B, self.T = B, model.arch.padded_length(T)
+        size = model.graph_budget(self.T)
         self.ctx = ggml.Context(n_tensors=size * 2, graph_size=size * 2, grads=True)
         c = self.ctx.ptr
         self.fwd = model.graph.build(c, B, self.T, adapter.hook, rows=rows)
@@ -69,13 +71,13 @@ class GradGraph:
                    n_valid_step: int | None = None, buggy: bool = False) -> tuple[float, int]:
         """Forward + backward of one micro-batch, adding its gradients into the
         accumulators; returns (this micro-batch's share of the step loss, its valid count)."""
-        pad = self.model.tokenizer.pad_id or 0
+        pad = self.model.pad_id
         # the bug reproduction labels the graph's own padding with the pad token as well
         tok, sg, tg = pad_batch(self.B, self.T, tokens, seg, targets, pad,
                                 pad if buggy else loss_mod.IGNORE)
         rt = self.model.runtime
         rt.alloc_graph(self.graph, self.ctx)
-        qwen35.set_inputs(self.fwd, qwen35.input_values(self.model.config, tok, sg))
+        self.model.arch.set_inputs(self.fwd.inputs, self.model.input_values(tok, sg))
         if self.rows is not None:
             if buggy:
                 raise ValueError("the bug reproduction trains every row: build with rows=None")
@@ -104,4 +106,46 @@ class GradGraph:
         if self.own_acc:
             self.model.runtime.free(self.acc.buffer)
             self.acc.ctx.close()
+        self.ctx.close()
+
+
+class EvalGraph:
+    """Forward + masked CE (sum form) + argmax, for validation metrics."""
+
+    def __init__(self, model: Model, adapter: LoraAdapter | None, B: int, T: int, rows: int):
+        """``rows``: the LM head and loss run on that many positions (the targets)."""
+        self.model = model
+        self.B, self.T, self.rows = B, T, rows
+        size = model.graph_budget(T)
+        self.ctx = ggml.Context(n_tensors=size, graph_size=size)
+        c = self.ctx.ptr
+        self.fwd = model.graph.build(c, B, T, adapter.hook if adapter else None, rows=rows)
+        self.ce = loss_mod.build(model.runtime, c, self.fwd.logits, model.config.n_vocab, rows)
+        self.pred = lib.ggml_argmax(c, lib.ggml_reshape_2d(c, self.fwd.logits,
+                                                           model.config.n_vocab, rows))
+        for t in (self.ce.loss, self.pred):
+            lib.ggml_set_output(t)
+        self.graph = ggml.new_graph(self.ctx, size)
+        lib.ggml_build_forward_expand(self.graph, self.ce.loss)
+        lib.ggml_build_forward_expand(self.graph, self.pred)
+
+    def run(self, tokens, seg, targets) -> tuple[float, int]:
+        """(sum of CE over valid targets, number of correct argmax predictions)."""
+        tok, sg, tg = pad_batch(self.B, self.T, tokens, seg, targets,
+                                self.model.pad_id)
+        rt = self.model.runtime
+        rt.alloc_graph(self.graph, self.ctx)
+        self.model.arch.set_inputs(self.fwd.inputs, self.model.input_values(tok, sg))
+        sel, tg = loss_mod.select_rows(tg, self.rows)
+        ggml.from_numpy(self.fwd.inputs.rows, sel)
+        n = self.ce.prepare(tg, self.model.tokenizer.pad_id)
+        rt.compute(self.graph)
+        mean = float(ggml.to_numpy(self.ce.loss).reshape(-1)[0])
+        pred = ggml.to_numpy(self.pred).reshape(-1)
+        ok = tg >= 0
+        return mean * n, int((pred[ok] == tg[ok]).sum())
+
+    def close(self) -> None:
+        self.model.runtime.forget_graph()
+        self.ce.close()
         self.ctx.close()

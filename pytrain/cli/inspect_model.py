@@ -12,11 +12,11 @@ import os
 import sys
 from collections import Counter
 
-from pytrain.gguf_meta import GGUFError
-from pytrain.lora_targets import (DEFAULT_TARGETS, VALID_TARGETS, LoraTargetError,
+from pytrain.formats.gguf_meta import GGUFError
+from pytrain.models.lora_targets import (DEFAULT_TARGETS, VALID_TARGETS, LoraTargetError,
                                   lora_param_count, select_targets)
-from pytrain.model_file import open_model
-from pytrain.weights import load_type
+from pytrain.formats.model_file import open_model
+from pytrain.models.weights import load_type
 
 LORA_RANK = 16
 

@@ -25,13 +25,14 @@ from pathlib import Path
 
 import numpy as np
 
-from pytrain.adapter_gguf import read_lora_gguf, write_lora_gguf
-from pytrain.atomic import fsync_dir
+from pytrain.errors import PytrainError
+from pytrain.formats.adapter_gguf import read_lora_gguf, write_lora_gguf
+from pytrain.formats.atomic import fsync_dir
 
 FORMAT = 2          # 2: total_steps and resume_key; format 1 still loads (without checks)
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(PytrainError, RuntimeError):
     """A checkpoint that cannot be used; the message names it and says why."""
 
 
@@ -43,14 +44,14 @@ class TrainState:
     adam_t: int          # AdamW's step counter (bias correction)
     base_fingerprint: dict
     total_steps: int | None = None   # the run's length when saved (the LR schedule's horizon)
-    resume_key: dict | None = None   # what the position means (see pytrain.run.Session)
+    resume_key: dict | None = None   # what the position means (see pytrain.train.run.Session)
     format: int = FORMAT
 
 
 def base_fingerprint(path: str | os.PathLike) -> dict:
     """Size plus sha256 of the header and tensor index: a changed or different base model is
     caught without hashing gigabytes of weights."""
-    from pytrain.weights import open_reader
+    from pytrain.models.weights import open_reader
     p = Path(path)
     head = open_reader(p).data_offset
     with open(p, "rb") as f:
@@ -59,15 +60,16 @@ def base_fingerprint(path: str | os.PathLike) -> dict:
 
 
 def save(folder: Path, step: int, adapter, moments: dict[str, np.ndarray], state: TrainState,
-         keep: int = 3) -> Path:
-    """Write checkpoint ``step`` under ``folder`` atomically; keep the newest ``keep`` (0: all)."""
+         keep: int = 3, *, arch: str) -> Path:
+    """Write checkpoint ``step`` under ``folder`` atomically; keep the newest ``keep`` (0: all).
+    ``arch``: the base model's architecture, written into the adapter GGUF."""
     folder.mkdir(parents=True, exist_ok=True)
     recover(folder)
     final = folder / f"step-{step:07d}"
     aside = folder / f".replaced-{final.name}"
     tmp = Path(tempfile.mkdtemp(dir=folder, prefix=".tmp-"))
     try:
-        write_lora_gguf(tmp / "adapter.gguf", "qwen35", adapter.alpha, adapter.get())
+        write_lora_gguf(tmp / "adapter.gguf", arch, adapter.alpha, adapter.get())
         with open(tmp / "optimizer.npz", "wb") as f:
             np.savez(f, **moments)
             f.flush()

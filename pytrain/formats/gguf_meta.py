@@ -13,10 +13,12 @@ from typing import Any
 
 from gguf import GGUFReader, GGUFValueType
 
+from pytrain.errors import PytrainError
+
 GGUF_MAGIC = b"GGUF"
 
 
-class GGUFError(ValueError):
+class GGUFError(PytrainError, ValueError):
     """A GGUF file that cannot be used; the message names the file and the reason."""
 
 

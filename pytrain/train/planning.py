@@ -13,22 +13,14 @@ from types import SimpleNamespace
 
 from pytrain import ggml
 from pytrain.ggml import ffi, lib
-from pytrain.model import Model
-from pytrain.models.qwen35_config import Qwen35Config
-from pytrain.weights import is_elementwise, load_type
+from pytrain import models
+from pytrain.models.model import Model
+from pytrain.models import ModelConfig
+from pytrain.models.weights import is_elementwise, load_type
 
 _PLACEHOLDER = ffi.cast("void *", 1 << 20)   # never dereferenced: shape models are not computed
 
-# The Qwen3.5-2B shape (hidden 2048, 24 layers with attention every 4th, 8/2 heads x 256,
-# FFN 6144, DeltaNet 16/16 heads x 128, vocabulary 248320, tied embeddings)
-QWEN35_2B = Qwen35Config(n_layer=24, n_embd=2048, n_ff=6144, n_head=8, n_head_kv=2,
-                         head_dim=256, n_vocab=248320, rms_eps=1e-6, rope_base=1e7, n_rot=64,
-                         rope_sections=(11, 11, 10, 0), conv_kernel=4, ssm_inner=2048,
-                         ssm_state=128, ssm_v_heads=16, ssm_k_heads=16,
-                         recurrent=tuple(i % 4 != 3 for i in range(24)))
-
-
-def shape_model(config: Qwen35Config, file_type: str = "f32", device: str = "cpu",
+def shape_model(arch: str, config: ModelConfig, file_type: str = "f32", device: str = "cpu",
                 threads: int = 1) -> Model:
     """A Model whose weights are metadata only: every matrix stored as ``file_type`` in the
     (imagined) file and loaded as ``device`` would load it; norms and other element-wise
@@ -53,7 +45,8 @@ def shape_model(config: Qwen35Config, file_type: str = "f32", device: str = "cpu
         tensors[name].buffer = stand_in
     weights = SimpleNamespace(tensors=tensors, ctx=ctx, close=ctx.close,
                               loaded_bytes=sum(int(lib.ggml_nbytes(t)) for t in tensors.values()))
-    return Model(f"<{file_type} shape>", config, {}, rt, weights, SimpleNamespace(pad_id=0))
+    return Model(f"<{file_type} shape>", config, {}, rt, weights, SimpleNamespace(pad_id=0),
+                 models.get(arch))
 
 
 def compute_bytes(runtime: ggml.Runtime, graph) -> int:

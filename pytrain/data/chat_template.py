@@ -55,14 +55,16 @@ import jinja2.nodes
 from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from pytrain.errors import PytrainError
+
 if TYPE_CHECKING:
-    from .tokenizer import Tokenizer
+    from pytrain.data.tokenizer import Tokenizer
 
 Span = tuple[int, int]
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
 
-class ChatTemplateError(ValueError):
+class ChatTemplateError(PytrainError, ValueError):
     """A conversation that cannot be rendered or masked reliably."""
 
 

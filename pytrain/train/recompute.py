@@ -19,13 +19,13 @@ import re
 
 import numpy as np
 
-from pytrain import ggml, loss as loss_mod
+from pytrain import ggml
+from pytrain.train import loss as loss_mod
 from pytrain.ggml import lib
-from pytrain.grad_graph import pad_batch
-from pytrain.lora import LoraAdapter
-from pytrain.model import Model, layer_budget
-from pytrain.models import qwen35
-from pytrain.optimizer import Accumulators
+from pytrain.train.graphs import pad_batch
+from pytrain.models.lora import LoraAdapter
+from pytrain.models.model import Model
+from pytrain.train.optimizer import OptimizerState
 
 _BLOCK = re.compile(r"^blk\.(\d+)\.")
 HEAD_CHUNK_BYTES = 256 << 20      # one [V, chunk] F32 tensor of the head and loss at most
@@ -66,12 +66,12 @@ class RecomputeGraph:
     shared accumulators and returns its share of the step loss."""
 
     def __init__(self, model: Model, adapter: LoraAdapter, B: int, T: int,
-                 acc: Accumulators | None = None):
+                 acc: OptimizerState | None = None):
         cfg, rt = model.config, model.runtime
         self.model, self.adapter = model, adapter
-        self.acc = acc or Accumulators(rt, adapter.params())
+        self.acc = acc or OptimizerState(rt, adapter.params())
         self.own_acc = acc is None
-        self.B, self.T = B, qwen35.padded_length(T)
+        self.B, self.T = B, model.arch.padded_length(T)
         self.l0 = first_adapted_layer(adapter.names)
         L, E, N, T = cfg.n_layer, cfg.n_embd, B * self.T, self.T
         g = model.graph
@@ -89,7 +89,7 @@ class RecomputeGraph:
         self.pbuf = rt.alloc(self.pctx)
         ggml.from_numpy(self.seed, np.ones(1, np.float32))
         self.params = {ggml.address(p): p for p in adapter.params()}
-        size = layer_budget(cfg, T)
+        size = model.arch.layer_budget(cfg, T)
 
         # forward: embedding and the frozen layers below the first adapter, then one graph per
         # layer, each writing its output into the next layer's input
@@ -146,10 +146,9 @@ class RecomputeGraph:
         if buggy:
             raise ValueError("the bug reproduction trains every row in one graph: use GradGraph")
         cfg, rt = self.model.config, self.model.runtime
-        pad = self.model.tokenizer.pad_id or 0
+        pad = self.model.pad_id
         tok, sg, tg = pad_batch(self.B, self.T, tokens, seg, targets, pad)
-        qwen35.set_inputs(qwen35.Forward(None, self.inp, self.B, self.T),
-                          qwen35.input_values(cfg, tok, sg))
+        self.model.arch.set_inputs(self.inp, self.model.input_values(tok, sg))
         self._run(self.pre)
         for fg in self.fwd:
             self._run(fg)

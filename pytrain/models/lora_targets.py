@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from pytrain.models.qwen35_config import Qwen35Config
+from pytrain.errors import PytrainError
+from pytrain.models import ModelConfig
 
 DEFAULT_TARGETS = ("attn_q", "attn_k", "attn_v", "attn_output")
 ATTENTION_TARGETS = ("attn_q", "attn_k", "attn_v", "attn_output")
@@ -20,7 +21,7 @@ LINEAR_TARGETS = ("attn_qkv", "attn_gate", "ssm_out", "ssm_beta", "ssm_alpha")
 VALID_TARGETS = ATTENTION_TARGETS + FFN_TARGETS + LINEAR_TARGETS
 
 
-class LoraTargetError(ValueError):
+class LoraTargetError(PytrainError, ValueError):
     """Target names that are unknown or select nothing."""
 
 
@@ -41,7 +42,7 @@ def _normalise(targets: Iterable[str] | str) -> list[str]:
     return out
 
 
-def select_targets(config: Qwen35Config, targets: Iterable[str] | str = DEFAULT_TARGETS,
+def select_targets(config: ModelConfig, targets: Iterable[str] | str = DEFAULT_TARGETS,
                    skip_ssm: bool = True) -> list[str]:
     """Full names of the adapted tensors, by layer then in target order.
 
@@ -66,7 +67,7 @@ def select_targets(config: Qwen35Config, targets: Iterable[str] | str = DEFAULT_
     return names
 
 
-def lora_shapes(config: Qwen35Config, names: Iterable[str], rank: int
+def lora_shapes(config: ModelConfig, names: Iterable[str], rank: int
                 ) -> dict[str, tuple[tuple[int, int], tuple[int, int]]]:
     """Per target: numpy shapes of (A, B) with A = [rank, n_in], B = [n_out, rank]
     (GGUF ``lora_a`` ne = [n_in, r], ``lora_b`` ne = [r, n_out])."""
@@ -78,6 +79,6 @@ def lora_shapes(config: Qwen35Config, names: Iterable[str], rank: int
     return out
 
 
-def lora_param_count(config: Qwen35Config, names: Iterable[str], rank: int) -> int:
+def lora_param_count(config: ModelConfig, names: Iterable[str], rank: int) -> int:
     """Trainable parameters: rank × (n_in + n_out) per adapted matrix."""
     return sum(a[0] * a[1] + b[0] * b[1] for a, b in lora_shapes(config, names, rank).values())

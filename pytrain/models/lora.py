@@ -14,7 +14,7 @@ import numpy as np
 
 from pytrain import ggml
 from pytrain.ggml import ffi, lib
-from pytrain.lora_targets import lora_shapes
+from pytrain.models.lora_targets import lora_shapes
 
 
 @dataclass

@@ -8,28 +8,18 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
 from pytrain import ggml
 from pytrain.ggml import lib
-from pytrain.model_file import open_model
-from pytrain.models import qwen35
-from pytrain.tokenizer import Tokenizer
-from pytrain.weights import load_weights
-
-
-def layer_budget(config, T: int) -> int:
-    """Nodes (and tensors) a forward graph of one layer may need: the DeltaNet recurrence adds
-    a few dozen per chunk."""
-    from pytrain.models.delta_net import chunk_size
-    n_chunks = max(1, T // chunk_size(T))
-    return 2048 + (400 + 60 * n_chunks) * 3
-
-
-def graph_budget(config, T: int) -> int:
-    """Nodes (and tensors) a forward + backward graph of this model may need."""
-    return 2048 + config.n_layer * layer_budget(config, T)
+from pytrain.formats.model_file import open_model
+from pytrain import models
+from pytrain.models import Architecture
+from pytrain.data import pad_token_id
+from pytrain.data.tokenizer import Tokenizer
+from pytrain.models.weights import load_weights
 
 
 @dataclass
@@ -40,10 +30,25 @@ class Model:
     runtime: ggml.Runtime
     weights: object
     tokenizer: Tokenizer
+    arch: Architecture
+
+    @cached_property
+    def graph(self):
+        """The architecture's graph builder over these weights (one per model)."""
+        return self.arch.graph(self.config, self.weights.tensors)
 
     @property
-    def graph(self) -> qwen35.Qwen35Graph:
-        return qwen35.Qwen35Graph(self.config, self.weights.tensors)
+    def pad_id(self) -> int:
+        """The id written at padding positions (the pad token, else EOS); padding is never a
+        target, so it only decides what the forward pass reads there."""
+        return pad_token_id(self.tokenizer)
+
+    def graph_budget(self, T: int) -> int:
+        """Nodes (and tensors) a forward + backward graph of this model may need at length T."""
+        return 2048 + self.config.n_layer * self.arch.layer_budget(self.config, T)
+
+    def input_values(self, tokens: np.ndarray, seg: np.ndarray) -> dict:
+        return self.arch.input_values(self.config, tokens, seg)
 
     def logits(self, tokens, seg: np.ndarray | None = None, lora=None,
                last_only: bool = False) -> np.ndarray:
@@ -54,16 +59,16 @@ class Model:
         single = arr.ndim == 1
         arr = np.atleast_2d(arr).astype(np.int64)
         B, T = arr.shape
-        Tp = qwen35.padded_length(T)
+        Tp = self.arch.padded_length(T)
         if seg is None:
             seg = np.zeros((B, T), np.int64)
         seg = np.atleast_2d(seg)
-        pad_tok = self.tokenizer.pad_id if self.tokenizer.pad_id is not None else 0
+        pad_tok = self.pad_id
         tok_p = np.full((B, Tp), pad_tok, np.int64)
         tok_p[:, :T] = arr
         seg_p = np.full((B, Tp), -1, np.int64)
         seg_p[:, :T] = seg
-        size = graph_budget(self.config, Tp)
+        size = self.graph_budget(Tp)
         ctx = ggml.Context(n_tensors=size, graph_size=size)
         try:
             fwd = self.graph.build(ctx.ptr, B, Tp, lora, rows=B if last_only else None)
@@ -71,7 +76,7 @@ class Model:
             gf = ggml.new_graph(ctx, size)
             lib.ggml_build_forward_expand(gf, fwd.logits)
             self.runtime.alloc_graph(gf, ctx)
-            qwen35.set_inputs(fwd, qwen35.input_values(self.config, tok_p, seg_p))
+            self.arch.set_inputs(fwd.inputs, self.input_values(tok_p, seg_p))
             if last_only:   # flat position T-1 of each row
                 ggml.from_numpy(fwd.inputs.rows, (T - 1 + Tp * np.arange(B)).astype(np.int32))
             self.runtime.compute(gf)
@@ -114,4 +119,5 @@ def load_model(path: str | os.PathLike, device: str = "auto", threads: int | Non
     arch, meta, _infos, config = open_model(path)
     rt = ggml.Runtime(device, threads=threads)
     weights = load_weights(path, rt, config.tensor_shapes(), type_policy)
-    return Model(str(path), config, meta, rt, weights, Tokenizer.from_metadata(meta))
+    return Model(str(path), config, meta, rt, weights, Tokenizer.from_metadata(meta),
+                 models.get(arch))

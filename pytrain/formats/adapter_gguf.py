@@ -17,7 +17,7 @@ silently misread):
   ``general.alignment`` key), which ``gguf.GGUFWriter`` does.
 
 llama.cpp applies ``W·x + scale·B·(A·x)`` with ``scale = alpha / rank`` (times the user's
-``--lora-scaled`` factor), the same function as :class:`pytrain.lora.LoraAdapter`.
+``--lora-scaled`` factor), the same function as :class:`pytrain.models.lora.LoraAdapter`.
 
 Writes are atomic: a temporary file in the destination folder is written, flushed and
 fsync'ed, then renamed over the final name, so an interrupted save never leaves a truncated
@@ -35,8 +35,8 @@ import numpy as np
 from gguf import GGUFReader, GGUFValueType, GGUFWriter, GGMLQuantizationType
 from gguf.quants import dequantize
 
-from pytrain.atomic import replacing
-from pytrain.gguf_meta import GGUFError, metadata_from_reader, open_gguf
+from pytrain.formats.atomic import replacing
+from pytrain.formats.gguf_meta import GGUFError, metadata_from_reader, open_gguf
 
 SUFFIX_A = ".lora_a"
 SUFFIX_B = ".lora_b"
@@ -133,16 +133,23 @@ def check_adapter_matches(model_config: Any, tensors: Mapping[str, np.ndarray],
                                f"(an adapter for a different model?)")
 
 
-def _check_alpha(alpha: float, where: str) -> float:
+def check_alpha(alpha, where: str, error: type[Exception] | None = None, name: str = "alpha"
+                ) -> float:
+    """``alpha`` as a float, or ``error`` (AdapterError by default) saying why it cannot be an
+    adapter's alpha: not a number, zero (llama.cpp reads 0 as 'scale 1', not alpha/rank), not
+    finite, beyond float32."""
+    error = error or AdapterError
+    if isinstance(alpha, bool):
+        raise error(f"{where}: {name} must be a number, got {alpha!r}")
     try:
         a = float(alpha)
     except (TypeError, ValueError):
-        raise AdapterError(f"{where}: alpha must be a number, got {alpha!r}") from None
+        raise error(f"{where}: {name} must be a number, got {alpha!r}") from None
     if not math.isfinite(a) or a == 0.0:
-        raise AdapterError(f"{where}: alpha must be finite and non-zero, got {alpha!r} "
-                           f"(llama.cpp reads alpha 0 as 'scale 1', not alpha/rank)")
+        raise error(f"{where}: {name} must be finite and non-zero, got {alpha!r} "
+                    f"(llama.cpp reads alpha 0 as 'scale 1', not alpha/rank)")
     if abs(a) > float(np.finfo(np.float32).max):
-        raise AdapterError(f"{where}: alpha {alpha!r} does not fit a float32")
+        raise error(f"{where}: {name} {alpha!r} does not fit a float32")
     return a
 
 
@@ -196,7 +203,7 @@ def write_lora_gguf(path: str | os.PathLike[str], arch: str, alpha: float,
     """Write a LoRA adapter GGUF that llama.cpp loads with ``--lora``; returns the path.
 
     ``tensors`` maps ``<base>.lora_a`` → A [r, n_in] and ``<base>.lora_b`` → B [n_out, r]
-    (numpy order, as :meth:`pytrain.lora.LoraAdapter.get` returns them); they are stored as
+    (numpy order, as :meth:`pytrain.models.lora.LoraAdapter.get` returns them); they are stored as
     F32.  ``base_metadata`` adds key/values (e.g. ``general.name``, provenance keys); the
     adapter contract keys cannot be overridden.  Validation happens before anything touches
     the disk; the file appears under its final name only once complete and fsync'ed.
@@ -205,7 +212,7 @@ def write_lora_gguf(path: str | os.PathLike[str], arch: str, alpha: float,
     if not isinstance(arch, str) or not arch:
         raise AdapterError(f"{p}: arch must be the base model's general.architecture, "
                            f"got {arch!r}")
-    alpha = _check_alpha(alpha, str(p))
+    alpha = check_alpha(alpha, str(p))
     arrays: dict[str, np.ndarray] = {}
     for name, arr in tensors.items():
         if len(name.encode()) > MAX_NAME_BYTES:
@@ -283,7 +290,7 @@ def read_lora_gguf(path: str | os.PathLike[str], arch: str | None = None
     if KEY_ALPHA not in meta:
         raise AdapterError(f"{p}: no {KEY_ALPHA} key (llama.cpp would apply scale 1, not "
                            f"alpha/rank)")
-    alpha = _check_alpha(meta[KEY_ALPHA], str(p))
+    alpha = check_alpha(meta[KEY_ALPHA], str(p))
     tensors: dict[str, np.ndarray] = {}
     for t in reader.tensors:
         if not (t.name.endswith(SUFFIX_A) or t.name.endswith(SUFFIX_B)) \
@@ -293,3 +300,18 @@ def read_lora_gguf(path: str | os.PathLike[str], arch: str | None = None
     lora_pairs(tensors, str(p))
     extra = {k: v for k, v in meta.items() if k not in RESERVED_KEYS}
     return file_arch, alpha, tensors, extra
+
+
+def read_adapter(path: str | os.PathLike[str], arch: str, model_config
+                 ) -> tuple[dict[str, np.ndarray], float]:
+    """``(tensors, alpha)`` of a LoRA adapter GGUF or a PEFT adapter folder, refused unless it
+    fits the base model: its architecture ``arch`` (a GGUF's) and ``model_config`` (names and
+    shapes; a PEFT folder's tensors are converted with it)."""
+    p = Path(path)
+    if p.is_dir():
+        from pytrain.formats.adapter_peft import read_peft_adapter
+        tensors, alpha, _rank, _cfg = read_peft_adapter(p, model_config)
+    else:
+        _arch, alpha, tensors, _meta = read_lora_gguf(p, arch=arch)
+    check_adapter_matches(model_config, tensors, source=str(p))
+    return tensors, float(alpha)

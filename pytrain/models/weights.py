@@ -37,7 +37,7 @@ from gguf import GGUFReader
 
 from pytrain import ggml
 from pytrain.ggml import ffi, lib
-from pytrain.gguf_meta import GGUFError, open_gguf
+from pytrain.formats.gguf_meta import GGUFError, open_gguf
 
 POLICIES = ("auto", "f32", "keep")
 F32, F16, BF16 = lib.GGML_TYPE_F32, lib.GGML_TYPE_F16, lib.GGML_TYPE_BF16
@@ -52,11 +52,6 @@ _CUDA_KEPT = {F32, F16, BF16} | {getattr(lib, f"GGML_TYPE_{n}") for n in (
 
 class WeightsError(GGUFError):
     """A model file whose tensors cannot be loaded; names the file and the tensor."""
-
-
-def type_name(t: int) -> str:
-    """ggml's type name in the upper-case spelling GGUF tools print (``Q4_K``, ``BF16``)."""
-    return ggml.type_name(t).upper()
 
 
 def type_supported(t: int) -> bool:
@@ -81,7 +76,7 @@ class TensorInfo:
 
     @property
     def type_name(self) -> str:
-        return type_name(self.type)
+        return ggml.type_name(self.type)
 
     @property
     def n_elements(self) -> int:
@@ -201,7 +196,7 @@ def _explain_failure(path: Path) -> str | None:
     for name, t, ne, off in idx:
         if not type_supported(t):
             known = t < lib.GGML_TYPE_COUNT and lib.ggml_blck_size(t) > 0
-            what = f"type {type_name(t)} (id {t})" if known else f"unknown type id {t}"
+            what = f"type {ggml.type_name(t)} (id {t})" if known else f"unknown type id {t}"
             return f"tensor {name!r} has {what}, which pytrain cannot load"
         nbytes = int(lib.ggml_row_size(t, ne[0])) * int(np.prod(ne[1:], dtype=np.int64))
         if off + nbytes > size:
@@ -322,7 +317,7 @@ def load_weights(path: str | os.PathLike[str], runtime, shapes: Mapping[str, tup
             t = tensors[info.name]
             n_inexact = _fill(t, info, lt, raw)
             weights.report[info.name] = TensorLoad(
-                info.name, info.shape, info.type_name, type_name(lt), info.n_bytes,
+                info.name, info.shape, info.type_name, ggml.type_name(lt), info.n_bytes,
                 int(lib.ggml_nbytes(t)), note, n_inexact)
     except BaseException:
         weights.close()
@@ -352,7 +347,7 @@ def _fill(t, info: TensorInfo, lt: int, raw: np.ndarray) -> int:
         return 0
     if lt not in (F32, F16):
         raise WeightsError(f"tensor {info.name!r}: no conversion {info.type_name} -> "
-                           f"{type_name(lt)}")
+                           f"{ggml.type_name(lt)}")
     row_len = info.ne[0]
     n_rows = info.n_elements // row_len
     src_row = int(lib.ggml_row_size(info.type, row_len))
@@ -361,7 +356,7 @@ def _fill(t, info: TensorInfo, lt: int, raw: np.ndarray) -> int:
     inexact = 0
     for r0 in range(0, n_rows, rows_per_chunk):
         nr = min(rows_per_chunk, n_rows - r0)
-        f32 = _to_f32(raw[r0 * src_row: (r0 + nr) * src_row], info.type, nr * row_len)
+        f32 = ggml.decode(raw[r0 * src_row: (r0 + nr) * src_row], info.type, nr * row_len)
         if lt == F16:
             out = f32.astype(np.float16)
             back = out.astype(np.float32)
@@ -372,14 +367,3 @@ def _fill(t, info: TensorInfo, lt: int, raw: np.ndarray) -> int:
     return inexact
 
 
-def _to_f32(raw: np.ndarray, t: int, n: int) -> np.ndarray:
-    if t == F32:
-        return raw.view(np.float32).copy()
-    if t == F16:
-        return raw.view(np.float16).astype(np.float32)
-    if t == BF16:
-        return (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
-    out = np.empty(n, dtype=np.float32)
-    lib.ggml_get_type_traits(t).to_float(ffi.cast("void *", ffi.from_buffer(raw)),
-                                         ffi.cast("float *", ffi.from_buffer(out)), n)
-    return out

@@ -16,8 +16,9 @@ from pytrain import ggml
 from pytrain.ggml import lib
 
 
-class Accumulators:
-    """One F32 gradient accumulator per trainable tensor, plus AdamW moments."""
+class OptimizerState:
+    """Per trainable tensor: an F32 gradient accumulator (the step graphs add into it) and the
+    two AdamW moments."""
 
     def __init__(self, runtime: ggml.Runtime, params: list):
         self.runtime = runtime
@@ -37,9 +38,6 @@ class Accumulators:
     def zero_grads(self) -> None:
         for t in self.grad.values():
             lib.ggml_backend_tensor_memset(t, 0, 0, lib.ggml_nbytes(t))
-
-    def reset_moments(self) -> None:
-        lib.ggml_backend_buffer_clear(self.buffer, 0)
 
     def grads(self) -> dict[str, np.ndarray]:
         return {k: ggml.to_numpy(t).copy() for k, t in self.grad.items()}
@@ -68,9 +66,9 @@ class AdamW:
 
 
 class Optimizer:
-    """The norm graph and the update graph over an Accumulators set."""
+    """The gradient-norm graph and the AdamW update graph over an ``OptimizerState``."""
 
-    def __init__(self, runtime: ggml.Runtime, acc: Accumulators, hp: AdamW):
+    def __init__(self, runtime: ggml.Runtime, acc: OptimizerState, hp: AdamW):
         self.rt, self.acc, self.hp = runtime, acc, hp
         n = len(acc.params)
         size = 16 * n + 64
