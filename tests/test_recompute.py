@@ -118,3 +118,42 @@ def test_recompute_needs_a_fraction_of_the_memory_at_the_2b_shape():
         m.close()
     assert one > 30 * 2**30
     assert peak < one / 8, (peak / 2**30, one / 2**30)
+
+
+def test_compute_bytes_counts_a_shared_buffer_once(monkeypatch):
+    """The BLAS and CPU backends share one compute buffer (same buffer type): the planned size
+    with both equals the size with the CPU backend alone, not twice it."""
+    from pytrain.train.planning import compute_bytes
+    sizes = {}
+    for blas in ("1", "0"):
+        monkeypatch.setenv("PYTRAIN_BLAS", blas)
+        m, ad = adapted(FIX / "gqa-f32.gguf")
+        try:
+            assert (m.runtime.blas is not None) == (blas == "1")   # make build has BLAS
+            g = GradGraph(m, ad, 3, 40)
+            sizes[blas] = compute_bytes(m.runtime, g.graph)
+            g.close()
+        finally:
+            m.close()
+    assert sizes["1"] == sizes["0"] > 0, sizes
+
+
+@pytest.mark.parametrize("factor, layer_wise", [(1.9, True), (2.1, False)])
+def test_auto_recomputes_only_when_one_graph_would_not_fit(factor, layer_wise, monkeypatch):
+    """``auto``: layer-wise when the one-graph step's buffer plus the weights exceed half of the
+    device memory, one graph when they fit (device memory set to ``factor`` x that need)."""
+    from pytrain.train.optimizer import AdamW
+    from pytrain.train.planning import compute_bytes
+    from pytrain.train.trainer import Trainer, bucket_length
+    m, ad = adapted(FIX / "gqa-f32.gguf")
+    try:
+        T = bucket_length(m, 40)                  # the length the trainer's graphs run at
+        g = GradGraph(m, ad, 3, T, rows=L.rows_bucket(3 * T, 3 * T))
+        need = compute_bytes(m.runtime, g.graph) + m.weights.total_bytes
+        g.close()
+        monkeypatch.setattr(m.runtime, "device_memory", lambda: int(factor * need))
+        tr = Trainer(m, ad, AdamW(lr=1e-3), recompute="auto")
+        assert isinstance(tr.graph(3, 40, n_targets=10), R.RecomputeGraph) == layer_wise
+        tr.close()
+    finally:
+        m.close()

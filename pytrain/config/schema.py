@@ -145,8 +145,8 @@ class TrainConfig:
     recompute: str = _opt("auto", "activation memory: off (one graph per step keeps every "
                           "activation), layers (keep each layer's input only and recompute the "
                           "layer in the backward: a second forward, a fraction of the memory), "
-                          "auto (layers when the one-graph step would need over 1/8 of the "
-                          "device's memory)", choices=("auto", "off", "layers"))
+                          "auto (layers when the one-graph step's compute buffer plus the "
+                          "weights would need over half of the device's memory)", choices=("auto", "off", "layers"))
     loss_bug_repro: bool = _opt(False, "reproduces the unfixed masking bug for the regression "
                                 "experiments ONLY: pad labels trained, division by all rows, "
                                 "prompt not masked; never for real training")

@@ -53,13 +53,16 @@ def compute_bytes(runtime: ggml.Runtime, graph) -> int:
     """The compute buffer the scheduler would allocate for ``graph`` (all backends), without
     allocating it.  Measured by a scheduler of its own: ``reserve_size`` leaves the planned
     sizes in the allocator without allocating, and a later graph that fits that plan would
-    then be placed into buffers that were never made."""
+    then be placed into buffers that were never made.  Backends with the same buffer type (BLAS
+    and the CPU) share one buffer in ggml's allocator, and ``reserve_size`` reports it for each
+    of them: it is counted once."""
     n = len(runtime.backends)
     sched = lib.ggml_backend_sched_new(runtime._backend_arr, ffi.NULL, n, ggml.sched_size(graph),
                                        False, True)
     try:
         sizes = ffi.new("size_t[]", n)
         lib.ggml_backend_sched_reserve_size(sched, graph, sizes)
-        return int(sum(sizes[i] for i in range(n)))
+        bufts = [ggml.address(lib.ggml_backend_get_default_buffer_type(b)) for b in runtime.backends]
+        return int(sum(sizes[i] for i in range(n) if bufts[i] not in bufts[:i]))
     finally:
         lib.ggml_backend_sched_free(sched)

@@ -73,16 +73,18 @@ class Trainer:
         return self.graphs[key]
 
     def _recompute(self, B: int, T: int) -> bool:
-        """``auto``: recompute when the one-graph step's compute buffer (measured by the
-        scheduler without allocating) would exceed 1/8 of the device's memory."""
+        """``auto``: recompute only when one graph would not fit comfortably: its compute buffer
+        (measured by the scheduler without allocating) plus the frozen weights over half of
+        the device's memory.  Recompute costs a second forward of most layers (a third more
+        compute), so it is kept for the steps that need it."""
         if self.recompute != "auto":
             return self.recompute == "layers"
         if (B, T) not in self._auto:
             g = GradGraph(self.model, self.adapter, B, T, acc=self.acc,
                           rows=loss_mod.rows_bucket(B * T, B * T))
-            need = compute_bytes(self.model.runtime, g.graph)
+            need = compute_bytes(self.model.runtime, g.graph) + self.model.weights.total_bytes
             g.close()
-            self._auto[(B, T)] = need > self.model.runtime.device_memory() / 8
+            self._auto[(B, T)] = need > self.model.runtime.device_memory() / 2
         return self._auto[(B, T)]
 
     def _drop(self, key) -> None:
