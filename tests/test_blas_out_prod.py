@@ -73,3 +73,35 @@ def test_small_out_prod_stays_on_the_cpu():
     got, backend = out_prod(a, b, transposed_b=True, padded_a=False)
     assert backend == "CPU"
     np.testing.assert_allclose(got, reference(a, b), rtol=0, atol=1e-5 * np.abs(got).max())
+
+
+@pytest.mark.parametrize("n", [45, 64])
+def test_f16_weight_out_prod_on_blas(n):
+    """A frozen F16 weight's OUT_PROD (the backward of a matmul for its input) on BLAS: the
+    weight is converted to F32 in slabs (patch 0005; patch 0009: with F16C where the CPU has
+    it, a row length with a scalar tail too), exactly, so the product is the float64 one of the
+    F16 values."""
+    rng = np.random.default_rng(n)
+    k, m = 300, 40
+    w = rng.normal(size=(k, n)).astype(np.float16)           # ggml ne [n, k], F16
+    g = rng.normal(size=(m, k)).astype(np.float32)           # src1 = transpose of ne [k, m]
+    rt = ggml.Runtime("cpu", threads=2)
+    ctx = ggml.Context(n_tensors=8, graph_size=16)
+    c = ctx.ptr
+    tw = lib.ggml_new_tensor_2d(c, lib.GGML_TYPE_F16, n, k)
+    tg = lib.ggml_new_tensor_2d(c, F32, k, m)
+    for t in (tw, tg):
+        lib.ggml_set_input(t)
+    out = lib.ggml_out_prod(c, tw, lib.ggml_transpose(c, tg))   # ne [n, m]
+    lib.ggml_set_output(out)
+    graph = ggml.new_graph(ctx, 16)
+    lib.ggml_build_forward_expand(graph, out)
+    rt.alloc_graph(graph, ctx)
+    lib.ggml_backend_tensor_set(tw, ffi.from_buffer(w), 0, w.nbytes)
+    ggml.from_numpy(tg, g)
+    rt.compute(graph)
+    be = lib.ggml_backend_sched_get_tensor_backend(rt.sched, out)
+    assert ffi.string(lib.ggml_backend_name(be)).decode() == "BLAS"
+    want = g.astype(np.float64) @ w.astype(np.float64)      # [m, n]
+    got = ggml.to_numpy(out).reshape(m, n)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
