@@ -66,3 +66,30 @@ def test_a_registered_architecture_trains_checkpoints_resumes_and_writes_its_ada
     assert valid[-1] < valid[0]
     state = json.loads((out / "checkpoints" / "step-0000004" / "state.json").read_text())
     assert state["step"] == 4 and all(np.isfinite(v).all() for v in tensors.values())
+
+
+@pytest.fixture
+def renamed_hf(tmp_path):
+    """The toy architecture with its own HF names for attention (``attn.query`` ...), as a
+    family whose Hugging Face modules differ from Qwen3.5's would have."""
+    hf = {**qwen35.ARCHITECTURE.hf_modules, "attn_q": "attn.query", "attn_k": "attn.key"}
+    models.register(dataclasses.replace(qwen35.ARCHITECTURE, name=NAME,
+                                        config_from_metadata=toy_config, hf_modules=hf))
+    yield
+    models._REGISTERED.pop(NAME, None)
+
+
+def test_peft_adapters_use_the_architectures_own_hf_layout(tmp_path, renamed_hf):
+    """The PEFT writer and reader take module names from the adapter's architecture entry."""
+    from pytrain.formats.adapter_peft import read_peft_adapter, write_peft_adapter
+    rng = np.random.default_rng(0)
+    tensors = {"blk.3.attn_q.weight.lora_a": rng.normal(size=(4, 64)).astype(np.float32),
+               "blk.3.attn_q.weight.lora_b": rng.normal(size=(128, 4)).astype(np.float32)}
+    out = write_peft_adapter(tmp_path / "toy", tensors, 8.0, 4, arch=NAME)
+    cfg = json.loads((out / "adapter_config.json").read_text())
+    assert cfg["target_modules"] == ["query"] and cfg["layers_to_transform"] == [3]
+    back, alpha, rank, _ = read_peft_adapter(out, arch=NAME)
+    assert alpha == 8.0 and rank == 4
+    np.testing.assert_array_equal(back["blk.3.attn_q.weight.lora_b"], tensors["blk.3.attn_q.weight.lora_b"])
+    qwen = write_peft_adapter(tmp_path / "qwen", tensors, 8.0, 4, arch="qwen35")
+    assert json.loads((qwen / "adapter_config.json").read_text())["target_modules"] == ["q_proj"]

@@ -104,7 +104,7 @@ def check_adapter_matches(model_config: Any, tensors: Mapping[str, np.ndarray],
                           source: str = "adapter") -> None:
     """Refuse an adapter made for another base model, as llama.cpp would at load time.
 
-    ``model_config`` is a model config with ``tensor_shapes()`` (e.g. ``Qwen35Config``) or a
+    ``model_config`` is an architecture's config with ``tensor_shapes()`` or a
     mapping ``{tensor name: numpy shape}``.  Every ``<base>`` must be a 2-D tensor of the model
     with ``A`` [r, n_in] and ``B`` [n_out, r] matching its [n_out, n_in]; ``token_embd.weight``
     follows llama.cpp's embedding convention (A [n_vocab, r], B [n_embd, r] in numpy order:
@@ -310,7 +310,7 @@ def read_adapter(path: str | os.PathLike[str], arch: str, model_config
     p = Path(path)
     if p.is_dir():
         from pytrain.formats.adapter_peft import read_peft_adapter
-        tensors, alpha, _rank, _cfg = read_peft_adapter(p, model_config)
+        tensors, alpha, _rank, _cfg = read_peft_adapter(p, model_config, arch=arch)
     else:
         _arch, alpha, tensors, _meta = read_lora_gguf(p, arch=arch)
     check_adapter_matches(model_config, tensors, source=str(p))

@@ -4,27 +4,10 @@ pytrain keys its adapters by GGUF tensor name (``blk.N.attn_q.weight.lora_a`` �
 ``.lora_b`` → B [n_out, r], numpy order, see :mod:`pytrain.models.lora`).  PEFT keys them by HF module
 (``base_model.model.model.layers.N.self_attn.q_proj.lora_A.weight`` → A [r, n_in],
 ``....lora_B.weight`` → B [n_out, r]) and applies the same function, ``W·x + (lora_alpha/r)·B·(A·x)``.
-This module is the exact inverse of llama.cpp's ``convert_lora_to_gguf.py`` (pinned source,
-``conversion/qwen.py``) for every target pytrain supports:
-
-    GGUF ``blk.N.<t>.weight``   HF ``model.layers.N.<module>``   converter transform
-    attn_q / attn_k / attn_v    self_attn.q_proj / k_proj / v_proj   none
-    attn_output                 self_attn.o_proj                     none
-    ffn_gate / ffn_up / ffn_down  mlp.gate_proj / up_proj / down_proj  none
-    attn_qkv                    linear_attn.in_proj_qkv   B: value rows grouped → tiled
-    attn_gate                   linear_attn.in_proj_z     B: rows grouped → tiled (head_v_dim)
-    ssm_beta / ssm_alpha        linear_attn.in_proj_b / in_proj_a   B: rows grouped → tiled (1)
-    ssm_out                     linear_attn.out_proj      A: columns grouped → tiled (head_v_dim)
-
-The DeltaNet (``linear_attn``) transforms are the converter's ``_reorder_v_heads`` applied to a
-LoRA pair: HF stores value heads grouped by key head ``[K0: v0..v{g-1}, K1: ...]``, GGUF tiled
-``[v0 of K0, v0 of K1, ..., v1 of K0, ...]``; the converter permutes B's rows (outputs) or A's
-columns (inputs) with ``idx = arange(n).reshape(n_k, n_v / n_k, hd).transpose(0, 1)``, and
-``in_proj_qkv`` keeps its q and k rows and permutes only the value rows.  A permutation of B's
-rows or A's columns is exact, so these targets convert both ways without loss; they need the
-model's DeltaNet head counts (``model_config``, a :class:`pytrain.models.qwen35_config.Qwen35Config`
-or anything with ``ssm_k_heads``, ``ssm_v_heads``, ``ssm_state``, ``ssm_inner``).  With equal
-key and value head counts the permutation is the identity.
+Which HF module each GGUF tensor is, and how a pair's rows or columns move between the two
+layouts (where the converter re-orders them), is the architecture's (its registry entry's
+``hf_modules`` / ``hf_pairs``, in ``pytrain/models/``); this module writes and
+reads the format.  Targets that need the model's sizes to convert take ``model_config``.
 
 ``adapter_config.json`` is a complete PEFT 0.21 ``LoraConfig`` (every key PEFT 0.21.2's
 ``save_pretrained`` writes, checked against one by ``scripts/make_peft_logits_golden.py``):
@@ -32,8 +15,8 @@ key and value head counts the permutation is the identity.
 that set, applied to the model, selects exactly the adapted modules (provable from
 ``model_config``'s layer kinds, or from the adapted tensors themselves); otherwise it lists the
 full module names, so PEFT never adds adapters to layers pytrain did not train.  The module
-names are those of ``Qwen3_5ForCausalLM`` (``model.layers.N``); pass
-``layers_prefix="model.language_model.layers"`` for a ``Qwen3_5ForConditionalGeneration`` base.
+names are those of a ``...ForCausalLM`` (``model.layers.N``); pass
+``layers_prefix="model.language_model.layers"`` for a ``...ForConditionalGeneration`` base.
 
 Writes are atomic per file: each file is written to a temporary file in the folder, fsync'ed,
 then renamed over its final name (weights first, then the config), so a failure never leaves a
@@ -56,6 +39,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from pytrain import models
 from pytrain.errors import PytrainError
 from pytrain.formats.adapter_gguf import AdapterError, check_alpha, lora_pairs
 
@@ -65,17 +49,24 @@ CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
 PEFT_FORMAT_VERSION = "0.21.2"     # the PEFT release whose saved format this writer reproduces
 KEY_PREFIX = "base_model.model."   # PeftModel → LoraModel → the HF model
-DEFAULT_LAYERS_PREFIX = "model.layers"             # Qwen3_5ForCausalLM
+DEFAULT_LAYERS_PREFIX = "model.layers"             # a ...ForCausalLM
 KNOWN_LAYERS_PREFIXES = ("model.layers", "model.language_model.layers")
 
-ATTENTION = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
-             "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj"}
-FFN = {"ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
-DELTANET = {"attn_qkv": "linear_attn.in_proj_qkv", "attn_gate": "linear_attn.in_proj_z",
-            "ssm_beta": "linear_attn.in_proj_b", "ssm_alpha": "linear_attn.in_proj_a",
-            "ssm_out": "linear_attn.out_proj"}
-GGUF_TO_HF = {**ATTENTION, **FFN, **DELTANET}
-HF_TO_GGUF = {v: k for k, v in GGUF_TO_HF.items()}
+
+def hf_tables(arch: str | None = None) -> tuple[dict, dict, dict, dict]:
+    """Architecture ``arch``'s GGUF target -> HF module, its inverse, layer kind (recurrent?) ->
+    targets only that kind has, and target -> pair conversion; without ``arch``, the union
+    over every known architecture (also those registered at run time)."""
+    names, kinds, pairs = {}, {False: set(), True: set()}, {}
+    for entry in [models.get(arch)] if arch else models.all_registered():
+        names.update(entry.hf_modules)
+        for k, v in entry.hf_layer_kind_modules.items():
+            kinds[k] |= set(v)
+        pairs.update(entry.hf_pairs)
+    return names, {v: k for k, v in names.items()}, kinds, pairs
+
+
+GGUF_TO_HF = hf_tables()[0]     # the names as pytrain was imported (for scripts and messages)
 
 _GGUF_BASE = re.compile(r"blk\.(\d+)\.([a-z_]+)\.weight")
 _HF_MODULE = re.compile(r"(?P<prefix>.+)\.(?P<layer>\d+)\.(?P<module>[a-z_]+\.[a-z_]+)")
@@ -91,82 +82,41 @@ class PeftAdapterError(PytrainError, ValueError):
 
 # --------------------------------------------------------------------------- names
 
-def peft_module_name(gguf_base: str, layers_prefix: str = DEFAULT_LAYERS_PREFIX) -> str:
+def peft_module_name(gguf_base: str, layers_prefix: str = DEFAULT_LAYERS_PREFIX,
+                     arch: str | None = None) -> str:
     """``blk.3.attn_q.weight`` → ``model.layers.3.self_attn.q_proj`` (the HF module)."""
     m = _GGUF_BASE.fullmatch(gguf_base)
-    if not m or m.group(2) not in GGUF_TO_HF:
+    to_hf = hf_tables(arch)[0]
+    if not m or m.group(2) not in to_hf:
         raise PeftAdapterError(
             f"tensor {gguf_base!r} has no PEFT module: supported are blk.N.<t>.weight with t in "
-            f"{', '.join(GGUF_TO_HF)}")
-    return f"{layers_prefix}.{int(m.group(1))}.{GGUF_TO_HF[m.group(2)]}"
+            f"{', '.join(to_hf)}")
+    return f"{layers_prefix}.{int(m.group(1))}.{to_hf[m.group(2)]}"
 
 
-def gguf_base_name(module: str) -> str:
+def gguf_base_name(module: str, arch: str | None = None) -> str:
     """``model.layers.3.self_attn.q_proj`` (or ``model.language_model.layers.3...``) →
     ``blk.3.attn_q.weight``."""
     m = _HF_MODULE.fullmatch(module)
+    to_gguf = hf_tables(arch)[1]
     if not m or m.group("prefix") not in KNOWN_LAYERS_PREFIXES \
-            or m.group("module") not in HF_TO_GGUF:
+            or m.group("module") not in to_gguf:
         raise PeftAdapterError(
             f"module {module!r} is not one pytrain can map to a GGUF tensor: expected "
             f"{' or '.join(p + '.N' for p in KNOWN_LAYERS_PREFIXES)}.<module> with module in "
-            f"{', '.join(HF_TO_GGUF)}")
-    return f"blk.{int(m.group('layer'))}.{HF_TO_GGUF[m.group('module')]}.weight"
+            f"{', '.join(to_gguf)}")
+    return f"blk.{int(m.group('layer'))}.{to_gguf[m.group('module')]}.weight"
 
 
-# --------------------------------------------------------------------------- DeltaNet value heads
-
-def _grouped_to_tiled(n_k: int, n_v: int, hd: int) -> np.ndarray:
-    """The converter's ``_reorder_v_heads`` index: ``gguf[i] = hf[idx[i]]`` on an axis of
-    ``n_v * hd`` entries."""
-    if n_k <= 0 or n_v <= 0 or n_v % n_k:
-        raise PeftAdapterError(f"DeltaNet value heads ({n_v}) must be a multiple of key heads "
-                               f"({n_k})")
-    return np.arange(n_v * hd).reshape(n_k, n_v // n_k, hd).transpose(1, 0, 2).reshape(-1)
-
-
-def _deltanet_dims(model_config: Any, base: str, where: str) -> tuple[int, int, int, int]:
-    if model_config is None:
-        raise PeftAdapterError(
-            f"{where}: {base!r} is a DeltaNet tensor whose value heads llama.cpp's converter "
-            f"re-orders; pass model_config (the model's Qwen35Config) to convert it exactly")
-    try:
-        n_k, n_v = int(model_config.ssm_k_heads), int(model_config.ssm_v_heads)
-        dk, inner = int(model_config.ssm_state), int(model_config.ssm_inner)
-    except AttributeError as e:
-        raise PeftAdapterError(f"{where}: model_config lacks the DeltaNet sizes ({e})") from None
-    if n_v <= 0 or inner % n_v:
-        raise PeftAdapterError(f"{where}: inconsistent DeltaNet sizes in model_config "
-                               f"(ssm_inner {inner}, ssm_v_heads {n_v})")
-    return n_k, n_v, dk, inner // n_v
-
+# --------------------------------------------------------------------------- the architecture's layout
 
 def _convert_pair(base: str, a: np.ndarray, b: np.ndarray, model_config: Any, where: str,
-                  to_hf: bool) -> tuple[np.ndarray, np.ndarray]:
-    """(A, B) of one target from GGUF to HF order (``to_hf``) or back."""
+                  to_hf: bool, arch: str | None) -> tuple[np.ndarray, np.ndarray]:
+    """(A, B) of one target from GGUF to HF order (``to_hf``) or back: the architecture that
+    has the target says how (most targets are the same in both)."""
     short = _GGUF_BASE.fullmatch(base).group(2)
-    if short not in DELTANET:
-        return a, b
-    n_k, n_v, dk, dv = _deltanet_dims(model_config, base, where)
-    if short == "attn_qkv":
-        idx = np.concatenate([np.arange(2 * n_k * dk),
-                              2 * n_k * dk + _grouped_to_tiled(n_k, n_v, dv)])
-        axis = "rows"
-    elif short == "attn_gate":
-        idx, axis = _grouped_to_tiled(n_k, n_v, dv), "rows"
-    elif short in ("ssm_beta", "ssm_alpha"):
-        idx, axis = _grouped_to_tiled(n_k, n_v, 1), "rows"
-    else:                                   # ssm_out: input columns
-        idx, axis = _grouped_to_tiled(n_k, n_v, dv), "cols"
-    n = b.shape[0] if axis == "rows" else a.shape[1]
-    if n != len(idx):
-        raise PeftAdapterError(
-            f"{where}: {base!r} has {n} {'outputs' if axis == 'rows' else 'inputs'} but the "
-            f"model's DeltaNet sizes give {len(idx)} (an adapter for a different model?)")
-    perm = np.argsort(idx) if to_hf else idx     # hf = gguf[argsort(idx)], gguf = hf[idx]
-    if axis == "rows":
-        return a, np.ascontiguousarray(b[perm])
-    return np.ascontiguousarray(a[:, perm]), b
+    convert = hf_tables(arch)[3].get(short)
+    return (a, b) if convert is None else convert(base, a, b, model_config, where, to_hf)
 
 
 # --------------------------------------------------------------------------- validation
@@ -181,7 +131,7 @@ def _check_rank(rank: Any, where: str) -> int:
     return int(rank)
 
 
-def _gguf_pairs(tensors: Mapping[str, Any], rank: int, where: str
+def _gguf_pairs(tensors: Mapping[str, Any], rank: int, where: str, arch: str | None
                 ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """``{gguf base: (A, B)}`` as float32.  First what PEFT needs of each tensor (a module for
     its base, a number type, the adapter's rank), then llama.cpp's pairing and shape rules
@@ -191,7 +141,7 @@ def _gguf_pairs(tensors: Mapping[str, Any], rank: int, where: str
         if half not in ("lora_a", "lora_b"):
             continue                                     # lora_pairs names the bad suffix
         try:
-            peft_module_name(base)                       # refuses unmapped targets by name
+            peft_module_name(base, arch=arch)            # refuses unmapped targets by name
         except PeftAdapterError as e:
             raise PeftAdapterError(f"{where}: {e}") from None
         x = np.asarray(arr)
@@ -240,39 +190,43 @@ def _layer_kind(model_config: Any, layer: int) -> str | None:
     return "linear" if rec[layer] else "attention"
 
 
-def _targets_for(bases: list[str], model_config: Any, layers_prefix: str) -> dict[str, Any]:
+def _targets_for(bases: list[str], model_config: Any, layers_prefix: str,
+                 arch: str | None) -> dict[str, Any]:
     """``target_modules`` / ``layers_to_transform`` / ``layers_pattern`` selecting exactly the
     adapted modules: short names × layers when that product (restricted to the modules each
     layer has) is exactly the adapted set, else the full module names."""
     adapted = {(int(m.group(1)), m.group(2)) for m in map(_GGUF_BASE.fullmatch, bases)}
     layers = sorted({layer for layer, _ in adapted})
     shorts = sorted({s for _, s in adapted})
+    to_hf, _, only, _ = hf_tables(arch)  # only[recurrent]: targets only that layer kind has
     exact = True
     for layer in layers:
         kind = _layer_kind(model_config, layer)
         if kind is None:                                 # infer from what is adapted there
             here = {s for lay, s in adapted if lay == layer}
-            if here & set(ATTENTION):
+            if here & only[False]:
                 kind = "attention"
-            elif here & set(DELTANET):
+            elif here & only[True]:
                 kind = "linear"
         for s in shorts:
             if (layer, s) in adapted:
                 continue
-            absent = (s in ATTENTION and kind == "linear") or (s in DELTANET and kind == "attention")
+            absent = ((s in only[False] and kind == "linear")
+                      or (s in only[True] and kind == "attention"))
             if not absent:
                 exact = False
     pattern = layers_prefix.rsplit(".", 1)[-1]
     if exact:
-        return {"target_modules": sorted(GGUF_TO_HF[s].split(".")[1] for s in shorts),
+        return {"target_modules": sorted(to_hf[s].split(".")[1] for s in shorts),
                 "layers_to_transform": layers, "layers_pattern": pattern}
-    return {"target_modules": sorted(peft_module_name(b, layers_prefix) for b in bases),
+    return {"target_modules": sorted(peft_module_name(b, layers_prefix, arch) for b in bases),
             "layers_to_transform": None, "layers_pattern": None}
 
 
 def peft_config_dict(bases: list[str], alpha: float, rank: int,
                      base_model_name_or_path: str = "", model_config: Any = None,
-                     layers_prefix: str = DEFAULT_LAYERS_PREFIX) -> dict[str, Any]:
+                     layers_prefix: str = DEFAULT_LAYERS_PREFIX, arch: str | None = None
+                     ) -> dict[str, Any]:
     """The ``adapter_config.json`` contents for adapted GGUF tensors ``bases``: every key PEFT
     0.21.2's ``LoraConfig.save_pretrained`` writes, with its default unless set here."""
     alpha_json: int | float = int(alpha) if float(alpha).is_integer() else float(alpha)
@@ -319,7 +273,7 @@ def peft_config_dict(bases: list[str], alpha: float, rank: int,
         "use_rslora": False,
         "velora_config": None,
     }
-    cfg.update(_targets_for(list(bases), model_config, layers_prefix))
+    cfg.update(_targets_for(list(bases), model_config, layers_prefix, arch))
     return cfg
 
 
@@ -417,16 +371,18 @@ def _read_safetensors(p: Path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
 def write_peft_adapter(folder: str | os.PathLike[str], tensors: Mapping[str, Any], alpha: float,
                        rank: int, base_model_name_or_path: str = "",
                        metadata: Mapping[str, Any] | None = None, *, model_config: Any = None,
-                       layers_prefix: str = DEFAULT_LAYERS_PREFIX) -> Path:
+                       layers_prefix: str = DEFAULT_LAYERS_PREFIX, arch: str | None = None) -> Path:
     """Write a PEFT LoRA adapter folder that ``PeftModel.from_pretrained(hf_model, folder)``
     loads; returns the folder.
 
     ``tensors``: pytrain's GGUF-keyed pairs (:meth:`pytrain.models.lora.LoraAdapter.get`), every A of
     rank ``rank``.  ``metadata``: extra ``__metadata__`` strings of the safetensors file
     (non-strings are stored as JSON; ``format`` is the writer's).  ``model_config`` (the
-    model's ``Qwen35Config``) is required for DeltaNet targets, and when given also checks
-    every shape and decides ``target_modules`` from the model's layer kinds.  Everything is
-    validated before the disk is touched.
+    model's config) is required for targets whose layout needs the model's sizes, and when
+    given also checks every shape and decides ``target_modules`` from the model's layer kinds.
+    ``arch`` (the base model's architecture) names the modules with that architecture's HF
+    layout (default: any known architecture's).  Everything is validated before the disk is
+    touched.
     """
     folder = Path(folder)
     where = str(folder)
@@ -437,7 +393,7 @@ def write_peft_adapter(folder: str | os.PathLike[str], tensors: Mapping[str, Any
                                f"{', '.join(KNOWN_LAYERS_PREFIXES)}, got {layers_prefix!r}")
     if not isinstance(base_model_name_or_path, str):
         raise PeftAdapterError(f"{where}: base_model_name_or_path must be a string")
-    pairs = _gguf_pairs(tensors, rank, where)
+    pairs = _gguf_pairs(tensors, rank, where, arch)
     _check_shapes(pairs, model_config, where)
     st_meta = {"format": "pt"}
     for k, v in (metadata or {}).items():
@@ -446,12 +402,12 @@ def write_peft_adapter(folder: str | os.PathLike[str], tensors: Mapping[str, Any
         st_meta[k] = v if isinstance(v, str) else json.dumps(v, sort_keys=True)
     arrays: dict[str, np.ndarray] = {}
     for base, (a, b) in pairs.items():
-        a, b = _convert_pair(base, a, b, model_config, where, to_hf=True)
-        key = KEY_PREFIX + peft_module_name(base, layers_prefix)
+        a, b = _convert_pair(base, a, b, model_config, where, to_hf=True, arch=arch)
+        key = KEY_PREFIX + peft_module_name(base, layers_prefix, arch)
         arrays[key + ".lora_A.weight"] = a
         arrays[key + ".lora_B.weight"] = b
     config = peft_config_dict(sorted(pairs), alpha, rank, base_model_name_or_path, model_config,
-                              layers_prefix)
+                              layers_prefix, arch)
     blob = _safetensors_bytes(arrays, st_meta)
     text = json.dumps(config, indent=2, sort_keys=True) + "\n"
 
@@ -502,15 +458,16 @@ def _check_config(cfg: Any, p: Path) -> tuple[float, int]:
     return _check_alpha(cfg["lora_alpha"], str(p)), _check_rank(cfg["r"], str(p))
 
 
-def read_peft_adapter(folder: str | os.PathLike[str], model_config: Any = None
-                      ) -> tuple[dict[str, np.ndarray], float, int, dict[str, Any]]:
+def read_peft_adapter(folder: str | os.PathLike[str], model_config: Any = None,
+                      arch: str | None = None) -> tuple[dict[str, np.ndarray], float, int, dict[str, Any]]:
     """``(tensors, alpha, rank, config)`` of a PEFT LoRA adapter folder.
 
     ``tensors`` are pytrain's GGUF-keyed float32 pairs (``blk.N.<t>.weight.lora_a`` A [r, n_in],
     ``.lora_b`` B [n_out, r]), ready for :meth:`pytrain.models.lora.LoraAdapter.set` or
     :func:`pytrain.formats.adapter_gguf.write_lora_gguf`; ``config`` is ``adapter_config.json`` as a
-    dict.  ``model_config`` is needed for DeltaNet modules and, when given, checks every shape.
-    Raises :class:`PeftAdapterError` naming the file.
+    dict.  ``model_config`` is needed for modules whose layout needs the model's sizes and, when
+    given, checks every shape; ``arch`` (the base model's architecture) maps the modules with
+    that architecture's names (default: any known architecture's).  Raises :class:`PeftAdapterError` naming the file.
     """
     folder = Path(folder)
     cpath, wpath = folder / CONFIG_NAME, folder / WEIGHTS_NAME
@@ -540,7 +497,7 @@ def read_peft_adapter(folder: str | os.PathLike[str], model_config: Any = None
                                    f"supported)")
         module = m.group("module")
         try:
-            base = gguf_base_name(module)
+            base = gguf_base_name(module, arch)
         except PeftAdapterError as e:
             raise PeftAdapterError(f"{wpath}: tensor {key!r}: {e}") from None
         if modules.setdefault(base, module) != module:
@@ -567,7 +524,7 @@ def read_peft_adapter(folder: str | os.PathLike[str], model_config: Any = None
                 f"({CONFIG_NAME})")
         if not (np.isfinite(a).all() and np.isfinite(b).all()):
             raise PeftAdapterError(f"{wpath}: {modules[base]!r} holds NaN or Inf")
-        a, b = _convert_pair(base, a, b, model_config, str(wpath), to_hf=False)
+        a, b = _convert_pair(base, a, b, model_config, str(wpath), to_hf=False, arch=arch)
         tensors[base + ".lora_a"], tensors[base + ".lora_b"] = a, b
     _check_shapes({k[:-7]: (tensors[k], tensors[k[:-7] + ".lora_b"])
                    for k in tensors if k.endswith(".lora_a")}, model_config, str(wpath))

@@ -9,9 +9,9 @@ with the list of known ones.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import import_module
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Mapping, Protocol
 
 import numpy as np
 
@@ -40,6 +40,13 @@ class Architecture:
     padded_length: Callable[[int], int]                  # the T a graph runs for T tokens
     layer_budget: Callable[[ModelConfig, int], int]      # graph nodes of one layer at T
     default_targets: tuple[str, ...] = ("attn_q", "attn_k", "attn_v", "attn_output")
+    # Hugging Face's layout, for PEFT adapters: the HF module (within model.layers.N) of each
+    # adaptable GGUF tensor, the targets only one kind of layer has (by the config's
+    # ``recurrent`` flag), and, for targets whose rows or columns HF orders differently,
+    # (base, A, B, config, where, to_hf) -> (A, B)
+    hf_modules: Mapping[str, str] = field(default_factory=dict)
+    hf_layer_kind_modules: Mapping[bool, frozenset] = field(default_factory=dict)
+    hf_pairs: Mapping[str, Callable[..., tuple]] = field(default_factory=dict)
 
 
 class ArchitectureError(PytrainError, ValueError):
@@ -68,3 +75,8 @@ def get(name: str, path: str = "") -> Architecture:
         raise ArchitectureError(f"{where}unsupported architecture {name!r}; supported: "
                          f"{', '.join(names())}")
     return _REGISTERED[name]
+
+
+def all_registered() -> list[Architecture]:
+    """Every architecture pytrain knows (their modules imported)."""
+    return [get(n) for n in names()]

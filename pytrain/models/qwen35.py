@@ -23,6 +23,7 @@ from pytrain import ggml
 from pytrain.ggml import lib
 from pytrain.models import Architecture
 from pytrain.models import delta_net as dn
+from pytrain.models import qwen35_hf
 from pytrain.models.qwen35_config import Qwen35Config
 
 # a LoRA hook: (ctx, base tensor name, input x) -> delta to add to W·x, or None
@@ -271,4 +272,7 @@ ARCHITECTURE = Architecture(
     set_inputs=set_inputs,
     padded_length=padded_length,
     layer_budget=layer_budget,
+    hf_modules=qwen35_hf.HF_MODULES,
+    hf_layer_kind_modules=qwen35_hf.LAYER_KIND_MODULES,
+    hf_pairs={t: qwen35_hf.convert_pair for t in qwen35_hf.DELTANET},
 )

@@ -69,7 +69,7 @@ def save_adapter(model: Model, adapter, path: Path, formats=("gguf",)) -> Path:
         from pytrain.formats.adapter_peft import write_peft_adapter
         write_peft_adapter(path.parent / "peft", tensors, adapter.alpha, adapter.rank,
                            base_model_name_or_path=Path(model.path).name,
-                           model_config=model.config)
+                           model_config=model.config, arch=model.arch.name)
     return write_lora_gguf(path, model.arch.name, adapter.alpha, tensors,
                            base_metadata={"general.name": f"pytrain LoRA for {Path(model.path).name}"})
 

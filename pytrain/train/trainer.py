@@ -23,7 +23,7 @@ class NonFiniteLoss(RuntimeError):
 
 def bucket_length(model: Model, T: int) -> int:
     """Graph length for a batch of T tokens: a multiple of 16 (few distinct graphs), then
-    what the architecture pads to (whole DeltaNet chunks for qwen35)."""
+    what the architecture pads to (e.g. whole chunks of a recurrent layer)."""
     return model.arch.padded_length(-(-T // 16) * 16)
 
 
