@@ -3,10 +3,10 @@ per-row loop for ne10 == 1, as in the loss's row mask [1, N] against logits [V, 
 element is one IEEE op, so the result must equal numpy's float32 op exactly, for every op, for
 rows that are and are not multiples of the SIMD width, with 1 and 2 threads, and for src1
 broadcast along more dimensions too."""
+import graph_harness
 import numpy as np
 import pytest
 
-from pytrain import ggml
 from pytrain.ggml import lib
 
 OPS = {"add": (lib.ggml_add, np.add), "sub": (lib.ggml_sub, np.subtract),
@@ -14,21 +14,9 @@ OPS = {"add": (lib.ggml_add, np.add), "sub": (lib.ggml_sub, np.subtract),
 
 
 def run(op, a: np.ndarray, b: np.ndarray, threads: int) -> np.ndarray:
-    rt = ggml.Runtime("cpu", threads=threads)
-    ctx = ggml.Context(n_tensors=8, graph_size=16)
-    ta = lib.ggml_new_tensor(ctx.ptr, lib.GGML_TYPE_F32, a.ndim, list(reversed(a.shape)))
-    tb = lib.ggml_new_tensor(ctx.ptr, lib.GGML_TYPE_F32, b.ndim, list(reversed(b.shape)))
-    for t in (ta, tb):
-        lib.ggml_set_input(t)
-    out = OPS[op][0](ctx.ptr, ta, tb)
-    lib.ggml_set_output(out)
-    graph = ggml.new_graph(ctx, 16)
-    lib.ggml_build_forward_expand(graph, out)
-    rt.alloc_graph(graph, ctx)
-    ggml.from_numpy(ta, a)
-    ggml.from_numpy(tb, b)
-    rt.compute(graph)
-    return ggml.to_numpy(out).reshape(a.shape)
+    out = graph_harness.run(lambda c, t: OPS[op][0](c, t["a"], t["b"]), {"a": a, "b": b},
+                            threads=threads)
+    return out.reshape(a.shape)
 
 
 @pytest.mark.parametrize("op", list(OPS))

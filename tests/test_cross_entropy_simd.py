@@ -2,30 +2,17 @@
 loss of ggml's own op must equal a float64 log-softmax cross-entropy computed by numpy, for
 one-hot and soft labels, logits spread over a wide range, a row whose maximum sits in the
 scalar tail, and row lengths that are and are not multiples of the SIMD width."""
+import graph_harness
 import numpy as np
 import pytest
 
-from pytrain import ggml
 from pytrain.ggml import lib
 
 
 def ggml_cross_entropy(logits: np.ndarray, labels: np.ndarray, threads: int) -> float:
-    R, V = logits.shape
-    rt = ggml.Runtime("cpu", threads=threads)
-    ctx = ggml.Context(n_tensors=8, graph_size=16)
-    x = lib.ggml_new_tensor_2d(ctx.ptr, lib.GGML_TYPE_F32, V, R)    # numpy [R, V]
-    y = lib.ggml_new_tensor_2d(ctx.ptr, lib.GGML_TYPE_F32, V, R)
-    for t in (x, y):
-        lib.ggml_set_input(t)
-    loss = lib.ggml_cross_entropy_loss(ctx.ptr, x, y)
-    lib.ggml_set_output(loss)
-    graph = ggml.new_graph(ctx, 16)
-    lib.ggml_build_forward_expand(graph, loss)
-    rt.alloc_graph(graph, ctx)
-    ggml.from_numpy(x, logits)
-    ggml.from_numpy(y, labels)
-    rt.compute(graph)
-    return float(ggml.to_numpy(loss).reshape(-1)[0])
+    out = graph_harness.run(lambda c, t: lib.ggml_cross_entropy_loss(c, t["x"], t["y"]),
+                            {"x": logits, "y": labels}, threads=threads)
+    return float(out.reshape(-1)[0])
 
 
 def reference(logits: np.ndarray, labels: np.ndarray) -> float:
