@@ -67,7 +67,7 @@ import make_peft_golden as mg  # noqa: E402
 import qwen35_reference as ref  # noqa: E402
 
 sys.path.insert(0, str(ref.REPO))
-from pytrain.formats.adapter_peft import (GGUF_TO_HF, peft_module_name, read_peft_adapter,  # noqa: E402
+from pytrain.formats.adapter_peft import (hf_tables, peft_module_name, read_peft_adapter,  # noqa: E402
                                   write_peft_adapter)
 from pytrain.models.qwen35_config import Qwen35Config  # noqa: E402
 
@@ -101,7 +101,7 @@ def make_tensors(cfg: Qwen35Config, names, rank: int, seed: int):
     import numpy as np
     shapes = cfg.tensor_shapes()
     if names is None:
-        names = [f"blk.{i}.{t}.weight" for i in range(cfg.n_layer) for t in GGUF_TO_HF
+        names = [f"blk.{i}.{t}.weight" for i in range(cfg.n_layer) for t in hf_tables("qwen35")[0]
                  if f"blk.{i}.{t}.weight" in shapes]
     rng = np.random.default_rng(seed)
     out = {}

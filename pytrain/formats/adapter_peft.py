@@ -66,8 +66,6 @@ def hf_tables(arch: str | None = None) -> tuple[dict, dict, dict, dict]:
     return names, {v: k for k, v in names.items()}, kinds, pairs
 
 
-GGUF_TO_HF = hf_tables()[0]     # the names as pytrain was imported (for scripts and messages)
-
 _GGUF_BASE = re.compile(r"blk\.(\d+)\.([a-z_]+)\.weight")
 _HF_MODULE = re.compile(r"(?P<prefix>.+)\.(?P<layer>\d+)\.(?P<module>[a-z_]+\.[a-z_]+)")
 

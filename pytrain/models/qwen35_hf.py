@@ -48,8 +48,7 @@ def _grouped_to_tiled(n_k: int, n_v: int, hd: int) -> np.ndarray:
     """The converter's ``_reorder_v_heads`` index: ``gguf[i] = hf[idx[i]]`` on an axis of
     ``n_v * hd`` entries."""
     if n_k <= 0 or n_v <= 0 or n_v % n_k:
-        raise _error(f"DeltaNet value heads ({n_v}) must be a multiple of key heads "
-                               f"({n_k})")
+        raise _error(f"DeltaNet value heads ({n_v}) must be a multiple of key heads ({n_k})")
     return np.arange(n_v * hd).reshape(n_k, n_v // n_k, hd).transpose(1, 0, 2).reshape(-1)
 
 
@@ -65,7 +64,7 @@ def _deltanet_dims(model_config: Any, base: str, where: str) -> tuple[int, int, 
         raise _error(f"{where}: model_config lacks the DeltaNet sizes ({e})") from None
     if n_v <= 0 or inner % n_v:
         raise _error(f"{where}: inconsistent DeltaNet sizes in model_config "
-                               f"(ssm_inner {inner}, ssm_v_heads {n_v})")
+                     f"(ssm_inner {inner}, ssm_v_heads {n_v})")
     return n_k, n_v, dk, inner // n_v
 
 

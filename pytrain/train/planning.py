@@ -43,8 +43,9 @@ def shape_model(arch: str, config: ModelConfig, file_type: str = "f32", device: 
             lib.ggml_new_tensor(ctx.ptr, t, len(ne), ffi.new("int64_t[]", ne)), name)
         tensors[name].data = _PLACEHOLDER
         tensors[name].buffer = stand_in
-    weights = SimpleNamespace(tensors=tensors, ctx=ctx, close=ctx.close,
-                              loaded_bytes=sum(int(lib.ggml_nbytes(t)) for t in tensors.values()))
+    n_bytes = sum(int(lib.ggml_nbytes(t)) for t in tensors.values())
+    weights = SimpleNamespace(tensors=tensors, ctx=ctx, close=ctx.close, loaded_bytes=n_bytes,
+                              total_bytes=n_bytes)
     return Model(f"<{file_type} shape>", config, {}, rt, weights, SimpleNamespace(pad_id=0),
                  models.get(arch))
 
