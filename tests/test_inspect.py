@@ -47,10 +47,10 @@ def test_inspect_without_mtp(tmp_path, capsys):
 
 
 def test_inspect_refuses_other_architectures(tmp_path, capsys):
-    m = write_qwen35(tmp_path / "llama.gguf", "f32", arch="llama")
+    m = write_qwen35(tmp_path / "mamba.gguf", "f32", arch="mamba")
     rc, out, err = run(capsys, m.path)
     assert rc == 2 and out == ""
-    assert str(m.path) in err and "unsupported architecture 'llama'; supported: qwen35" in err
+    assert str(m.path) in err and "unsupported architecture 'mamba'; supported: llama, qwen35" in err
 
 
 def test_inspect_not_a_gguf(tmp_path, capsys):

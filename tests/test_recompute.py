@@ -29,6 +29,15 @@ def adapted(path):
     return m, ad
 
 
+def adapted_start():
+    """The adapter ``adapted`` starts from (on the gqa fixture)."""
+    m, ad = adapted(FIX / "gqa-f32.gguf")
+    try:
+        return ad.get()
+    finally:
+        m.close()
+
+
 def packed_batch(seed=0, B=3, T=40):
     """Rows with padding, two packed samples and prompt tokens masked."""
     rng = np.random.default_rng(seed)
@@ -93,10 +102,24 @@ def test_training_with_recompute_gives_the_same_adapter():
         m.close()
     assert out["off"][2] == out["auto"][2] == {"GradGraph"}
     assert out["layers"][2] == {"RecomputeGraph"}
+    lr, steps = 1e-2, 3
     for mode in ("layers", "auto"):
         np.testing.assert_allclose(out[mode][0], out["off"][0], rtol=1e-6)
         for k, v in out["off"][1].items():
-            np.testing.assert_allclose(out[mode][1][k], v, atol=1e-6, rtol=1e-5, err_msg=k)
+            # AdamW divides each gradient element by its own running magnitude, so an element
+            # whose gradient is near zero turns the float32 regrouping of the gradients
+            # (GRAD_ROUNDING of their scale, test above) into an update difference of a
+            # fraction of lr, not of the element: bit-identical on AMD EPYC (AVX2), 1.6e-6 =
+            # 1.6e-4·lr on one element of 512 on an Intel Xeon with AVX-512 (other kernels
+            # group the sums differently).  Bound: 1e-3·lr per step, and the whole adapter
+            # within 1e-4 of the distance it moved.
+            np.testing.assert_allclose(out[mode][1][k], v, atol=1e-3 * lr * steps, rtol=0,
+                                       err_msg=k)
+        start = adapted_start()
+        moved = np.sqrt(sum(float(np.sum((v - start[k]) ** 2)) for k, v in out["off"][1].items()))
+        diff = np.sqrt(sum(float(np.sum((out[mode][1][k] - v) ** 2))
+                           for k, v in out["off"][1].items()))
+        assert moved > 0 and diff <= 1e-4 * moved, (mode, diff, moved)
 
 
 def test_recompute_needs_a_fraction_of_the_memory_at_the_2b_shape():

@@ -33,9 +33,12 @@ _CONTRACTIONS = "(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
 
 @dataclass(frozen=True)
 class _PreTokenizer:
-    """One of llama.cpp's pre-tokenizer types (``src/llama-vocab.cpp``), copied verbatim."""
+    """One of llama.cpp's pre-tokenizer types (``src/llama-vocab.cpp``), copied verbatim.
+    With several regexes, each splits the pieces the one before it left (llama.cpp's
+    ``unicode_regex_split``), matched and unmatched stretches alike."""
 
     regex: str
+    first: tuple[str, ...] = ()   # regexes applied before ``regex``
     ignore_merges: bool = False
     add_bos: bool = False  # llama.cpp's default when tokenizer.ggml.add_bos_token is absent
 
@@ -48,7 +51,10 @@ _QWEN35 = _PreTokenizer(
 _LLAMA3 = _PreTokenizer(
     _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+", ignore_merges=True, add_bos=True)
-_GPT2 = _PreTokenizer(r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)")
+_GPT2_REGEX = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+_GPT2 = _PreTokenizer(_GPT2_REGEX)
+# STARCODER / REFACT / SMOLLM (and COMMAND_R, ...): every digit alone, then GPT-2's split
+_DIGITS_THEN_GPT2 = _PreTokenizer(_GPT2_REGEX, first=(r"\p{N}",))
 
 # Only pre-tokenizers whose llama.cpp test vectors pass are listed (tests/test_tokenizer.py).
 PRE_TOKENIZERS: dict[str, _PreTokenizer] = {
@@ -59,6 +65,9 @@ PRE_TOKENIZERS: dict[str, _PreTokenizer] = {
     "llama-v3": _LLAMA3,
     "llama-bpe": _LLAMA3,
     "gpt-2": _GPT2,
+    "smollm": _DIGITS_THEN_GPT2,
+    "starcoder": _DIGITS_THEN_GPT2,
+    "refact": _DIGITS_THEN_GPT2,
 }
 
 # Texts llama.cpp treats as end-of-generation whatever the GGUF says (llama-vocab.cpp's
@@ -122,7 +131,8 @@ class Tokenizer:
                          byte_fallback=False, fuse_unk=False)
         tk = _HFTokenizer(bpe)
         tk.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(spec.regex), behavior="isolated", invert=False),
+            *(pre_tokenizers.Split(Regex(r), behavior="isolated", invert=False)
+              for r in (*spec.first, spec.regex)),
             pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
         ])
         tk.decoder = decoders.ByteLevel()

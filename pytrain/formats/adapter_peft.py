@@ -58,12 +58,25 @@ def hf_tables(arch: str | None = None) -> tuple[dict, dict, dict, dict]:
     targets only that kind has, and target -> pair conversion; without ``arch``, the union
     over every known architecture (also those registered at run time)."""
     names, kinds, pairs = {}, {False: set(), True: set()}, {}
-    for entry in [models.get(arch)] if arch else models.all_registered():
+    entries = [models.get(arch)] if arch else models.all_registered()
+    for entry in entries:
         names.update(entry.hf_modules)
         for k, v in entry.hf_layer_kind_modules.items():
             kinds[k] |= set(v)
         pairs.update(entry.hf_pairs)
+    # Without an architecture, a target that one architecture re-orders and another keeps as
+    # it is (attn_q: Llama's rope permutation, Qwen3.5's none) has no layout both share: it
+    # is kept as it is, so reading or writing Llama q/k pairs needs ``arch`` or a LlamaConfig.
+    for t in list(pairs):
+        if any(t in e.hf_modules and t not in e.hf_pairs for e in entries):
+            del pairs[t]
     return names, {v: k for k, v in names.items()}, kinds, pairs
+
+
+def _arch_of(arch: str | None, model_config: Any) -> str | None:
+    """The architecture named, else the one the model's config belongs to (configs carry
+    their GGUF ``arch``), else None (any known architecture's names)."""
+    return arch or getattr(model_config, "arch", None)
 
 
 _GGUF_BASE = re.compile(r"blk\.(\d+)\.([a-z_]+)\.weight")
@@ -227,6 +240,7 @@ def peft_config_dict(bases: list[str], alpha: float, rank: int,
                      ) -> dict[str, Any]:
     """The ``adapter_config.json`` contents for adapted GGUF tensors ``bases``: every key PEFT
     0.21.2's ``LoraConfig.save_pretrained`` writes, with its default unless set here."""
+    arch = _arch_of(arch, model_config)
     alpha_json: int | float = int(alpha) if float(alpha).is_integer() else float(alpha)
     cfg: dict[str, Any] = {
         "alora_invocation_tokens": None,
@@ -384,6 +398,7 @@ def write_peft_adapter(folder: str | os.PathLike[str], tensors: Mapping[str, Any
     """
     folder = Path(folder)
     where = str(folder)
+    arch = _arch_of(arch, model_config)
     alpha = _check_alpha(alpha, where)
     rank = _check_rank(rank, where)
     if layers_prefix not in KNOWN_LAYERS_PREFIXES:
@@ -468,6 +483,7 @@ def read_peft_adapter(folder: str | os.PathLike[str], model_config: Any = None,
     that architecture's names (default: any known architecture's).  Raises :class:`PeftAdapterError` naming the file.
     """
     folder = Path(folder)
+    arch = _arch_of(arch, model_config)
     cpath, wpath = folder / CONFIG_NAME, folder / WEIGHTS_NAME
     if not folder.is_dir():
         raise PeftAdapterError(f"{folder}: no such adapter folder")

@@ -53,7 +53,7 @@ class ArchitectureError(PytrainError, ValueError):
     """A model of an architecture pytrain does not know."""
 
 
-_MODULES = {"qwen35": "pytrain.models.qwen35"}
+_MODULES = {"llama": "pytrain.models.llama", "qwen35": "pytrain.models.qwen35"}
 _REGISTERED: dict[str, Architecture] = {}
 
 

@@ -14,8 +14,7 @@ recurrent state never cross a change of id, so packed samples stay isolated.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -25,9 +24,8 @@ from pytrain.models import Architecture
 from pytrain.models import delta_net as dn
 from pytrain.models import qwen35_hf
 from pytrain.models.qwen35_config import Qwen35Config
-
-# a LoRA hook: (ctx, base tensor name, input x) -> delta to add to W·x, or None
-LoraFn = Callable[[object, str, object], object]
+from pytrain.models.transformer import (DecoderGraph, LoraFn, attention_input_values,
+                                       softmax_attention, upload_inputs)
 
 
 @dataclass
@@ -42,34 +40,8 @@ class GraphInputs:
     rows: object | None = None          # I32 [R] flat positions (t + T·b) the head runs on
 
 
-@dataclass
-class Forward:
-    logits: object                      # F32 [V, T, B], or [V, R, 1] with rows
-    inputs: GraphInputs
-    B: int
-    T: int                              # padded length the graph runs on
-    extra: dict = field(default_factory=dict)
-
-
-class Qwen35Graph:
+class Qwen35Graph(DecoderGraph):
     """Builds the forward graph from loaded weights (name → ggml tensor)."""
-
-    def __init__(self, config: Qwen35Config, weights: dict[str, object]):
-        self.c = config
-        self.w = weights
-
-    # -- building blocks -------------------------------------------------------------
-    def mm(self, ctx, name: str, x, lora: LoraFn | None):
-        """W·x, plus the adapter's contribution when ``name`` is adapted."""
-        y = lib.ggml_mul_mat(ctx, self.w[name], x)
-        if lora is not None:
-            d = lora(ctx, name, x)
-            if d is not None:
-                y = lib.ggml_add(ctx, y, d)
-        return y
-
-    def norm(self, ctx, x, weight: str):
-        return lib.ggml_mul(ctx, lib.ggml_rms_norm(ctx, x, self.c.rms_eps), self.w[weight])
 
     # -- layers ----------------------------------------------------------------------
     def attention(self, ctx, il: int, x, inp: GraphInputs, B: int, T: int, lora):
@@ -88,24 +60,7 @@ class Qwen35Graph:
                                            lib.GGML_ROPE_TYPE_NEOX, 0, c.rope_base, 1.0, 0.0,
                                            1.0, 0.0, 0.0)
         q, k = rope(q), rope(k)                                           # [hd, H, T·B]
-
-        def heads_last(t, n):                                             # -> [hd, T, n·B]
-            t = lib.ggml_reshape_4d(ctx, t, hd, n, T, B)
-            return lib.ggml_reshape_3d(ctx, lib.ggml_cont(ctx, lib.ggml_permute(ctx, t, 0, 2, 1, 3)),
-                                       hd, T, n * B)
-        q3, k3 = heads_last(q, H), heads_last(k, Hkv)
-        # B merged behind the heads keeps MUL_MAT's grouped broadcast (q head h reads kv head
-        # h // (H/Hkv), as HF's repeat_kv) inside 3-D tensors, which its backward supports
-        kq = lib.ggml_mul_mat(ctx, k3, q3)                                # [T_k, T_q, H·B]
-        kq = lib.ggml_reshape_4d(ctx, kq, T, T, H, B)
-        probs = lib.ggml_soft_max_ext(ctx, kq, inp.kq_mask, 1.0 / float(np.sqrt(hd)), 0.0)
-        probs = lib.ggml_reshape_3d(ctx, probs, T, T, H * B)
-        vT = lib.ggml_reshape_4d(ctx, v, hd, Hkv, T, B)
-        vT = lib.ggml_reshape_3d(ctx, lib.ggml_cont(ctx, lib.ggml_permute(ctx, vT, 1, 2, 0, 3)),
-                                 T, hd, Hkv * B)                         # [T, hd, Hkv·B]
-        o = lib.ggml_mul_mat(ctx, vT, probs)                              # [hd, T, H·B]
-        o = lib.ggml_reshape_4d(ctx, o, hd, T, H, B)
-        o = lib.ggml_cont_2d(ctx, lib.ggml_permute(ctx, o, 0, 2, 1, 3), hd * H, T * B)
+        o = softmax_attention(ctx, q, k, v, inp.kq_mask, 1.0 / float(np.sqrt(hd)), B, T)
         o = lib.ggml_mul(ctx, o, dn.sigmoid(ctx, gate))
         return self.mm(ctx, p + "attn_output.weight", o, lora)
 
@@ -140,12 +95,6 @@ class Qwen35Graph:
                          lib.ggml_silu(ctx, lib.ggml_reshape_4d(ctx, z, dv, Hv, T, B)))
         return self.mm(ctx, p + "ssm_out.weight", lib.ggml_reshape_2d(ctx, o, dv * Hv, T * B), lora)
 
-    def ffn(self, ctx, il: int, x, lora):
-        p = f"blk.{il}."
-        gate = self.mm(ctx, p + "ffn_gate.weight", x, lora)
-        up = self.mm(ctx, p + "ffn_up.weight", x, lora)
-        return self.mm(ctx, p + "ffn_down.weight", lib.ggml_mul(ctx, lib.ggml_silu(ctx, gate), up), lora)
-
     # -- the whole model -------------------------------------------------------------
     def new_inputs(self, ctx, B: int, T: int) -> GraphInputs:
         """The per-batch inputs of a [B, T] graph (T already padded: see padded_length)."""
@@ -168,9 +117,6 @@ class Qwen35Graph:
             lib.ggml_set_input(t)
         return inp
 
-    def embed(self, ctx, inp: GraphInputs):
-        return lib.ggml_get_rows(ctx, self.w["token_embd.weight"], inp.tokens)   # [E, T·B]
-
     def layer(self, ctx, il: int, x, inp: GraphInputs, B: int, T: int, lora: LoraFn | None):
         """x [E, T·B] -> the output of layer ``il``."""
         p = f"blk.{il}."
@@ -182,34 +128,6 @@ class Qwen35Graph:
         x = lib.ggml_add(ctx, x, h)
         return lib.ggml_add(ctx, x, self.ffn(ctx, il, self.norm(ctx, x, p + "post_attention_norm.weight"), lora))
 
-    def head(self, ctx, x, inp: GraphInputs, B: int, T: int, rows: int | None = None):
-        """x [E, T·B] after the last layer -> logits [V, T, B], or [V, R, 1] on the R rows of
-        the I32 input ``inp.rows`` (made here)."""
-        c = self.c
-        x = self.norm(ctx, x, "output_norm.weight")
-        if rows is not None:                                               # [E, R]
-            inp.rows = lib.ggml_new_tensor_1d(ctx, lib.GGML_TYPE_I32, rows)
-            lib.ggml_set_input(inp.rows)
-            x = lib.ggml_get_rows(ctx, x, inp.rows)
-            T, B = rows, 1
-        head = "token_embd.weight" if c.tied_embeddings else "output.weight"
-        logits = lib.ggml_mul_mat(ctx, self.w[head], x)                   # [V, T·B]
-        return lib.ggml_reshape_3d(ctx, logits, c.n_vocab, T, B)
-
-    def build(self, ctx, B: int, T: int, lora: LoraFn | None = None,
-              rows: int | None = None) -> Forward:
-        """The forward graph for B rows of T tokens (T already padded: see padded_length).
-
-        The LM head is the largest matmul of a small model and its [V, N] logits the largest
-        tensors, so it can run on fewer positions: with ``rows``, on R positions picked per
-        batch through the I32 input ``inputs.rows`` ([V, R, 1]; the loss's target positions,
-        or the last position of each row for generation)."""
-        inp = self.new_inputs(ctx, B, T)
-        x = self.embed(ctx, inp)
-        for il in range(self.c.n_layer):
-            x = self.layer(ctx, il, x, inp, B, T, lora)
-        return Forward(self.head(ctx, x, inp, B, T, rows), inp, B, T)
-
 
 # --------------------------------------------------------------------------- host inputs
 
@@ -220,18 +138,7 @@ def padded_length(n_tokens: int) -> int:
 def input_values(config: Qwen35Config, tokens: np.ndarray, seg: np.ndarray) -> dict[str, np.ndarray]:
     """Numpy values for GraphInputs from tokens [B, T] and sample ids seg [B, T] (-1 = pad)."""
     B, T = tokens.shape
-    pos = np.zeros((B, T), np.int32)
-    for b in range(B):
-        start = 0
-        for t in range(T):
-            if t > 0 and seg[b, t] != seg[b, t - 1]:
-                start = t
-            pos[b, t] = t - start
-    same = seg[:, :, None] == seg[:, None, :]                            # [B, q, k]
-    causal = np.tril(np.ones((T, T), bool))
-    mask = np.where(same & causal, 0.0, -np.inf).astype(np.float32)[:, None]   # [B, 1, q, k]
-    vals = {"tokens": tokens.astype(np.int32).reshape(-1), "pos": pos.reshape(-1),
-            "kq_mask": mask}
+    vals = attention_input_values(tokens, seg)
     if any(config.recurrent):
         K = config.conv_kernel
         keep = np.zeros((K, B, T, 1), np.float32)
@@ -252,9 +159,7 @@ def set_inputs(inp: GraphInputs, vals: dict[str, np.ndarray]) -> None:
                "conv_keep": inp.conv_keep, "conv_zeros": inp.conv_zeros}
     if inp.chunks is not None:
         targets.update({"chunk_" + k: v for k, v in vars(inp.chunks).items()})
-    for name, t in targets.items():
-        if t is not None and ggml.is_allocated(t):
-            ggml.from_numpy(t, vals[name])
+    upload_inputs(targets, vals)
 
 
 def layer_budget(config: Qwen35Config, T: int) -> int:

@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 ARCH = "qwen35"
 
 
 @dataclass(frozen=True)
 class Qwen35Config:
+    arch: ClassVar[str] = ARCH
     n_layer: int                 # trunk layers (MTP/nextn blocks excluded)
     n_embd: int
     n_ff: int

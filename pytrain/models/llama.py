@@ -1,0 +1,118 @@
+"""Llama family (arch ``llama``: Llama 2/3, SmolLM2, Mistral, TinyLlama): the forward graph.
+
+It computes what llama.cpp's src/models/llama.cpp computes, from ops that all have a backward
+in ggml, on right-padded or packed batches [B, T]:
+
+  x = token_embd[tokens]
+  per layer:  h = x + attention(rms_norm(x) · attn_norm)
+              x = h + ffn(rms_norm(h) · ffn_norm)
+  logits = (rms_norm(x) · output_norm) @ (output | token_embd)ᵀ
+
+  attention:  q, k, v = W_q·x (+b), W_k·x (+b), W_v·x (+b)      heads of head_dim, GQA
+              q, k = rope(q), rope(k)       NORM mode: adjacent pairs (the converter permuted
+                                            q/k rows so this equals HF's rotate_half)
+              o = W_o · softmax(q·kᵀ/√head_dim + mask) · v
+
+Shapes in comments are ggml ne order (fastest first): E = n_embd, T tokens, B rows, hd the head
+size, H / Hkv the query / key-value heads.  ``seg`` [B, T] gives each token's sample id (-1 for
+padding): attention never crosses a change of id, so packed samples stay isolated.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from pytrain import ggml
+from pytrain.ggml import lib
+from pytrain.models import Architecture
+from pytrain.models import llama_hf
+from pytrain.models.llama_config import LlamaConfig
+from pytrain.models.transformer import (DecoderGraph, LoraFn, attention_input_values,
+                                       softmax_attention, upload_inputs)
+
+ROPE_NORM = 0          # ggml's default rope mode: rotate (x_2i, x_2i+1) pairs
+
+
+@dataclass
+class GraphInputs:
+    """Tensors the host fills before each compute."""
+    tokens: object                      # I32 [T·B]
+    pos: object                         # I32 [T·B] position within its sample
+    kq_mask: object                     # F32 [T, T, 1, B] 0 or -inf
+    rows: object | None = None          # I32 [R] flat positions (t + T·b) the head runs on
+
+
+class LlamaGraph(DecoderGraph):
+    """Builds the forward graph from loaded weights (name → ggml tensor)."""
+
+    def rope(self, ctx, t, inp: GraphInputs):
+        """Rotary embedding with the model's scaling (Llama 3's per-frequency factors come
+        from ``rope_freqs.weight``)."""
+        r = self.c.rope
+        freqs = self.w.get("rope_freqs.weight", ggml.ffi.NULL)
+        return lib.ggml_rope_ext(ctx, t, inp.pos, freqs, self.c.n_rot, ROPE_NORM, r.n_ctx_orig,
+                                 r.base, r.freq_scale, r.ext_factor, r.attn_factor,
+                                 r.beta_fast, r.beta_slow)
+
+    def attention(self, ctx, il: int, x, inp: GraphInputs, B: int, T: int, lora):
+        c, p = self.c, f"blk.{il}."
+        hd, H, Hkv = c.head_dim, c.n_head, c.n_head_kv
+        q = lib.ggml_reshape_3d(ctx, self.mm(ctx, p + "attn_q.weight", x, lora), hd, H, T * B)
+        k = lib.ggml_reshape_3d(ctx, self.mm(ctx, p + "attn_k.weight", x, lora), hd, Hkv, T * B)
+        v = lib.ggml_reshape_3d(ctx, self.mm(ctx, p + "attn_v.weight", x, lora), hd, Hkv, T * B)
+        q, k = self.rope(ctx, q, inp), self.rope(ctx, k, inp)            # [hd, H, T·B]
+        o = softmax_attention(ctx, q, k, v, inp.kq_mask, 1.0 / float(np.sqrt(hd)), B, T)
+        return self.mm(ctx, p + "attn_output.weight", o, lora)            # [E, T·B]
+
+    def new_inputs(self, ctx, B: int, T: int) -> GraphInputs:
+        i32, f32 = lib.GGML_TYPE_I32, lib.GGML_TYPE_F32
+        inp = GraphInputs(
+            tokens=lib.ggml_new_tensor_1d(ctx, i32, T * B),
+            pos=lib.ggml_new_tensor_1d(ctx, i32, T * B),
+            kq_mask=lib.ggml_new_tensor_4d(ctx, f32, T, T, 1, B),
+        )
+        for t in (inp.tokens, inp.pos, inp.kq_mask):
+            lib.ggml_set_input(t)
+        return inp
+
+    def layer(self, ctx, il: int, x, inp: GraphInputs, B: int, T: int, lora: LoraFn | None):
+        """x [E, T·B] -> the output of layer ``il``."""
+        p = f"blk.{il}."
+        x = lib.ggml_add(ctx, x, self.attention(ctx, il, self.norm(ctx, x, p + "attn_norm.weight"),
+                                                inp, B, T, lora))
+        return lib.ggml_add(ctx, x, self.ffn(ctx, il, self.norm(ctx, x, p + "ffn_norm.weight"), lora))
+
+
+# --------------------------------------------------------------------------- host inputs
+
+def padded_length(n_tokens: int) -> int:
+    return n_tokens
+
+
+def input_values(config: LlamaConfig, tokens: np.ndarray, seg: np.ndarray) -> dict[str, np.ndarray]:
+    """Numpy values for GraphInputs from tokens [B, T] and sample ids seg [B, T] (-1 = pad)."""
+    return attention_input_values(tokens, seg)
+
+
+def set_inputs(inp: GraphInputs, vals: dict[str, np.ndarray]) -> None:
+    upload_inputs({"tokens": inp.tokens, "pos": inp.pos, "kq_mask": inp.kq_mask}, vals)
+
+
+def layer_budget(config: LlamaConfig, T: int) -> int:
+    """Nodes (and tensors) a forward graph of one layer may need, with its backward."""
+    return 1024
+
+
+ARCHITECTURE = Architecture(
+    name="llama",
+    config_from_metadata=LlamaConfig.from_metadata,
+    graph=LlamaGraph,
+    input_values=input_values,
+    set_inputs=set_inputs,
+    padded_length=padded_length,
+    layer_budget=layer_budget,
+    hf_modules=llama_hf.HF_MODULES,
+    hf_layer_kind_modules={False: frozenset(llama_hf.ATTENTION)},
+    hf_pairs={t: llama_hf.convert_pair for t in llama_hf.PERMUTED},
+)

@@ -1,0 +1,451 @@
+"""Make the Llama fixtures in tests/fixtures/llama/: small random HF ``LlamaForCausalLM`` models
+converted by the pinned llama.cpp converter, with HF's log-probabilities, a float64 reference of
+every GGUF, and PEFT's LoRA gradients.
+
+Why: pytrain's ``llama`` graph (GGUF loading, the converter's q/k row permutation under NORM
+rope, rope scaling, biases, tied/untied heads) is checked against HF transformers, and its LoRA
+gradients against PEFT, on models nobody here wrote the reference for.  The adapter layouts are
+checked against llama.cpp's own ``convert_lora_to_gguf.py``.
+
+    gqa     hidden 64, 3 layers, 4 q / 2 kv heads x 16, FFN 128, tied, rope base 1e5;
+            written as F32, F16 and Q8_0
+    untied  hidden 64, 2 layers, 8 q / 1 kv heads x 8 (multi-query), untied, q/k/v/o biases,
+            linear rope scaling x2; F32
+    llama3  hidden 64, 2 layers, 4 q / 4 kv heads x 16, tied, FFN biases, Llama 3 rope
+            (factor 8, original context 32: the converter writes rope_freqs.weight); F32
+
+Outputs (tests/fixtures/llama/):
+    NAME-TYPE.gguf          the converter's files
+    NAME.npz                tokens int32 [N, T] right-padded with the pad id, lengths int32 [N],
+                            logprobs float32 [N, T, V]: log_softmax of HF float32 logits (each
+                            sequence alone, no padding), config_json
+    NAME-TYPE.f64.npz       logprobs64 float32 [N, T, V]: a float64 numpy forward over the
+                            GGUF's own (dequantized) tensors, written here from the GGUF format
+                            (independent of pytrain and of HF), for every file
+    peft_NAME.npz           PEFT LoRA r 4 / alpha 8 on q/k/v/o of every layer (and gate/up/down
+                            for llama3), deterministic non-zero A and B; a padded, prompt-masked
+                            batch (input_ids, attention_mask, labels, n_valid), HF's loss (float32
+                            run) and loss64 (float64 run); per GGUF base tensor ``.lora_a``,
+                            ``.lora_b``, ``.lora_a.grad``, ``.lora_b.grad`` (float32 run) and
+                            ``.grad64`` (float64 run), all in llama.cpp's layout as
+                            ``convert_lora_to_gguf.py`` wrote them (the gradients converted as an
+                            adapter of their own: the converter's q/k permutation is linear in B)
+    peft_gqa/               the PEFT adapter folder itself (adapter_config.json,
+                            adapter_model.safetensors), for the PEFT reader/writer tests
+
+Checks made here: HF runs are deterministic; every tensor of each F32 GGUF equals the HF tensor
+under our own statement of the converter transforms (q/k rows permuted per head); the numpy
+float64 forward of each F32 GGUF matches HF's float32 golden to < 1e-4; PEFT's loss equals a
+float64 CE of its logits; the float64 PEFT run computes in float64 only.
+
+How (repo root, with the reference stack of scripts/requirements-reference.txt):
+
+    /opt/refenv/bin/python scripts/make_llama_fixtures.py       # ~30 s on 2 cores
+
+Deterministic: fixed seeds, one thread.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import types
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import make_qwen35_fixtures as fx  # noqa: E402
+import qwen35_reference as ref  # noqa: E402
+
+VOCAB = 512
+OUT = ref.REPO / "tests" / "fixtures" / "llama"
+TOKENIZER = ref.REPO / "tests" / "fixtures" / "qwen35" / "tokenizer"
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, rms_norm_eps=1e-5,
+              max_position_embeddings=4096, hidden_act="silu", bos_token_id=None,
+              pad_token_id=None)
+MODELS = {
+    "gqa": dict(config=dict(num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                            head_dim=16, tie_word_embeddings=True,
+                            rope_parameters={"rope_type": "default", "rope_theta": 1e5}),
+                seed=101, outtypes=["f32", "f16", "q8_0"],
+                lora=["q_proj", "k_proj", "v_proj", "o_proj"]),
+    "untied": dict(config=dict(num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=1,
+                               head_dim=8, tie_word_embeddings=False, attention_bias=True,
+                               rope_parameters={"rope_type": "linear", "factor": 2.0,
+                                                "rope_theta": 1e4}),
+                   seed=102, outtypes=["f32"], lora=None),
+    "llama3": dict(config=dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                               head_dim=16, tie_word_embeddings=True, mlp_bias=True,
+                               rope_parameters={"rope_type": "llama3", "factor": 8.0,
+                                                "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                "original_max_position_embeddings": 32,
+                                                "rope_theta": 5e5}),
+                   seed=103, outtypes=["f32"],
+                   lora=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                         "down_proj"]),
+}
+HF_TO_GGUF = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
+              "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
+RANK, ALPHA = 4, 8
+LENGTHS, PROMPTS, STARTS = [20, 13, 7], [5, 3, 2], [0, 37, 81]
+
+
+# --------------------------------------------------------------------------- HF models
+
+def build(name: str, dtype):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    spec = MODELS[name]
+    cfg = LlamaConfig(eos_token_id=482, **COMMON, **spec["config"])
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(spec["seed"])
+    model = LlamaForCausalLM(cfg)
+    model.config._attn_implementation = "eager"
+    g = torch.Generator().manual_seed(spec["seed"])
+    with torch.no_grad():
+        for n, p in sorted(model.named_parameters(), key=lambda t: t[0]):
+            if n.endswith("embed_tokens.weight") or n == "lm_head.weight":
+                v = torch.randn(p.shape, generator=g) * 0.3
+            elif n.endswith("norm.weight"):
+                v = 1.0 + torch.randn(p.shape, generator=g) * 0.2
+            elif n.endswith(".bias"):
+                v = torch.randn(p.shape, generator=g) * 0.1
+            else:
+                half = n.endswith(("o_proj.weight", "down_proj.weight"))
+                v = torch.randn(p.shape, generator=g) * ((0.5 if half else 1.0) / p.shape[1] ** 0.5)
+            p.copy_(v)
+    return model.to(dtype).eval()
+
+
+@contextlib.contextmanager
+def true_float64():
+    """HF Llama entirely in float64: its RMSNorm (``.to(torch.float32)``), softmax
+    (``dtype=torch.float32``) and rotary (``.float()``) are float32 islands; inside this
+    context the module's ``torch.float32``/``torch.float`` mean float64 and ``Tensor.float()``
+    means ``.double()``.  Records the dtype of every floating tensor an op returns."""
+    import torch
+    import transformers.models.llama.modeling_llama as ml
+    from torch.overrides import TorchFunctionMode
+
+    class Torch64(types.ModuleType):
+        def __getattr__(self, k):
+            return getattr(torch, k)
+
+    proxy = Torch64("torch_float64")
+    proxy.float32 = proxy.float = torch.float64
+    seen = set()
+
+    class Watch(TorchFunctionMode):
+        def __torch_function__(self, func, types_, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in (out if isinstance(out, (tuple, list)) else (out,)):
+                if isinstance(t, torch.Tensor) and t.is_floating_point():
+                    seen.add(t.dtype)
+            return out
+
+    old_torch, old_float = ml.torch, torch.Tensor.float
+    ml.torch = proxy
+    torch.Tensor.float = lambda self, *a, **k: self.double()
+    try:
+        with Watch():
+            yield seen
+    finally:
+        ml.torch, torch.Tensor.float = old_torch, old_float
+
+
+# --------------------------------------------------------------------------- GGUF side
+
+_CONVERT = r"""
+import sys, runpy
+llama, script = sys.argv[1], sys.argv[2]
+sys.path.insert(0, llama + "/gguf-py")
+sys.path.insert(0, llama)
+import conversion.base as _b
+# the converter recognises pre-tokenizers by a hash of a probe string's ids; the fixture
+# vocabulary (tests/fixtures/qwen35/tokenizer) is built with the qwen35 regex
+_b.TextModel.get_vocab_base_pre = lambda self, tokenizer: "qwen35"
+sys.argv = [llama + "/" + script] + sys.argv[3:]
+runpy.run_path(llama + "/" + script, run_name="__main__")
+"""
+
+
+def run_converter(script: str, args: list[str]) -> None:
+    env = dict(os.environ)
+    env.pop("NO_LOCAL_GGUF", None)
+    r = subprocess.run([sys.executable, "-c", _CONVERT, str(ref.llama_cpp_dir()), script, *args],
+                       capture_output=True, text=True, env=env)
+    if r.returncode != 0:
+        sys.stderr.write(r.stdout[-4000:] + r.stderr[-8000:])
+        raise RuntimeError(f"{script} {' '.join(args)} failed")
+
+
+def permute_rows(w, n_heads: int):
+    """Our statement of the converter's q/k transform: within each head, rows
+    [x_0..x_{d/2-1} | y_0..y_{d/2-1}] -> [x_0, y_0, x_1, y_1, ...]."""
+    import numpy as np
+    d = w.shape[0] // n_heads
+    return np.ascontiguousarray(w.reshape(n_heads, 2, d // 2, *w.shape[1:]).swapaxes(1, 2)
+                                .reshape(w.shape))
+
+
+def check_layout(model, path: Path) -> None:
+    """Every tensor of an F32 GGUF is the HF tensor under the documented transforms."""
+    import numpy as np
+    G = ref.gguf_tensors_f32(path)
+    cfg = model.config
+    exp = {}
+    sd = {k: v.detach().double().numpy() for k, v in model.state_dict().items()}
+    exp["token_embd.weight"] = sd["model.embed_tokens.weight"]
+    exp["output_norm.weight"] = sd["model.norm.weight"]
+    if not cfg.tie_word_embeddings:
+        exp["output.weight"] = sd["lm_head.weight"]
+    names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+             **{f"self_attn.{k}": v for k, v in HF_TO_GGUF.items() if k[0] in "qkvo"},
+             **{f"mlp.{k}": v for k, v in HF_TO_GGUF.items() if k[0] not in "qkvo"}}
+    for k, v in sd.items():
+        if not k.startswith("model.layers."):
+            continue
+        parts = k.split(".")
+        mod, kind = ".".join(parts[3:-1]), parts[-1]
+        g = f"blk.{parts[2]}.{names[mod]}.{kind}"
+        if mod == "self_attn.q_proj":
+            v = permute_rows(v, cfg.num_attention_heads)
+        elif mod == "self_attn.k_proj":
+            v = permute_rows(v, cfg.num_key_value_heads)
+        exp[g] = v
+    extra = set(G) - set(exp)
+    assert extra <= {"rope_freqs.weight"}, extra
+    for k, e in exp.items():
+        err = float(np.abs(G[k].reshape(e.shape) - e).max())
+        assert err < 1e-7, (path.name, k, err)
+
+
+def numpy_forward_gguf(path: Path, tokens: list[int]):
+    """float64 log-probabilities of one sequence, from the GGUF alone (keys, dequantized
+    tensors): llama.cpp's llama graph with NORM rope (adjacent pairs), its frequency scale and
+    ``rope_freqs.weight`` factors, grouped-query attention, SwiGLU, optional biases."""
+    import numpy as np
+    W = {k: v.astype(np.float64) for k, v in ref.gguf_tensors_f32(path).items()}
+    F = ref.gguf_fields(path)
+    key = lambda k, d=None: F.get("llama." + k, d)
+    L, E = int(key("block_count")), int(key("embedding_length"))
+    H, Hkv = int(key("attention.head_count")), int(key("attention.head_count_kv"))
+    hd, eps = E // H if key("attention.key_length") is None else int(key("attention.key_length")), \
+        float(key("attention.layer_norm_rms_epsilon"))
+    base = float(key("rope.freq_base", 1e4))
+    factor = float(key("rope.scaling.factor", 0.0) or 0.0)
+    scale = 1.0 / factor if factor and key("rope.scaling.type", "linear") == "linear" else 1.0
+    ff = W.get("rope_freqs.weight", np.ones(hd // 2))
+    T = len(tokens)
+    theta = np.arange(T)[:, None] * scale * base ** (-2.0 * np.arange(hd // 2) / hd) / ff
+
+    def rope(x):                                        # x [T, heads, hd]
+        c, s = np.cos(theta)[:, None], np.sin(theta)[:, None]
+        out = np.empty_like(x)
+        out[..., 0::2] = x[..., 0::2] * c - x[..., 1::2] * s
+        out[..., 1::2] = x[..., 0::2] * s + x[..., 1::2] * c
+        return out
+
+    def lin(x, name):
+        y = x @ W[name + ".weight"].T
+        return y + W[name + ".bias"] if name + ".bias" in W else y
+
+    def rms(x, w):
+        return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w
+
+    x = W["token_embd.weight"][tokens]
+    mask = np.triu(np.full((T, T), -np.inf), 1)
+    for i in range(L):
+        p = f"blk.{i}."
+        h = rms(x, W[p + "attn_norm.weight"])
+        q = rope(lin(h, p + "attn_q").reshape(T, H, hd))
+        k = rope(lin(h, p + "attn_k").reshape(T, Hkv, hd))
+        v = lin(h, p + "attn_v").reshape(T, Hkv, hd)
+        o = np.empty((T, H, hd))
+        for j in range(H):
+            kv = j // (H // Hkv)
+            s = q[:, j] @ k[:, kv].T / np.sqrt(hd) + mask
+            s = np.exp(s - s.max(-1, keepdims=True))
+            o[:, j] = (s / s.sum(-1, keepdims=True)) @ v[:, kv]
+        x = x + lin(o.reshape(T, H * hd), p + "attn_output")
+        h = rms(x, W[p + "ffn_norm.weight"])
+        g = lin(h, p + "ffn_gate")
+        x = x + lin(g / (1 + np.exp(-g)) * lin(h, p + "ffn_up"), p + "ffn_down")
+    x = rms(x, W["output_norm.weight"])
+    logits = x @ W["output.weight" if "output.weight" in W else "token_embd.weight"].T
+    logits -= logits.max(-1, keepdims=True)
+    return logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+
+
+# --------------------------------------------------------------------------- PEFT
+
+def peft_gradients(name: str, hf_dir: Path, seqs: list[list[int]], pad_id: int, tmp: Path) -> dict:
+    """PEFT LoRA loss and gradients on a padded, prompt-masked batch, in float32 and float64,
+    converted to llama.cpp's layout by convert_lora_to_gguf.py."""
+    import numpy as np
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from safetensors.numpy import save_file
+
+    spec = MODELS[name]
+    T = max(LENGTHS)
+    src = seqs[-1]
+    input_ids = np.full((len(LENGTHS), T), pad_id, np.int64)
+    attn = np.zeros_like(input_ids)
+    labels = np.full_like(input_ids, -100)
+    for b, (n, p, s) in enumerate(zip(LENGTHS, PROMPTS, STARTS)):
+        input_ids[b, :n] = src[s:s + n]
+        attn[b, :n] = 1
+        labels[b, p:n] = input_ids[b, p:n]
+    n_valid = int((labels[:, 1:] != -100).sum())
+    ids_t, attn_t, lab_t = (torch.tensor(x) for x in (input_ids, attn, labels))
+    lcfg = dict(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0, bias="none",
+                target_modules=spec["lora"], init_lora_weights=True)
+
+    def wrapped(dtype):
+        pm = get_peft_model(build(name, dtype), LoraConfig(**lcfg))
+        pm.eval()
+        mods = {n: m for n, m in pm.named_modules()
+                if isinstance(getattr(m, "lora_A", None), torch.nn.ModuleDict)}
+        return pm, mods
+
+    pm, mods = wrapped(torch.float32)
+    g = torch.Generator().manual_seed(2026)
+    values = {}
+    for n in sorted(mods):
+        A, B = mods[n].lora_A["default"].weight, mods[n].lora_B["default"].weight
+        values[n + ".lora_A.weight"] = ((torch.rand(A.shape, generator=g) * 2 - 1)
+                                        / A.shape[1] ** 0.5).numpy()
+        values[n + ".lora_B.weight"] = (torch.randn(B.shape, generator=g) * 0.2).numpy()
+
+    def run(pm, mods, dtype):
+        with torch.no_grad():
+            for n, m in mods.items():
+                m.lora_A["default"].weight.copy_(torch.tensor(values[n + ".lora_A.weight"], dtype=dtype))
+                m.lora_B["default"].weight.copy_(torch.tensor(values[n + ".lora_B.weight"], dtype=dtype))
+        out = pm(input_ids=ids_t, attention_mask=attn_t, labels=lab_t, use_cache=False)
+        out.loss.backward()
+        with torch.no_grad():
+            lp = torch.log_softmax(out.logits.double(), -1)[:, :-1]
+            tgt = lab_t[:, 1:]
+            ok = tgt != -100
+            mine = float(-lp[ok, tgt[ok]].mean())
+        assert abs(mine - out.loss.item()) < 1e-5, (mine, out.loss.item())
+        grads = {}
+        for n, m in mods.items():
+            grads[n + ".lora_A.weight"] = m.lora_A["default"].weight.grad.detach().double().numpy()
+            grads[n + ".lora_B.weight"] = m.lora_B["default"].weight.grad.detach().double().numpy()
+        return out.loss.item(), grads
+
+    loss32, g32 = run(pm, mods, torch.float32)
+    pm64, mods64 = wrapped(torch.float64)        # (PEFT initialises A, B in float32 first)
+    assert {p.dtype for p in pm64.parameters()} == {torch.float64}
+    with true_float64() as seen:
+        loss64, g64 = run(pm64, mods64, torch.float64)
+    assert seen == {torch.float64}, seen
+    print(f"[peft {name}] loss {loss32:.9f} (float64 {loss64:.9f}) over {n_valid} targets")
+
+    # save PEFT folders (the values, and each gradient set as if it were an adapter) and let
+    # llama.cpp's converter put them in its layout
+    folders = {}
+    for what, tensors in (("values", values), ("grad", g32), ("grad64", g64)):
+        d = tmp / f"peft-{name}-{what}"
+        if what == "values":                   # what PEFT itself writes
+            pm.save_pretrained(str(d))
+        else:                                  # module names as PEFT saves them
+            pm.peft_config["default"].save_pretrained(str(d))
+            save_file({k: np.ascontiguousarray(v, dtype=np.float64 if what == "grad64"
+                                               else np.float32)
+                       for k, v in tensors.items()}, str(d / "adapter_model.safetensors"))
+        out = tmp / f"lora-{name}-{what}.gguf"
+        run_converter("convert_lora_to_gguf.py", ["--outfile", str(out), "--outtype", "f32",
+                                                  "--base", str(hf_dir), str(d)])
+        folders[what] = (d, ref.gguf_tensors_f32(out), ref.gguf_fields(out))
+    res = {"input_ids": input_ids, "attention_mask": attn, "labels": labels,
+           "n_valid": np.int64(n_valid), "loss": np.float64(loss32), "loss64": np.float64(loss64)}
+    conv, fields = folders["values"][1], folders["values"][2]
+    assert fields["adapter.lora.alpha"] == ALPHA and fields["general.architecture"] == "llama"
+    for k, v in conv.items():
+        res[k] = v.astype(np.float32)
+        res[k + ".grad"] = folders["grad"][1][k].astype(np.float32)
+        res[k + ".grad64"] = folders["grad64"][1][k].astype(np.float64)
+    assert len(conv) == 2 * len(mods), sorted(conv)
+    return res, folders["values"][0]
+
+
+# --------------------------------------------------------------------------- main
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=OUT)
+    a = ap.parse_args()
+
+    import numpy as np
+    import torch
+    torch.set_num_threads(1)
+    torch.set_default_dtype(torch.float32)
+    torch.use_deterministic_algorithms(True)
+
+    out = a.out
+    out.mkdir(parents=True, exist_ok=True)
+    hf_tok = ref.load_hf_tokenizer(TOKENIZER)
+    pad_id = hf_tok.convert_tokens_to_ids(ref.PAD_TOKEN)
+    seqs = fx.make_sequences(hf_tok, VOCAB)
+    T = max(fx.SEQ_LENGTHS)
+
+    with tempfile.TemporaryDirectory(prefix="llama-fixtures-") as tmp:
+        tmp = Path(tmp)
+        for name, spec in MODELS.items():
+            model = build(name, torch.float32)
+            tokens = np.full((len(seqs), T), pad_id, dtype=np.int32)
+            lengths = np.array([len(s) for s in seqs], dtype=np.int32)
+            logprobs = np.zeros((len(seqs), T, VOCAB), dtype=np.float32)
+            for i, s in enumerate(seqs):
+                lp = ref.hf_logprobs(model, s)
+                assert np.array_equal(lp, ref.hf_logprobs(model, s)), f"{name}: HF not deterministic"
+                tokens[i, :len(s)] = s
+                logprobs[i, :len(s)] = lp
+            hf_dir = tmp / name
+            ref.save_hf_checkpoint(model, TOKENIZER, hf_dir)
+            np.savez_compressed(out / f"{name}.npz", tokens=tokens, lengths=lengths,
+                                logprobs=logprobs,
+                                config_json=np.array(json.dumps(model.config.to_dict(),
+                                                                sort_keys=True)))
+            for ot in spec["outtypes"]:
+                path = out / f"{name}-{ot}.gguf"
+                run_converter("convert_hf_to_gguf.py", [str(hf_dir), "--outfile", str(path),
+                                                        "--outtype", ot])
+                assert path.stat().st_size < 1_000_000, path
+                if ot == "f32":
+                    check_layout(model, path)
+                f64 = np.zeros_like(logprobs)
+                for i, s in enumerate(seqs):
+                    f64[i, :len(s)] = numpy_forward_gguf(path, s)
+                err = max(float(np.abs(f64[i, :n] - logprobs[i, :n]).max())
+                          for i, n in enumerate(lengths))
+                print(f"[{name}-{ot}] numpy float64 over the GGUF vs HF float32: max "
+                      f"|dlogprob| {err:.3g} ({path.stat().st_size} bytes)")
+                if ot == "f32":
+                    assert err < 1e-4, err
+                np.savez_compressed(out / f"{name}-{ot}.f64.npz", logprobs64=f64)
+            if spec["lora"]:
+                res, folder = peft_gradients(name, hf_dir, seqs, pad_id, tmp)
+                np.savez_compressed(out / f"peft_{name}.npz", **res)
+                if name == "gqa":
+                    dest = out / "peft_gqa"
+                    if dest.exists():
+                        shutil.rmtree(dest)
+                    shutil.copytree(folder, dest)
+            ent = -(np.exp(logprobs) * logprobs).sum(-1)
+            real = np.concatenate([ent[i, :n] for i, n in enumerate(lengths)])
+            print(f"[{name}] params={sum(p.numel() for p in model.parameters())} "
+                  f"entropy mean={real.mean():.3f} (uniform {np.log(VOCAB):.3f})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
