@@ -21,7 +21,7 @@ Outputs (tests/fixtures/llama/):
                             sequence alone, no padding), config_json
     NAME-TYPE.f64.npz       logprobs64 float32 [N, T, V]: a float64 numpy forward over the
                             GGUF's own (dequantized) tensors, written here from the GGUF format
-                            (independent of pytrain and of HF), for every file
+                            (tests/llama_ref.py: independent of pytrain and of HF), for every file
     peft_NAME.npz           PEFT LoRA r 4 / alpha 8 on q/k/v/o of every layer (and gate/up/down
                             for llama3), deterministic non-zero A and B; a padded, prompt-masked
                             batch (input_ids, attention_mask, labels, n_valid), HF's loss (float32
@@ -58,6 +58,8 @@ import types
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+import llama_ref  # noqa: E402  (tests/llama_ref.py: the float64 numpy forward of a llama GGUF)
 import make_qwen35_fixtures as fx  # noqa: E402
 import qwen35_reference as ref  # noqa: E402
 
@@ -224,63 +226,6 @@ def check_layout(model, path: Path) -> None:
         assert err < 1e-7, (path.name, k, err)
 
 
-def numpy_forward_gguf(path: Path, tokens: list[int]):
-    """float64 log-probabilities of one sequence, from the GGUF alone (keys, dequantized
-    tensors): llama.cpp's llama graph with NORM rope (adjacent pairs), its frequency scale and
-    ``rope_freqs.weight`` factors, grouped-query attention, SwiGLU, optional biases."""
-    import numpy as np
-    W = {k: v.astype(np.float64) for k, v in ref.gguf_tensors_f32(path).items()}
-    F = ref.gguf_fields(path)
-    key = lambda k, d=None: F.get("llama." + k, d)
-    L, E = int(key("block_count")), int(key("embedding_length"))
-    H, Hkv = int(key("attention.head_count")), int(key("attention.head_count_kv"))
-    hd, eps = E // H if key("attention.key_length") is None else int(key("attention.key_length")), \
-        float(key("attention.layer_norm_rms_epsilon"))
-    base = float(key("rope.freq_base", 1e4))
-    factor = float(key("rope.scaling.factor", 0.0) or 0.0)
-    scale = 1.0 / factor if factor and key("rope.scaling.type", "linear") == "linear" else 1.0
-    ff = W.get("rope_freqs.weight", np.ones(hd // 2))
-    T = len(tokens)
-    theta = np.arange(T)[:, None] * scale * base ** (-2.0 * np.arange(hd // 2) / hd) / ff
-
-    def rope(x):                                        # x [T, heads, hd]
-        c, s = np.cos(theta)[:, None], np.sin(theta)[:, None]
-        out = np.empty_like(x)
-        out[..., 0::2] = x[..., 0::2] * c - x[..., 1::2] * s
-        out[..., 1::2] = x[..., 0::2] * s + x[..., 1::2] * c
-        return out
-
-    def lin(x, name):
-        y = x @ W[name + ".weight"].T
-        return y + W[name + ".bias"] if name + ".bias" in W else y
-
-    def rms(x, w):
-        return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w
-
-    x = W["token_embd.weight"][tokens]
-    mask = np.triu(np.full((T, T), -np.inf), 1)
-    for i in range(L):
-        p = f"blk.{i}."
-        h = rms(x, W[p + "attn_norm.weight"])
-        q = rope(lin(h, p + "attn_q").reshape(T, H, hd))
-        k = rope(lin(h, p + "attn_k").reshape(T, Hkv, hd))
-        v = lin(h, p + "attn_v").reshape(T, Hkv, hd)
-        o = np.empty((T, H, hd))
-        for j in range(H):
-            kv = j // (H // Hkv)
-            s = q[:, j] @ k[:, kv].T / np.sqrt(hd) + mask
-            s = np.exp(s - s.max(-1, keepdims=True))
-            o[:, j] = (s / s.sum(-1, keepdims=True)) @ v[:, kv]
-        x = x + lin(o.reshape(T, H * hd), p + "attn_output")
-        h = rms(x, W[p + "ffn_norm.weight"])
-        g = lin(h, p + "ffn_gate")
-        x = x + lin(g / (1 + np.exp(-g)) * lin(h, p + "ffn_up"), p + "ffn_down")
-    x = rms(x, W["output_norm.weight"])
-    logits = x @ W["output.weight" if "output.weight" in W else "token_embd.weight"].T
-    logits -= logits.max(-1, keepdims=True)
-    return logits - np.log(np.exp(logits).sum(-1, keepdims=True))
-
-
 # --------------------------------------------------------------------------- PEFT
 
 def peft_gradients(name: str, hf_dir: Path, seqs: list[list[int]], pad_id: int, tmp: Path) -> dict:
@@ -423,8 +368,10 @@ def main() -> int:
                 if ot == "f32":
                     check_layout(model, path)
                 f64 = np.zeros_like(logprobs)
+                ref.use_pinned_gguf()
+                contents = llama_ref.gguf_contents(path)
                 for i, s in enumerate(seqs):
-                    f64[i, :len(s)] = numpy_forward_gguf(path, s)
+                    f64[i, :len(s)] = llama_ref.forward(*contents, s)
                 err = max(float(np.abs(f64[i, :n] - logprobs[i, :n]).max())
                           for i, n in enumerate(lengths))
                 print(f"[{name}-{ot}] numpy float64 over the GGUF vs HF float32: max "

@@ -148,6 +148,19 @@ def write_qwen35(path: str | Path, dtype: str = "f32", *, seed: int = 0, n_nextn
     w.add_token_list([f"t{i}" for i in range(hp["n_vocab"])])
 
     model = TinyQwen35(Path(path), hp)
+    _add_tensors(w, model, want, dtype, rng, drop=drop, extra=extra, types=types,
+                 values_fn=values_fn)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return model
+
+
+def _add_tensors(w, model, want: dict, dtype: str, rng, *, drop=(), extra=None, types=None,
+                 values_fn=None) -> None:
+    """Random (or given) values for every tensor of ``want`` (name -> numpy shape), encoded in
+    its file type, added to the writer and recorded in ``model``."""
     all_values = dict(want)
     for name, extra_v in (extra or {}).items():
         all_values[name] = extra_v
@@ -179,6 +192,48 @@ def write_qwen35(path: str | Path, dtype: str = "f32", *, seed: int = 0, n_nextn
         model.values[name] = vals
         model.types[name] = tname
         model.raw[name] = raw
+
+
+LLAMA_DEFAULTS = dict(n_layer=2, n_embd=256, n_ff=512, n_head=4, n_head_kv=2, head_dim=64,
+                      n_vocab=64, rms_eps=1e-5, rope_base=1e4)
+
+
+def write_llama(path: str | Path, dtype: str = "f32", *, seed: int = 0, tied: bool = True,
+                **hparams) -> TinyQwen35:
+    """A tiny ``llama`` GGUF with the keys llama.cpp's converter writes (rows of 256 or 512, so
+    every K-quant applies), random weights at a visible scale (norms 1 + N(0, 0.1), matrices
+    N(0, 1/fan_in), embeddings N(0, 0.15)); matrices in ``dtype``."""
+    from pytrain.models.llama_config import LlamaConfig
+    hp = {**LLAMA_DEFAULTS, **hparams}
+    cfg = LlamaConfig(n_layer=hp["n_layer"], n_embd=hp["n_embd"], n_ff=hp["n_ff"],
+                      n_head=hp["n_head"], n_head_kv=hp["n_head_kv"], head_dim=hp["head_dim"],
+                      n_vocab=hp["n_vocab"], rms_eps=hp["rms_eps"], tied_embeddings=tied)
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_name("tiny-llama-test")
+    w.add_block_count(hp["n_layer"])
+    w.add_context_length(4096)
+    w.add_embedding_length(hp["n_embd"])
+    w.add_feed_forward_length(hp["n_ff"])
+    w.add_head_count(hp["n_head"])
+    w.add_head_count_kv(hp["n_head_kv"])
+    w.add_layer_norm_rms_eps(hp["rms_eps"])
+    w.add_rope_freq_base(hp["rope_base"])
+    w.add_rope_dimension_count(hp["head_dim"])
+    w.add_tokenizer_model("gpt2")           # a placeholder vocabulary the tokenizer accepts
+    w.add_tokenizer_pre("gpt-2")
+    w.add_token_list([chr(65 + i) for i in range(hp["n_vocab"] - 2)] + ["AB", "CD"])
+    w.add_token_merges(["A B", "C D"])
+    w.add_eos_token_id(hp["n_vocab"] - 1)
+
+    def values(name, shape, rng):
+        if len(shape) == 1:
+            return 1.0 + 0.1 * rng.standard_normal(shape)
+        if name == "token_embd.weight" or name == "output.weight":
+            return 0.15 * rng.standard_normal(shape)
+        return rng.standard_normal(shape) / np.sqrt(shape[1])
+    model = TinyQwen35(Path(path), hp)
+    _add_tensors(w, model, cfg.tensor_shapes(), dtype, np.random.default_rng(seed),
+                 values_fn=values)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

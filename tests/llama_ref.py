@@ -1,0 +1,83 @@
+"""A float64 numpy forward of llama.cpp's ``llama`` graph, from a GGUF file alone.
+
+Why: an independent reference for pytrain's ``models/llama.py`` on any weight type: it reads
+the GGUF keys and tensors with the ``gguf`` package (its own dequantizers), and computes what
+llama.cpp's src/models/llama.cpp computes, in float64: NORM rope (adjacent pairs) with the
+frequency scale and ``rope_freqs.weight`` factors, grouped-query attention, SwiGLU, optional
+biases, tied or untied head.  No pytrain code is used.  scripts/make_llama_fixtures.py uses it
+for the fixtures' float64 goldens.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+
+def gguf_contents(path: Path) -> tuple[dict[str, np.ndarray], dict]:
+    """(tensors as float64 in numpy order, metadata) of a GGUF."""
+    import gguf
+    from gguf.quants import dequantize
+    r = gguf.GGUFReader(str(path))
+    tensors = {t.name: np.asarray(dequantize(t.data, t.tensor_type), np.float64)
+               .reshape([int(n) for n in reversed(t.shape)]) for t in r.tensors}
+    fields = {k: f.contents() for k, f in r.fields.items() if not k.startswith("GGUF.")}
+    return tensors, fields
+
+
+def forward(W: dict[str, np.ndarray], F: dict, tokens) -> np.ndarray:
+    """log-probabilities [T, V] of one sequence."""
+    key = lambda k, d=None: F.get("llama." + k, d)
+    L, E = int(key("block_count")), int(key("embedding_length"))
+    H = int(key("attention.head_count"))
+    Hkv = int(key("attention.head_count_kv", H))
+    hd = int(key("attention.key_length", E // H))
+    eps = float(key("attention.layer_norm_rms_epsilon"))
+    base = float(key("rope.freq_base", 1e4))
+    factor = float(key("rope.scaling.factor", 0.0) or 0.0)
+    scale = 1.0 / factor if factor and key("rope.scaling.type", "linear") == "linear" else 1.0
+    ff = W.get("rope_freqs.weight", np.ones(hd // 2))
+    tokens = list(tokens)
+    T = len(tokens)
+    theta = np.arange(T)[:, None] * scale * base ** (-2.0 * np.arange(hd // 2) / hd) / ff
+
+    def rope(x):                                        # x [T, heads, hd]
+        c, s = np.cos(theta)[:, None], np.sin(theta)[:, None]
+        out = np.empty_like(x)
+        out[..., 0::2] = x[..., 0::2] * c - x[..., 1::2] * s
+        out[..., 1::2] = x[..., 0::2] * s + x[..., 1::2] * c
+        return out
+
+    def lin(x, name):
+        y = x @ W[name + ".weight"].T
+        return y + W[name + ".bias"] if name + ".bias" in W else y
+
+    def rms(x, w):
+        return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w
+
+    x = W["token_embd.weight"][tokens]
+    mask = np.triu(np.full((T, T), -np.inf), 1)
+    for i in range(L):
+        p = f"blk.{i}."
+        h = rms(x, W[p + "attn_norm.weight"])
+        q = rope(lin(h, p + "attn_q").reshape(T, H, hd))
+        k = rope(lin(h, p + "attn_k").reshape(T, Hkv, hd))
+        v = lin(h, p + "attn_v").reshape(T, Hkv, hd)
+        o = np.empty((T, H, hd))
+        for j in range(H):
+            kv = j // (H // Hkv)
+            s = q[:, j] @ k[:, kv].T / np.sqrt(hd) + mask
+            s = np.exp(s - s.max(-1, keepdims=True))
+            o[:, j] = (s / s.sum(-1, keepdims=True)) @ v[:, kv]
+        x = x + lin(o.reshape(T, H * hd), p + "attn_output")
+        h = rms(x, W[p + "ffn_norm.weight"])
+        g = lin(h, p + "ffn_gate")
+        x = x + lin(g / (1 + np.exp(-g)) * lin(h, p + "ffn_up"), p + "ffn_down")
+    x = rms(x, W["output_norm.weight"])
+    logits = x @ W["output.weight" if "output.weight" in W else "token_embd.weight"].T
+    logits -= logits.max(-1, keepdims=True)
+    return logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+
+
+def forward_gguf(path: Path, tokens) -> np.ndarray:
+    return forward(*gguf_contents(path), tokens)

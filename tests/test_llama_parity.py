@@ -1,0 +1,220 @@
+"""The ``llama`` graph against HF transformers' ``LlamaForCausalLM`` and PEFT, on GGUFs the pinned
+llama.cpp converter wrote (tests/fixtures/llama, made by scripts/make_llama_fixtures.py).
+
+Models: ``gqa`` (4 q / 2 kv heads, tied; F32, F16, Q8_0), ``untied`` (8 q heads / 1 kv head,
+untied head, q/k/v/o biases, linear rope scaling x2), ``llama3`` (tied, FFN biases, Llama 3
+rope: ``rope_freqs.weight``).  The converter permutes each head's q/k rows for NORM rope; these
+tests would fail if pytrain ran NEOX rope on them, or missed a bias, a scaling or the factors.
+
+Bounds, as for the Qwen3.5 fixtures (max |Δ log-softmax| over every real position):
+* F32 GGUF vs HF float32: 1e-4 (HF's own float32 rounding is ~1e-5 here: the fixture script
+  measured its float64 numpy forward of each F32 GGUF 5.7e-6 - 9.5e-6 from HF);
+* every GGUF loaded as F32 vs a float64 forward of that GGUF's own weights: 1e-4;
+* F16 / Q8_0 with the default loading (weights kept; ggml rounds the activations to the
+  weight's dot type, as llama.cpp does) vs that float64 forward: 0.02 / 0.5 (measured 0.0097 /
+  0.28 on an Intel Xeon; the weights' own rounding moved HF's answer by 0.0098 / 0.32, the
+  same order).
+
+Measured (Intel Xeon, AVX-512, 2 threads): F32 vs HF 8.0e-6 / 6.6e-6 / 9.1e-6 (gqa / untied /
+llama3); loaded as F32 vs float64 of the file 7.2e-6 - 8.6e-6 for every file.
+"""
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import pytrain
+from pytrain.models import lora
+from pytrain.models.lora_targets import select_targets
+from pytrain.train import loss as L
+from pytrain.train.graphs import GradGraph
+
+FIX = Path(__file__).resolve().parent / "fixtures" / "llama"
+FILES = ["gqa-f32", "gqa-f16", "gqa-q8_0", "untied-f32", "llama3-f32"]
+DEFAULT_LOADING_BOUND = {"f32": 1e-4, "f16": 0.02, "q8_0": 0.5}
+
+
+def log_softmax(x):
+    x = x.astype(np.float64)
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def max_error(model, gold, want):
+    """max |Δ log-softmax| over the real positions of every golden sequence (one padded batch)."""
+    tokens, lengths = gold["tokens"], gold["lengths"]
+    seg = np.where(np.arange(tokens.shape[1])[None] < lengths[:, None], 0, -1)
+    got = log_softmax(model.logits(tokens, seg=seg))
+    return max(float(np.abs(got[i, :n] - want[i, :n]).max()) for i, n in enumerate(lengths))
+
+
+@pytest.mark.parametrize("name", ["gqa-f32", "untied-f32", "llama3-f32"])
+def test_f32_logits_match_hf(name):
+    gold = np.load(FIX / f"{name.split('-')[0]}.npz")
+    m = pytrain.load_model(FIX / f"{name}.gguf", device="cpu", threads=2)
+    try:
+        err = max_error(m, gold, gold["logprobs"])
+    finally:
+        m.close()
+    print(f"{name} vs HF float32: {err:.2e}")
+    assert err < 1e-4, err
+
+
+@pytest.mark.parametrize("name", FILES)
+@pytest.mark.parametrize("policy", ["f32", "auto"])
+def test_logits_match_float64_of_the_file(name, policy):
+    gold = np.load(FIX / f"{name.split('-')[0]}.npz")
+    want = np.load(FIX / f"{name}.f64.npz")["logprobs64"]
+    m = pytrain.load_model(FIX / f"{name}.gguf", device="cpu", threads=2, type_policy=policy)
+    try:
+        err = max_error(m, gold, want)
+    finally:
+        m.close()
+    bound = 1e-4 if policy == "f32" else DEFAULT_LOADING_BOUND[name.split("-")[1]]
+    print(f"{name} ({policy}) vs float64 of its weights: {err:.2e} (bound {bound})")
+    assert err < bound, err
+
+
+def test_converter_layout_is_norm_rope():
+    """The converter's q/k permutation makes NORM rope (adjacent pairs) the right one: the same
+    file run with NEOX rope is far from HF (so the parity above is not a coincidence)."""
+    from pytrain.models import llama
+    gold = np.load(FIX / "gqa.npz")
+    m = pytrain.load_model(FIX / "gqa-f32.gguf", device="cpu", threads=2)
+    try:
+        old = llama.ROPE_NORM
+        llama.ROPE_NORM = pytrain.ggml.lib.GGML_ROPE_TYPE_NEOX
+        try:
+            err = max_error(m, gold, gold["logprobs"])
+        finally:
+            llama.ROPE_NORM = old
+    finally:
+        m.close()
+    assert err > 0.1, err
+
+
+def test_config_from_the_converter_keys():
+    from pytrain.formats.model_file import open_model
+    _, _, _, c = open_model(FIX / "untied-f32.gguf")
+    assert (c.n_head, c.n_head_kv, c.head_dim, c.tied_embeddings) == (8, 1, 8, False)
+    assert c.biases == {"attn_q", "attn_k", "attn_v", "attn_output"}
+    assert c.rope.scaling == "linear" and c.rope.freq_scale == 0.5 and c.rope.base == 1e4
+    _, _, _, c = open_model(FIX / "llama3-f32.gguf")
+    assert c.rope_freqs and c.rope.freq_scale == 1.0 and c.tied_embeddings
+    assert c.biases == {"ffn_gate", "ffn_up", "ffn_down"}
+    _, _, _, c = open_model(FIX / "gqa-q8_0.gguf")
+    assert (c.n_layer, c.n_head, c.n_head_kv, c.head_dim, c.rope.base) == (3, 4, 2, 16, 1e5)
+
+
+def test_packed_rows_equal_rows_alone():
+    """Two samples packed in one row (sample ids) give each sample's logits alone."""
+    gold = np.load(FIX / "gqa.npz")
+    a, b = gold["tokens"][1, :7], gold["tokens"][2, :33]
+    m = pytrain.load_model(FIX / "gqa-f32.gguf", device="cpu", threads=2)
+    try:
+        row = np.concatenate([a, b])[None]
+        seg = np.array([[0] * 7 + [1] * 33])
+        packed = m.logits(row, seg=seg)[0]
+        alone_a, alone_b = m.logits(a), m.logits(b)
+    finally:
+        m.close()
+    np.testing.assert_allclose(packed[:7], alone_a, atol=1e-5)
+    np.testing.assert_allclose(packed[7:], alone_b, atol=1e-5)
+
+
+# --------------------------------------------------------------------------- PEFT gradients
+
+RANK, ALPHA = 4, 8
+# (|loss error|, per-tensor max |grad error| / max |reference grad|); measured on an Intel Xeon
+# (AVX-512), 2 threads: loss 0 / 9.5e-7 (f32), 3.0e-7 / 9.3e-8 (f64); gradients 1.9e-6 / 1.4e-6
+# (f32), 2.1e-6 / 1.8e-6 (f64) for gqa / llama3: a tenth of the bounds
+PEFT_TOL = {"f32": (1e-5, 2e-5), "f64": (5e-6, 2e-5)}
+
+
+@pytest.fixture(scope="module", params=["gqa", "llama3"])
+def peft_result(request):
+    name = request.param
+    gold = dict(np.load(FIX / f"peft_{name}.npz"))
+    m = pytrain.load_model(FIX / f"{name}-f32.gguf", device="cpu", threads=2)
+    targets = ("attn_q", "attn_k", "attn_v", "attn_output") + \
+        (("ffn_gate", "ffn_up", "ffn_down") if name == "llama3" else ())
+    names = select_targets(m.config, targets)
+    ad = lora.create(m.runtime, m.config, names, rank=RANK, alpha=ALPHA, seed=0)
+    ad.set({k: gold[k] for n in names for k in (n + ".lora_a", n + ".lora_b")})
+    tokens, labels = gold["input_ids"], gold["labels"]
+    seg = np.where(gold["attention_mask"] > 0, 0, -1)
+    tgt = L.shift_targets(tokens, labels != L.IGNORE, seg)
+    g = GradGraph(m, ad, B=tokens.shape[0], T=tokens.shape[1])
+    out = g.run(tokens, seg, tgt)
+    g.close()
+    m.close()
+    yield name, gold, names, out
+
+
+def test_peft_golden_covers_the_targets(peft_result):
+    name, gold, names, out = peft_result
+    in_golden = {k.removesuffix(".lora_a.grad") for k in gold if k.endswith(".lora_a.grad")}
+    assert in_golden == set(names) and len(names) == (12 if name == "gqa" else 14)
+    assert out["n_valid"] == int(gold["n_valid"]) == 30
+
+
+@pytest.mark.parametrize("ref", ["f32", "f64"])
+def test_llama_lora_gradients_match_peft(peft_result, ref):
+    """The golden A, B and gradients are in llama.cpp's layout as convert_lora_to_gguf.py wrote
+    them (q/k B rows permuted), so a missing or wrong permutation fails here."""
+    name, gold, names, out = peft_result
+    want_loss = float(gold["loss" if ref == "f32" else "loss64"])
+    assert abs(out["loss"] - want_loss) < PEFT_TOL[ref][0], (out["loss"], want_loss)
+    suffix = ".grad" if ref == "f32" else ".grad64"
+    worst = (0.0, "")
+    for n in names:
+        for s in (".lora_a", ".lora_b"):
+            want = gold[n + s + suffix].astype(np.float64)
+            got = out["grads"][n + s].astype(np.float64)
+            scale = np.abs(want).max()
+            assert scale > 1e-3, (n + s, scale)
+            err = np.abs(got - want).max() / scale
+            worst = max(worst, (err, n + s))
+    print(f"{name} vs PEFT {ref}: loss {out['loss'] - want_loss:+.2e}, worst gradient error "
+          f"{worst[0]:.2e} of max ({worst[1]})")
+    assert worst[0] <= PEFT_TOL[ref][1], worst
+
+
+# --------------------------------------------------------------------------- PEFT folders
+
+def test_peft_reader_gives_what_convert_lora_to_gguf_gives():
+    """PEFT's own folder (peft_gqa/, PEFT 0.21.2 save_pretrained) read by pytrain equals the
+    tensors llama.cpp's convert_lora_to_gguf.py made of it (peft_gqa.npz), permutation
+    included; and without the architecture the q/k pairs are not silently mis-ordered."""
+    from pytrain.formats.adapter_peft import read_peft_adapter
+    from pytrain.formats.model_file import open_model
+    gold = np.load(FIX / "peft_gqa.npz")
+    _, _, _, config = open_model(FIX / "gqa-f32.gguf")
+    tensors, alpha, rank, _ = read_peft_adapter(FIX / "peft_gqa", config)
+    assert (alpha, rank) == (ALPHA, RANK)
+    want = {k: gold[k] for k in gold if k.endswith((".lora_a", ".lora_b"))}
+    assert set(tensors) == set(want)
+    for k, v in want.items():
+        np.testing.assert_array_equal(tensors[k], v, err_msg=k)
+    plain, _, _, _ = read_peft_adapter(FIX / "peft_gqa")          # no config: no permutation
+    assert not np.array_equal(plain["blk.0.attn_q.weight.lora_b"],
+                              want["blk.0.attn_q.weight.lora_b"])
+    np.testing.assert_array_equal(plain["blk.0.attn_v.weight.lora_b"],
+                                  want["blk.0.attn_v.weight.lora_b"])
+
+
+def test_peft_writer_gives_what_peft_wrote(tmp_path):
+    """The converter's tensors written as a PEFT folder by pytrain hold exactly PEFT's own
+    tensors (the inverse permutation), under PEFT's module names."""
+    from safetensors.numpy import load_file
+    from pytrain.formats.adapter_peft import write_peft_adapter
+    from pytrain.formats.model_file import open_model
+    gold = np.load(FIX / "peft_gqa.npz")
+    _, _, _, config = open_model(FIX / "gqa-f32.gguf")
+    tensors = {k: gold[k] for k in gold if k.endswith((".lora_a", ".lora_b"))}
+    out = write_peft_adapter(tmp_path / "ad", tensors, ALPHA, RANK, model_config=config)
+    ours = load_file(str(out / "adapter_model.safetensors"))
+    peft = load_file(str(FIX / "peft_gqa" / "adapter_model.safetensors"))
+    assert set(ours) == set(peft)
+    for k, v in peft.items():
+        np.testing.assert_array_equal(ours[k], v, err_msg=k)
