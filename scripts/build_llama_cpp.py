@@ -1,10 +1,13 @@
 #!/usr/bin/env python3
-"""Build llama.cpp's ``libllama`` (CPU, Release) from the pinned source, plus ``llama_logits``.
+"""Build llama.cpp's ``libllama`` (CPU, Release) from the pinned source, plus ``llama_logits``
+and ``llama_generate``.
 
 Why: an adapter that pytrain writes is only useful if llama.cpp loads it with ``--lora`` and
 computes the same function with it.  The only authority for that is llama.cpp itself, so the
 cross-check test (``tests/test_llama_cpp_adapter.py``) runs llama.cpp's own loader and graph on
-our adapter through ``scripts/llama_logits.c``, a tiny program that prints nothing but logits.
+our adapter through ``scripts/llama_logits.c``, a tiny program that prints nothing but logits;
+``scripts/llama_generate.c`` runs llama.cpp's tokenizer, chat template and greedy generation
+(with ``--lora``'s adapter loading) for the checks on a real model.
 
 What is built is as small as llama.cpp allows: the ``llama`` library target only (which pulls
 in ggml and ggml-cpu), no common/tools/examples/tests/server/app, no OpenSSL/curl, no OpenMP.
@@ -31,7 +34,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PROGRAM_SRC = Path(__file__).resolve().parent / "llama_logits.c"
+PROGRAMS = {name: Path(__file__).resolve().parent / f"{name}.c"
+            for name in ("llama_logits", "llama_generate")}
 # What the `llama` target's CMake configure reads; models/, tools/, tests/ etc. are not needed.
 SOURCE_SUBSET = ("CMakeLists.txt", "cmake", "ggml", "src", "include", "vendor", "LICENSE",
                  "licenses")
@@ -60,21 +64,24 @@ def build_root() -> Path:
         / "llama.cpp-build"
 
 
-def binary_path() -> Path:
-    return build_root() / "bin" / "llama_logits"
+def binary_path(name: str = "llama_logits") -> Path:
+    return build_root() / "bin" / name
 
 
 def _program_digest() -> str:
-    return hashlib.sha256(PROGRAM_SRC.read_bytes()).hexdigest()
+    h = hashlib.sha256()
+    for name, src in sorted(PROGRAMS.items()):
+        h.update(name.encode() + b"\0" + src.read_bytes())
+    return h.hexdigest()
 
 
-def built_binary() -> Path | None:
-    """The ``llama_logits`` executable if a complete build of the current program exists.
+def built_binary(name: str = "llama_logits") -> Path | None:
+    """The executable ``name`` if a complete build of the current programs exists.
 
-    A stale build (``llama_logits.c`` changed since) counts as absent, so the test skips with
+    A stale build (a program's source changed since) counts as absent, so the test skips with
     the rebuild hint instead of running an old binary."""
     stamp = build_root() / "build_info.json"
-    exe = binary_path()
+    exe = binary_path(name)
     if not (stamp.exists() and exe.exists()):
         return None
     try:
@@ -133,7 +140,7 @@ def build(jobs: int | None = None, force: bool = False) -> dict:
     want = f"{nb.ARCHIVE_SHA256} {nb.patches_digest()}\n"
     if stamp.exists() and not force:
         info = json.loads(stamp.read_text())
-        if (info.get("source") == want.strip() and binary_path().exists()
+        if (info.get("source") == want.strip() and all(binary_path(n).exists() for n in PROGRAMS)
                 and info.get("program_sha256") == _program_digest()):
             log(f"already built: {binary_path()} (--force rebuilds)")
             return info
@@ -158,22 +165,23 @@ def build(jobs: int | None = None, force: bool = False) -> dict:
         raise RuntimeError(f"no libllama.so under {bdir} after the build")
     lib_dirs = sorted({p.parent for pat in ("libllama.so", "libggml*.so")
                        for p in bdir.rglob(pat)})
-    exe = binary_path()
-    exe.parent.mkdir(parents=True, exist_ok=True)
     cc = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
-    cmd = [cc, "-O2", "-std=c11", "-Wall", "-o", str(exe) + ".tmp", str(PROGRAM_SRC),
-           f"-I{src / 'include'}", f"-I{src / 'ggml' / 'include'}"]
-    for d in lib_dirs:
-        cmd += [f"-L{d}", f"-Wl,-rpath,{d}"]
-    cmd += ["-lllama", "-lggml", "-lggml-base", "-lm"]
-    log("compiling llama_logits")
-    _run(cmd, "compiling scripts/llama_logits.c")
-    os.replace(str(exe) + ".tmp", exe)
+    for name, program in PROGRAMS.items():
+        exe = binary_path(name)
+        exe.parent.mkdir(parents=True, exist_ok=True)
+        cmd = [cc, "-O2", "-std=gnu11", "-Wall", "-o", str(exe) + ".tmp", str(program),
+               f"-I{src / 'include'}", f"-I{src / 'ggml' / 'include'}"]
+        for d in lib_dirs:
+            cmd += [f"-L{d}", f"-Wl,-rpath,{d}"]
+        cmd += ["-lllama", "-lggml", "-lggml-base", "-lm"]
+        log(f"compiling {name}")
+        _run(cmd, f"compiling scripts/{name}.c")
+        os.replace(str(exe) + ".tmp", exe)
     info = {
         "source": want.strip(),
         "archive": nb.ARCHIVE_NAME,
         "cmake_args": CMAKE_ARGS,
-        "program": str(exe),
+        "programs": [str(binary_path(n)) for n in PROGRAMS],
         "program_sha256": _program_digest(),
         "lib_dirs": [str(d) for d in lib_dirs],
         "build_seconds": round(time.monotonic() - t0, 1),
@@ -183,7 +191,7 @@ def build(jobs: int | None = None, force: bool = False) -> dict:
     tmp = stamp.with_suffix(".tmp")
     tmp.write_text(json.dumps(info, indent=2) + "\n")
     os.replace(tmp, stamp)
-    log(f"done in {info['build_seconds']} s: {exe}")
+    log(f"done in {info['build_seconds']} s: {', '.join(info['programs'])}")
     return info
 
 

@@ -15,12 +15,12 @@ ROOT = Path(__file__).resolve().parent.parent
 PLAIN_CPU_BUFFERS = {"CPU", "CPU_Mapped"}
 
 
-def built_binary() -> Path | None:
+def built_binary(name: str = "llama_logits") -> Path | None:
     spec = importlib.util.spec_from_file_location("build_llama_cpp",
                                                   ROOT / "scripts" / "build_llama_cpp.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    return mod.built_binary()
+    return mod.built_binary(name)
 
 
 def weight_buffers(stderr: str) -> list[str]:

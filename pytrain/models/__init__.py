@@ -47,6 +47,10 @@ class Architecture:
     hf_modules: Mapping[str, str] = field(default_factory=dict)
     hf_layer_kind_modules: Mapping[bool, frozenset] = field(default_factory=dict)
     hf_pairs: Mapping[str, Callable[..., tuple]] = field(default_factory=dict)
+    # generation with a KV cache (attention-only models): (n_past, new tokens) -> the host
+    # values of ``graph.decode(ctx, cache, n_past, n, lora)``; None: generation recomputes
+    # the prefix (recurrent layers would need their state cached too)
+    decode_values: Callable[[int, np.ndarray], dict] | None = None
 
 
 class ArchitectureError(PytrainError, ValueError):

@@ -55,15 +55,45 @@ class LlamaGraph(DecoderGraph):
                                  r.base, r.freq_scale, r.ext_factor, r.attn_factor,
                                  r.beta_fast, r.beta_slow)
 
-    def attention(self, ctx, il: int, x, inp: GraphInputs, B: int, T: int, lora):
+    def qkv(self, ctx, il: int, x, inp: GraphInputs, N: int, lora):
+        """q [hd, H, N], k and v [hd, Hkv, N] of N = T·B tokens, q and k rotated."""
         c, p = self.c, f"blk.{il}."
         hd, H, Hkv = c.head_dim, c.n_head, c.n_head_kv
-        q = lib.ggml_reshape_3d(ctx, self.mm(ctx, p + "attn_q.weight", x, lora), hd, H, T * B)
-        k = lib.ggml_reshape_3d(ctx, self.mm(ctx, p + "attn_k.weight", x, lora), hd, Hkv, T * B)
-        v = lib.ggml_reshape_3d(ctx, self.mm(ctx, p + "attn_v.weight", x, lora), hd, Hkv, T * B)
-        q, k = self.rope(ctx, q, inp), self.rope(ctx, k, inp)            # [hd, H, T·B]
-        o = softmax_attention(ctx, q, k, v, inp.kq_mask, 1.0 / float(np.sqrt(hd)), B, T)
-        return self.mm(ctx, p + "attn_output.weight", o, lora)            # [E, T·B]
+        q = lib.ggml_reshape_3d(ctx, self.mm(ctx, p + "attn_q.weight", x, lora), hd, H, N)
+        k = lib.ggml_reshape_3d(ctx, self.mm(ctx, p + "attn_k.weight", x, lora), hd, Hkv, N)
+        v = lib.ggml_reshape_3d(ctx, self.mm(ctx, p + "attn_v.weight", x, lora), hd, Hkv, N)
+        return self.rope(ctx, q, inp), self.rope(ctx, k, inp), v
+
+    def attention(self, ctx, il: int, x, inp: GraphInputs, B: int, T: int, lora,
+                  cache=None, n_past: int = 0, stores: list | None = None):
+        """x [E, T·B] -> attention output [E, T·B]; with a KV cache (B = 1), the T new
+        tokens also attend to the n_past cached ones, and their keys/values are stored."""
+        q, k, v = self.qkv(ctx, il, x, inp, T * B, lora)                  # [hd, H, T·B]
+        if cache is not None:
+            k, v = cache.keys_values(ctx, il, k, v, n_past, stores)       # [hd, Hkv, n_kv]
+        o = softmax_attention(ctx, q, k, v, inp.kq_mask, 1.0 / float(np.sqrt(self.c.head_dim)),
+                              B, T)
+        return self.mm(ctx, f"blk.{il}.attn_output.weight", o, lora)     # [E, T·B]
+
+    def decode(self, ctx, cache, n_past: int, n: int, lora: LoraFn | None = None):
+        """The graph of n new tokens after the n_past in ``cache``: (logits of the last one
+        [V, 1, 1], inputs, the cache stores to compute with it)."""
+        inp = GraphInputs(
+            tokens=lib.ggml_new_tensor_1d(ctx, lib.GGML_TYPE_I32, n),
+            pos=lib.ggml_new_tensor_1d(ctx, lib.GGML_TYPE_I32, n),
+            kq_mask=lib.ggml_new_tensor_4d(ctx, lib.GGML_TYPE_F32, n_past + n, n, 1, 1))
+        for t in (inp.tokens, inp.pos, inp.kq_mask):
+            lib.ggml_set_input(t)
+        stores: list = []
+        x = self.embed(ctx, inp)
+        for il in range(self.c.n_layer):
+            p = f"blk.{il}."
+            h = self.norm(ctx, x, p + "attn_norm.weight")
+            x = lib.ggml_add(ctx, x, self.attention(ctx, il, h, inp, 1, n, lora, cache, n_past,
+                                                    stores))
+            x = lib.ggml_add(ctx, x, self.ffn(ctx, il, self.norm(ctx, x, p + "ffn_norm.weight"),
+                                              lora))
+        return self.head(ctx, x, inp, 1, n, rows=1), inp, stores
 
     def new_inputs(self, ctx, B: int, T: int) -> GraphInputs:
         i32, f32 = lib.GGML_TYPE_I32, lib.GGML_TYPE_F32
@@ -79,8 +109,8 @@ class LlamaGraph(DecoderGraph):
     def layer(self, ctx, il: int, x, inp: GraphInputs, B: int, T: int, lora: LoraFn | None):
         """x [E, T·B] -> the output of layer ``il``."""
         p = f"blk.{il}."
-        x = lib.ggml_add(ctx, x, self.attention(ctx, il, self.norm(ctx, x, p + "attn_norm.weight"),
-                                                inp, B, T, lora))
+        h = self.norm(ctx, x, p + "attn_norm.weight")
+        x = lib.ggml_add(ctx, x, self.attention(ctx, il, h, inp, B, T, lora))
         return lib.ggml_add(ctx, x, self.ffn(ctx, il, self.norm(ctx, x, p + "ffn_norm.weight"), lora))
 
 
@@ -88,6 +118,17 @@ class LlamaGraph(DecoderGraph):
 
 def padded_length(n_tokens: int) -> int:
     return n_tokens
+
+
+def decode_values(n_past: int, tokens: np.ndarray) -> dict[str, np.ndarray]:
+    """Inputs of ``LlamaGraph.decode``: the new tokens, their positions, and a mask that lets
+    new token i see every cached position and the new ones up to itself."""
+    n = len(tokens)
+    mask = np.zeros((n, n_past + n), np.float32)
+    mask[:, n_past:] = np.where(np.tril(np.ones((n, n), bool)), 0.0, -np.inf)
+    return {"tokens": np.asarray(tokens, np.int32), "pos": np.arange(n_past, n_past + n,
+                                                                     dtype=np.int32),
+            "kq_mask": mask[None, None]}
 
 
 def input_values(config: LlamaConfig, tokens: np.ndarray, seg: np.ndarray) -> dict[str, np.ndarray]:
@@ -115,4 +156,5 @@ ARCHITECTURE = Architecture(
     hf_modules=llama_hf.HF_MODULES,
     hf_layer_kind_modules={False: frozenset(llama_hf.ATTENTION)},
     hf_pairs={t: llama_hf.convert_pair for t in llama_hf.PERMUTED},
+    decode_values=decode_values,
 )

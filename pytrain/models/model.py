@@ -90,14 +90,20 @@ class Model:
     def generate(self, prompt_tokens, max_new_tokens: int = 64, temperature: float = 0.0,
                  seed: int = 0, stop_ids=None, lora=None) -> list[int]:
         """Sample up to ``max_new_tokens`` after the prompt, stopping at an end-of-generation
-        token.  Recomputes the whole prefix each step (no KV cache): fine for the small
-        models and short answers of evaluation and demos."""
+        token.  Architectures with a KV cache (``Architecture.decode_values``: Llama) compute
+        each new token once; the others recompute the whole prefix each step, which is fine
+        for the small models and short answers of evaluation and demos."""
         rng = np.random.default_rng(seed)
         stop = set(self.tokenizer.eog_ids if stop_ids is None else stop_ids)
         toks = list(prompt_tokens)
         out: list[int] = []
+        steps = self._cached_steps(toks, max_new_tokens, lora) \
+            if self.arch.decode_values is not None else None
         for _ in range(max_new_tokens):
-            last = self.logits(np.array(toks), lora=lora, last_only=True).astype(np.float64)
+            if steps is not None:
+                last = steps.send(None if not out else out[-1]).astype(np.float64)
+            else:
+                last = self.logits(np.array(toks), lora=lora, last_only=True).astype(np.float64)
             if temperature <= 0:
                 nxt = int(last.argmax())
             else:
@@ -107,7 +113,43 @@ class Model:
                 break
             out.append(nxt)
             toks.append(nxt)
+        if steps is not None:
+            steps.close()
         return out
+
+    def _cached_steps(self, prompt: list[int], max_new_tokens: int, lora):
+        """A generator of next-token logits with a KV cache: the first ``send(None)`` runs the
+        prompt, each later ``send(token)`` runs that one token after everything before it."""
+        from pytrain.models.transformer import KVCache
+        c = self.config
+        cache = KVCache(self.runtime, c.n_layer, c.head_dim, c.n_head_kv,
+                        len(prompt) + max_new_tokens)
+        n_past, new = 0, list(prompt)
+        try:
+            while True:
+                size = self.graph_budget(len(new))
+                ctx = ggml.Context(n_tensors=size, graph_size=size)
+                try:
+                    logits, inp, stores = self.graph.decode(ctx.ptr, cache, n_past, len(new), lora)
+                    lib.ggml_set_output(logits)
+                    gf = ggml.new_graph(ctx, size)
+                    for s in stores:
+                        lib.ggml_build_forward_expand(gf, s)
+                    lib.ggml_build_forward_expand(gf, logits)
+                    self.runtime.alloc_graph(gf, ctx)
+                    vals = self.arch.decode_values(n_past, np.array(new))
+                    self.arch.set_inputs(inp, vals)
+                    ggml.from_numpy(inp.rows, np.array([len(new) - 1], np.int32))
+                    self.runtime.compute(gf)
+                    out = ggml.to_numpy(logits).reshape(-1).copy()
+                finally:
+                    self.runtime.forget_graph()
+                    ctx.close()
+                n_past += len(new)
+                nxt = yield out
+                new = [nxt]
+        finally:
+            cache.close()
 
     def close(self) -> None:
         self.weights.close()

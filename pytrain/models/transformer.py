@@ -102,29 +102,73 @@ class DecoderGraph:
 
 
 def softmax_attention(ctx, q, k, v, kq_mask, scale: float, B: int, T: int):
-    """q [hd, H, T·B], k and v [hd, Hkv, T·B] (after rope and any q/k norm) -> [hd·H, T·B].
+    """q [hd, H, T·B], k and v [hd, Hkv, Tk·B] (after rope and any q/k norm) -> [hd·H, T·B].
 
-    ``kq_mask`` [T, T, 1, B] is 0 where a query may see a key, -inf elsewhere (causal, and
-    never across a change of sample id)."""
+    ``kq_mask`` [Tk, T, 1, B] is 0 where a query may see a key, -inf elsewhere (causal, and
+    never across a change of sample id).  Tk = T in training; with a KV cache the keys are
+    the cached ones plus the T new ones."""
     hd, H, Hkv = q.ne[0], q.ne[1], k.ne[1]
+    Tk = k.ne[2] // B
 
-    def heads_last(t, n):                                             # -> [hd, T, n·B]
+    def heads_last(t, n, T):                                          # -> [hd, T, n·B]
         t = lib.ggml_reshape_4d(ctx, t, hd, n, T, B)
         return lib.ggml_reshape_3d(ctx, lib.ggml_cont(ctx, lib.ggml_permute(ctx, t, 0, 2, 1, 3)),
                                    hd, T, n * B)
-    q3, k3 = heads_last(q, H), heads_last(k, Hkv)
+    q3, k3 = heads_last(q, H, T), heads_last(k, Hkv, Tk)
     # B merged behind the heads keeps MUL_MAT's grouped broadcast (q head h reads kv head
     # h // (H/Hkv), as HF's repeat_kv) inside 3-D tensors, which its backward supports
-    kq = lib.ggml_mul_mat(ctx, k3, q3)                                # [T_k, T_q, H·B]
-    kq = lib.ggml_reshape_4d(ctx, kq, T, T, H, B)
+    kq = lib.ggml_mul_mat(ctx, k3, q3)                                # [Tk, T, H·B]
+    kq = lib.ggml_reshape_4d(ctx, kq, Tk, T, H, B)
     probs = lib.ggml_soft_max_ext(ctx, kq, kq_mask, scale, 0.0)
-    probs = lib.ggml_reshape_3d(ctx, probs, T, T, H * B)
-    vT = lib.ggml_reshape_4d(ctx, v, hd, Hkv, T, B)
+    probs = lib.ggml_reshape_3d(ctx, probs, Tk, T, H * B)
+    vT = lib.ggml_reshape_4d(ctx, v, hd, Hkv, Tk, B)
     vT = lib.ggml_reshape_3d(ctx, lib.ggml_cont(ctx, lib.ggml_permute(ctx, vT, 1, 2, 0, 3)),
-                             T, hd, Hkv * B)                         # [T, hd, Hkv·B]
+                             Tk, hd, Hkv * B)                        # [Tk, hd, Hkv·B]
     o = lib.ggml_mul_mat(ctx, vT, probs)                              # [hd, T, H·B]
     o = lib.ggml_reshape_4d(ctx, o, hd, T, H, B)
     return lib.ggml_cont_2d(ctx, lib.ggml_permute(ctx, o, 0, 2, 1, 3), hd * H, T * B)
+
+
+class KVCache:
+    """Keys and values of the tokens generated so far, per layer, for one sequence: F32
+    [hd, Hkv, n_ctx] tensors in a buffer of the runtime's primary backend.  Generation then
+    computes each new token's layers once instead of the whole prefix again."""
+
+    def __init__(self, runtime, n_layer: int, head_dim: int, n_head_kv: int, n_ctx: int):
+        self.runtime, self.n_ctx = runtime, n_ctx
+        self.ctx = ggml.Context(n_tensors=2 * n_layer)
+        f32 = lib.GGML_TYPE_F32
+        self.k = [lib.ggml_new_tensor_3d(self.ctx.ptr, f32, head_dim, n_head_kv, n_ctx)
+                  for _ in range(n_layer)]
+        self.v = [lib.ggml_new_tensor_3d(self.ctx.ptr, f32, head_dim, n_head_kv, n_ctx)
+                  for _ in range(n_layer)]
+        self.buffer = runtime.alloc(self.ctx)
+
+    def keys_values(self, ctx, il: int, k, v, n_past: int, stores: list):
+        """The cached keys/values of layer ``il`` followed by the new ``k``, ``v`` [hd, Hkv,
+        n]; the copies that store the new ones (positions n_past...) go to ``stores``, for the
+        caller to add to the graph."""
+        out = []
+        for cache, new in ((self.k[il], k), (self.v[il], v)):
+            n = new.ne[2]
+            if n_past + n > self.n_ctx:
+                raise ValueError(f"KV cache of {self.n_ctx} positions is full")
+            dst = lib.ggml_view_3d(ctx, cache, cache.ne[0], cache.ne[1], n, cache.nb[1],
+                                   cache.nb[2], n_past * cache.nb[2])
+            stores.append(lib.ggml_cpy(ctx, new, dst))
+            if n_past == 0:
+                out.append(new)
+            else:
+                past = lib.ggml_view_3d(ctx, cache, cache.ne[0], cache.ne[1], n_past,
+                                        cache.nb[1], cache.nb[2], 0)
+                out.append(lib.ggml_concat(ctx, past, new, 2))
+        return out
+
+    def close(self) -> None:
+        if self.buffer is not None:
+            self.runtime.free(self.buffer)
+            self.buffer = None
+        self.ctx.close()
 
 
 # --------------------------------------------------------------------------- host inputs
