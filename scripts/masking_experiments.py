@@ -22,6 +22,11 @@ generated data, runs and adapters under ``OUT/<name>/`` and ends with ``OUT/<nam
   accum     (c-ii) gradient accumulation: token mean over the step (pytrain) vs mean of the
             micro-batches' means, as the micro-batches' valid counts drift apart.
   packing   (c-iii) packed rows with sample ids vs one shared id (state leak, boundary targets).
+  real      (d) seed 000 on a real pretrained model, SmolLM2-135M-Instruct (pad id = end-of-turn
+            id): padding trained on vs the fix vs dropping every target equal to the pad id;
+            validation loss and LoRA drift per epoch, and how the adapted model ends its
+            turns on held-out prompts.  About 20 minutes on 2 cores (not in ``make
+            experiments``' default set).
 
 Every function returns its results as a dict, so ``tests/test_masking_experiments.py`` runs tiny
 versions of the same code.  CPU, one thread (see the configs); minutes on the embedded model.
@@ -41,6 +46,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
 
 from pytrain.train import loss as L  # noqa: E402
 from pytrain.models import lora as lora_mod  # noqa: E402
@@ -52,7 +58,8 @@ from pytrain.models.model import load_model  # noqa: E402
 CONFIG_DIR = ROOT / "config" / "experiments"
 FIXTURE = ROOT / "tests" / "fixtures" / "qwen35" / "gqa-f32.gguf"
 CONFIGS = {"seed003": "seed003_sft.toml", "seed000": "seed000_padding.toml",
-           "padwidth": "padding_width.toml", "accum": "grad_accum.toml", "packing": "packing.toml"}
+           "padwidth": "padding_width.toml", "accum": "grad_accum.toml", "packing": "packing.toml",
+           "real": "seed000_real.toml"}
 EXPERIMENTS = tuple(CONFIGS)
 SYSTEM = "You are a helpful assistant."
 
@@ -799,20 +806,173 @@ def run_packing(out: Path, overrides=(), *, n_rows: int | None = None, b_std: fl
     return res
 
 
+# ============================================================================ (d) a real model
+def date_chats(n: int, seed: int, taken: set, max_exchanges: int = 4) -> list[dict]:
+    """Chats of 1 to ``max_exchanges`` date conversions (scripts/demo_real.py's task), some with
+    a system turn, so lengths vary and batches pad; no date of ``taken`` (which grows)."""
+    import random
+    import demo_real
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        msgs = [{"role": "system", "content": rng.choice(SYSTEMS)}] if rng.random() < 0.5 else []
+        for d in demo_real.dates(rng, rng.randint(1, max_exchanges), taken):
+            msgs += demo_real.chat(rng, d)["messages"]
+        out.append({"messages": msgs})
+    return out
+
+
+def turn_endings(model, convs: list[dict], lora=None, max_new: int = 32) -> dict:
+    """Greedy answers to held-out single-turn prompts, never stopped early: how often the model
+    ends its turn (emits <|im_end|>, the pad id), right after a correct answer, or at once."""
+    import demo_real
+    eot = model.tokenizer.token_to_id("<|im_end|>")
+    ends = right = empty = 0
+    for c in convs:
+        out = model.generate(demo_real.prompt_ids(model, c), max_new, stop_ids=[], lora=lora)
+        if eot in out:
+            ends += 1
+            k = out.index(eot)
+            empty += k == 0
+            right += model.tokenizer.decode(out[:k]).strip() == c["messages"][-1]["content"]
+    n = len(convs)
+    return {"ends_turn": ends / n, "correct_then_ends": right / n, "ends_at_once": empty / n}
+
+
+def run_real(out: Path, overrides=(), *, n_train: int = 160, n_valid: int = 24, n_held: int = 32,
+             seed: int = 0, plot: bool = True) -> dict:
+    """Seed 000 on SmolLM2-135M-Instruct: runs ``bug``, ``fix`` and ``padmask``."""
+    import fetch_model
+    import demo_real
+    from pytrain.train import run
+    from pytrain.train.trainer import Trainer
+    from pytrain.data import load_data
+    import random
+    folder = out / "real"
+    taken: set = set()
+    tr = write_jsonl(folder / "train.jsonl", date_chats(n_train, seed, taken))
+    va = write_jsonl(folder / "valid.jsonl", date_chats(n_valid, seed + 1000, taken))
+    rng = random.Random(seed + 2000)
+    held = [demo_real.chat(rng, d) for d in demo_real.dates(rng, n_held, taken)]
+    gguf = str(fetch_model.fetch("smollm2"))
+    res = {"runs": {}, "model": Path(gguf).name}
+    model = ad = None
+    plain_targets = Trainer.targets
+    for name in ("bug", "fix", "padmask"):
+        shutil.rmtree(folder / f"run-{name}", ignore_errors=True)
+        cfg = config("real", overrides, model__path=gguf, data__train=str(tr),
+                     data__validation=str(va), output__dir=str(folder / f"run-{name}"),
+                     train__loss_bug_repro=name == "bug")
+        if model is None:
+            model = load_model(gguf, "cpu", cfg.model.threads)
+            splits = load_data(cfg.data, model.tokenizer)
+            pad = pad_token_id(model.tokenizer)
+            t = cfg.train
+            vb = make_batches(splits.valid, t.batch_size, False, 0, shuffle=False, pad_id=pad)
+            spe = len(make_batches(splits.train, t.batch_size, False, 0, pad_id=pad))
+            train_b = make_batches(splits.train, t.batch_size, False, t.seed, pad_id=pad)
+            res.update(epochs=t.epochs, steps_per_epoch=spe, batch_size=t.batch_size, lr=t.lr,
+                       n_train=len(splits.train), n_valid=len(splits.valid), n_held=n_held,
+                       pad_id=int(pad), valid_padding=padding_share(vb),
+                       train_padding=padding_share(train_b),
+                       base_valid_bug_metric=buggy_eval(model, vb),
+                       base_endings=turn_endings(model, held))
+        cfg.train.eval_every = cfg.train.save_every = res["steps_per_epoch"]
+        if name == "padmask":      # the naive fix: every target equal to the pad id dropped
+            Trainer.targets = lambda self, b: np.where(plain_targets(self, b) == pad, L.IGNORE,
+                                                       plain_targets(self, b))
+        t0 = time.perf_counter()
+        try:
+            r = run.train(cfg, progress=False, log=quiet)
+        finally:
+            Trainer.targets = plain_targets
+        recs = metrics(r.out_dir)
+        valid = {m["step"]: m for m in recs if m.get("split") == "valid"}
+        ep = []
+        for e, (step, path) in enumerate(checkpoints(r.out_dir)):
+            ad = load_adapter_into(model, ad, path)
+            ep.append({"epoch": e + 1, "valid_loss": valid[step]["loss"],
+                       "valid_accuracy": valid[step]["accuracy"], "drift": valid[step]["drift"],
+                       "valid_bug_metric": buggy_eval(model, vb, ad.hook)})
+        ep[-1]["endings"] = turn_endings(model, held, ad.hook)
+        res["runs"][name] = {"epochs": ep, "base_valid_loss": valid[0]["loss"],
+                             "seconds": time.perf_counter() - t0}
+    model.close()
+    res["markdown"] = real_markdown(res)
+    save_results(folder, "real", res, res["markdown"])
+    if plot:
+        real_plot(res, folder / "real.png")
+    return res
+
+
+REAL_RUNS = (("bug", "pad rows trained (bug)"), ("fix", "masked (fix)"),
+             ("padmask", "targets == pad id dropped (naive fix)"))
+
+
+def real_markdown(res: dict) -> str:
+    head = ["run", "epoch", "valid loss (masked, correct)", "valid loss as the bug reports it",
+            "LoRA drift", "ends its turn", "correct answer, then ends", "ends at once"]
+    b = res["base_endings"]
+    rows = [["base model", 0, res["runs"]["fix"]["base_valid_loss"], res["base_valid_bug_metric"],
+             0.0, f"{b['ends_turn']:.0%}", f"{b['correct_then_ends']:.0%}",
+             f"{b['ends_at_once']:.0%}"]]
+    for name, label in REAL_RUNS:
+        for e in res["runs"][name]["epochs"]:
+            end = e.get("endings")
+            rows.append([label if e["epoch"] == 1 else "", e["epoch"], e["valid_loss"],
+                         e["valid_bug_metric"], e["drift"],
+                         *([f"{end['ends_turn']:.0%}", f"{end['correct_then_ends']:.0%}",
+                            f"{end['ends_at_once']:.0%}"] if end else ["", "", ""])])
+    return (f"Model `{res['model']}` (pad id {res['pad_id']} = `<|im_end|>`); {res['n_train']} "
+            f"training chats of 1-4 date conversions ({res['train_padding']:.0%} padding after "
+            f"length bucketing), {res['n_valid']} validation chats ({res['valid_padding']:.0%} "
+            f"padding); batch {res['batch_size']}, lr {res['lr']}, {res['epochs']} epochs of "
+            f"{res['steps_per_epoch']} steps; same seed and data.  Turn endings: greedy "
+            f"answers to {res['n_held']} held-out single-question prompts, 32 tokens, never "
+            f"stopped early, after the last epoch.\n\n" + md_table(head, rows))
+
+
+def real_plot(res: dict, png: Path) -> None:
+    p = plt()
+    fig, axs = p.subplots(1, 3, figsize=(13, 4))
+    for (name, label), style in zip(REAL_RUNS, ("r", "g", "b")):
+        r = res["runs"][name]
+        ep = [0] + [e["epoch"] for e in r["epochs"]]
+        axs[0].plot(ep, [r["base_valid_loss"]] + [e["valid_loss"] for e in r["epochs"]],
+                    style + "o-", label=label)
+        axs[1].plot(ep, [0] + [e["drift"] for e in r["epochs"]], style + "o-", label=label)
+        end = r["epochs"][-1]["endings"]
+        axs[2].bar([REAL_RUNS.index((name, label))], [end["ends_turn"]], 0.6, color=style,
+                   label=label)
+    axs[2].bar([3], [res["base_endings"]["ends_turn"]], 0.6, color="grey", label="base model")
+    axs[0].set_title("validation loss (masked) per epoch")
+    axs[1].set_title("LoRA drift Σ‖BA‖·α/r")
+    axs[2].set_title("held-out answers that end the turn")
+    for a in axs[:2]:
+        a.set_xlabel("epoch")
+    for a in axs:
+        a.legend(fontsize=7)
+        a.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    p.close(fig)
+
+
 # ============================================================================ main
 RUNNERS = {"seed003": run_seed003, "seed000": run_seed000, "padwidth": run_padwidth,
-           "accum": run_accum, "packing": run_packing}
+           "accum": run_accum, "packing": run_packing, "real": run_real}
 TITLES = {"seed003": "(a) Seed 003: assistant-only loss vs full-sequence loss",
           "seed000": "(b) Seed 000: padding trained on vs masked",
           "padwidth": "(c-i) Loss vs padding width, content fixed",
           "accum": "(c-ii) Gradient accumulation: token mean vs mean of means",
-          "packing": "(c-iii) Packing: sample ids vs one shared id"}
+          "packing": "(c-iii) Packing: sample ids vs one shared id",
+          "real": "(d) Seed 000 on a real model: SmolLM2-135M-Instruct, pad id = end of turn"}
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=str(ROOT / "experiments"), help="output folder")
-    ap.add_argument("--only", default=",".join(EXPERIMENTS),
+    ap.add_argument("--only", default=",".join(n for n in EXPERIMENTS if n != "real"),
                     help=f"comma-separated subset of {','.join(EXPERIMENTS)}")
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                     help="override a key of every experiment config (repeatable)")

@@ -533,3 +533,25 @@ def test_llama_cpp_loads_merged_model(llama_logits_exe, tmp_path, fixture, merge
         d_ref = float(np.abs(cpp - logits(base, toks, t)).max())
         print(f"  llama.cpp merged vs pytrain base + adapter: {d_ref:.3g}")
         assert d_ref < LLAMA_ATOL
+
+
+def test_warns_when_requantizing_erases_the_update(tmp_path):
+    """A LoRA update finer than the base's 4-bit grid does not survive requantization: the
+    report names the tensors (error >= half the update, rms) and the summary says to merge as
+    F16; with F16 nothing is lost.  (SmolLM2's Q4_1 after make demo-real: all 120.)"""
+    from gguf_factory import quantized_copy
+    base = quantized_copy(FIX / "gqa-f32.gguf", FIX / "gqa-q8_0.gguf", tmp_path / "q4.gguf",
+                          "q4_0")
+    t = make_adapter(config_of(base))
+    t = {k: v * (0.01 if k.endswith("lora_b") else 1.0) for k, v in t.items()}   # a small update
+    rep = merge_adapter(base, t, ALPHA, tmp_path / "m.gguf")
+    lost = rep.lost_updates()
+    assert lost and set(lost) <= {r.name for r in rep.tensors}
+    assert all(r.round_rms >= 0.5 * r.delta_rms for r in rep.tensors if r.name in lost)
+    assert f"erased most of the update of {len(lost)} of {len(rep.tensors)}" in rep.summary()
+    assert "--merged-type f16" in rep.summary()
+    ok = merge_adapter(base, t, ALPHA, tmp_path / "m16.gguf", merged_type="f16")
+    assert ok.lost_updates() == [] and "warning" not in ok.summary()
+    big = merge_adapter(FIX / "gqa-q8_0.gguf", make_adapter(config_of(FIX / "gqa-q8_0.gguf")),
+                        ALPHA, tmp_path / "q8.gguf")
+    assert big.lost_updates() == []
