@@ -7,13 +7,18 @@ own quantizers (tests/gguf_factory.write_llama) in each type; for each:
 * loaded as F32, the logits equal a float64 numpy forward of the file's weights dequantized by
   the ``gguf`` package (tests/llama_ref.py): 1e-4, whatever the type;
 * with the default loading (weights kept, activations rounded to the weight's dot type by ggml
-  as llama.cpp does: F16, or 8-bit blocks for the quantized types) pytrain computes what
-  llama.cpp computes on the same file: max |Δ log-softmax| 0 to 2.6e-6 for the quantized types,
-  3.5e-3 for F16 (llama.cpp's F16 matmuls take another path), measured on an Intel Xeon
-  (AVX-512), 2 threads; bounds 1e-4 and 2e-2.  Both are then equally far from the float64
-  answer (0.17 - 0.29 on this random net, whose tied head amplifies the 8-bit activation
-  rounding; 7.7e-3 for F16 and BF16), which is bounded at 2x the measured figure (another CPU's kernels
-  sum in another order and flip other roundings);
+  as llama.cpp does: F16, or 8-bit blocks for the quantized types) the logits stay within 2x
+  their measured distance from the float64 answer (0.17 - 0.29 on this random net, whose tied
+  head amplifies the 8-bit activation rounding; 5.5e-3 - 7.7e-3 for F16 and BF16; another CPU's
+  kernels sum in another order and flip other roundings);
+* pytrain computes what llama.cpp computes on the same file.  Both run ggml-cpu's kernels, so
+  the logits are bit-identical (measured: 0 for q4_0, q4_1, q5_0, q5_1, q8_0; 1.4e-6 - 4.2e-6
+  for the K-quants) unless a last-bit difference upstream (llama.cpp's softmax runs over its
+  padded KV cache) flips the 8-bit rounding of an activation, which moves the logits by a part
+  of the type's own error (q3_K: 7.5e-2, a quarter of its 0.29 from float64).  Bound: 1e-4 or
+  half the type's distance from float64, whichever is larger; F16 (llama.cpp's F16 matmuls take
+  another path) 2e-2, measured 3.5e-3.  BF16 is not compared: pytrain runs it as F16, llama.cpp
+  rounds the activations to BF16 (4.5e-2 apart);
 * one training step's LoRA gradients with the weights kept equal those with the weights as F32
   to within that activation rounding (relative to each gradient's scale).
 """
@@ -97,7 +102,8 @@ def test_weight_type(tmp_path, dtype):
     assert worst < 2 * MEASURED[dtype][1], worst
 
 
-@pytest.mark.parametrize("dtype", ["f16", "q8_0", "q4_0", "q4_1", "q4_K", "q6_K", "q2_K"])
+@pytest.mark.parametrize("dtype", ["f16", "q8_0", "q4_0", "q4_1", "q4_K", "q6_K", "q3_K",
+                                   "q2_K"])
 def test_weight_type_matches_llama_cpp(llama_logits_exe, tmp_path, dtype):
     from llama_cpp_check import run_llama
     model = write_llama(tmp_path / f"m-{dtype}.gguf", dtype)
@@ -110,4 +116,4 @@ def test_weight_type_matches_llama_cpp(llama_logits_exe, tmp_path, dtype):
                                    tmp_path / "l.f32", 64))
     err = float(np.abs(ours - theirs).max())
     print(f"{dtype}: pytrain vs llama.cpp {err:.2e}")
-    assert err < (2e-2 if dtype == "f16" else 1e-4), err
+    assert err < (2e-2 if dtype == "f16" else max(1e-4, 0.5 * MEASURED[dtype][0])), err

@@ -16,7 +16,8 @@ Bounds:
   other is a near tie (llama.cpp's top two 0.052 apart, pytrain's 0.10).  Bounds: mean KL
   0.01, max KL 0.1, the same argmax wherever llama.cpp's top two are 0.3 or more apart;
 * greedy generation with the KV cache is llama.cpp's own incremental decoding, so the tokens
-  are equal (30 of 30 measured, with and without an adapter).
+  are equal (all 24 of both prompts here; make demo-real: 40 of 40 answers with an adapter);
+  where they part, pytrain's top two must be a near tie (0.3) at that token.
 """
 import subprocess
 from pathlib import Path
@@ -232,4 +233,48 @@ def test_greedy_generation_matches_llama_cpp(model, generate_exe, gguf_path, tmp
     for p, t in zip(prompts, theirs):
         ours = model.generate(p, 24)
         want = [x for x in t if x not in model.tokenizer.eog_ids]
-        assert ours == want, (model.tokenizer.decode(ours), model.tokenizer.decode(want))
+        if ours != want:       # allowed only where the next token is a near tie for pytrain
+            k = next(i for i, (a, b) in enumerate(zip(ours + [-1], want + [-1])) if a != b)
+            last = log_softmax(model.logits(np.array(p + ours[:k]), last_only=True))
+            gap = np.diff(np.sort(last)[-2:])[0]
+            assert gap < 0.3, (k, gap, model.tokenizer.decode(ours), model.tokenizer.decode(want))
+
+
+def test_pytrain_train_on_the_real_model(gguf_path, tmp_path, model):
+    """`pytrain train` from a TOML config on the real file, with its Q4_1 weights kept: two
+    steps on the same batch, a finite loss that falls, and an adapter for q/k/v/o of the 30
+    layers that llama.cpp's architecture check accepts (arch llama)."""
+    import json
+    from pytrain.cli import main
+    from pytrain.formats.adapter_gguf import read_lora_gguf
+    rows = [{"messages": [{"role": "user", "content": f"Write {d} March 2020 as YYYY-MM-DD."},
+                          {"role": "assistant", "content": f"2020-03-{d:02d}"}]}
+            for d in range(1, 5)]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "cfg.toml").write_text(f"""
+[model]
+path = "{gguf_path}"
+device = "cpu"
+threads = 2
+[data]
+train = "train.jsonl"
+format = "chat"
+[lora]
+rank = 4
+alpha = 8.0
+[train]
+max_steps = 2
+batch_size = 4
+lr = 5e-3
+eval_every = 0
+[output]
+dir = "out"
+""")
+    assert main(["train", str(tmp_path / "cfg.toml"), "--no-progress"]) == 0
+    steps = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    losses = [s["loss"] for s in steps if "loss" in s and s.get("split") != "valid"]
+    assert len(losses) == 2 and all(np.isfinite(losses)) and losses[-1] < losses[0]
+    assert all(s["n_valid"] == 4 * 11 for s in steps if "n_valid" in s and "split" not in s)
+    arch, alpha, tensors, _ = read_lora_gguf(tmp_path / "out" / "adapter.gguf")
+    assert arch == "llama" and alpha == 8.0 and len(tensors) == 2 * 4 * 30
+    assert 'type_policy = "auto"' in (tmp_path / "out" / "config.toml").read_text()

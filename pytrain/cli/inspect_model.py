@@ -44,8 +44,9 @@ def report(path: str | os.PathLike[str]) -> str:
         if k != "recurrent":
             lines.append(f"  {k} = {v:.6g}" if isinstance(v, float) else f"  {k} = {v}")
     kinds = cfg.layer_kinds
-    lines.append(f"layers: {len(kinds)} ({kinds.count('linear')} linear / DeltaNet, "
-                 f"{kinds.count('attention')} attention)")
+    counts = (f"{kinds.count('linear')} linear / DeltaNet, {kinds.count('attention')} attention"
+              if "linear" in kinds else "all attention")
+    lines.append(f"layers: {len(kinds)} ({counts})")
     lines.append("  " + ", ".join(f"{i} {k}" for i, k in enumerate(kinds)))
 
     trunk = [infos[n] for n in shapes if n in infos]
@@ -86,9 +87,11 @@ def report(path: str | os.PathLike[str]) -> str:
         lines.append("ignored (MTP/nextn and extras): none")
 
     lines.append(f"LoRA targets (rank {LORA_RANK}):")
-    lines.append(f"  all = {','.join(VALID_TARGETS)}")
+    present = {n.split(".")[2] for n in shapes if n.startswith("blk.") and n.endswith(".weight")}
+    here = tuple(t for t in VALID_TARGETS if t in present)      # the targets this model has
+    lines.append(f"  all = {','.join(here)}")
     for label, targets in (("default " + ",".join(DEFAULT_TARGETS), DEFAULT_TARGETS),
-                           ("all", VALID_TARGETS)):
+                           ("all", here)):
         previous: list[str] | None = None
         for skip in (True, False):
             try:
