@@ -298,3 +298,28 @@ def renamed_arch_copy(src: Path, out: Path, arch: str) -> Path:
     w.write_tensors_to_file()
     w.close()
     return out
+
+
+def with_keys(src: Path, out: Path, keys: dict) -> Path:
+    """``src`` with metadata ``keys`` added or replaced (values as Python str/int/float; floats
+    are written as F32, ints as U32), every tensor unchanged."""
+    r = gguf.GGUFReader(src)
+    arch = str(r.fields["general.architecture"].contents())
+    w = gguf.GGUFWriter(out, arch)
+    for f in r.fields.values():
+        if f.name.startswith("GGUF.") or f.name == "general.architecture" or f.name in keys:
+            continue
+        sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(f.name, f.contents(), f.types[0], sub_type=sub)
+    for k, v in keys.items():
+        vt = (gguf.GGUFValueType.STRING if isinstance(v, str) else gguf.GGUFValueType.FLOAT32
+              if isinstance(v, float) else gguf.GGUFValueType.UINT32)
+        w.add_key_value(k, v, vt)
+    for t in r.tensors:
+        w.add_tensor(t.name, np.asarray(t.data), raw_shape=[int(n) for n in reversed(t.shape)],
+                     raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
