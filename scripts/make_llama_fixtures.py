@@ -47,14 +47,12 @@ Deterministic: fixed seeds, one thread.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
-import types
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -123,40 +121,11 @@ def build(name: str, dtype):
     return model.to(dtype).eval()
 
 
-@contextlib.contextmanager
 def true_float64():
-    """HF Llama entirely in float64: its RMSNorm (``.to(torch.float32)``), softmax
-    (``dtype=torch.float32``) and rotary (``.float()``) are float32 islands; inside this
-    context the module's ``torch.float32``/``torch.float`` mean float64 and ``Tensor.float()``
-    means ``.double()``.  Records the dtype of every floating tensor an op returns."""
-    import torch
+    """HF Llama entirely in float64 (``qwen35_reference.true_float64``: its RMSNorm, softmax
+    and rotary embedding are float32 islands otherwise)."""
     import transformers.models.llama.modeling_llama as ml
-    from torch.overrides import TorchFunctionMode
-
-    class Torch64(types.ModuleType):
-        def __getattr__(self, k):
-            return getattr(torch, k)
-
-    proxy = Torch64("torch_float64")
-    proxy.float32 = proxy.float = torch.float64
-    seen = set()
-
-    class Watch(TorchFunctionMode):
-        def __torch_function__(self, func, types_, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            for t in (out if isinstance(out, (tuple, list)) else (out,)):
-                if isinstance(t, torch.Tensor) and t.is_floating_point():
-                    seen.add(t.dtype)
-            return out
-
-    old_torch, old_float = ml.torch, torch.Tensor.float
-    ml.torch = proxy
-    torch.Tensor.float = lambda self, *a, **k: self.double()
-    try:
-        with Watch():
-            yield seen
-    finally:
-        ml.torch, torch.Tensor.float = old_torch, old_float
+    return ref.true_float64(ml)
 
 
 # --------------------------------------------------------------------------- GGUF side
@@ -328,6 +297,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=OUT)
     a = ap.parse_args()
+    if os.environ.get("PYTHONHASHSEED") != "0":
+        # PEFT writes target_modules in set order: fixed string hashes make the folder's
+        # adapter_config.json the same bytes on every run
+        os.execve(sys.executable, [sys.executable, *sys.argv],
+                  {**os.environ, "PYTHONHASHSEED": "0"})
 
     import numpy as np
     import torch

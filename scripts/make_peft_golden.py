@@ -51,10 +51,8 @@ Deterministic (fixed seeds, one thread; a rerun writes the same bytes); ~10 s on
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import sys
-import types
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -70,45 +68,13 @@ EOS_ID = 482                 # <|im_end|>
 HF_TO_GGUF = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output"}
 
 
-@contextlib.contextmanager
 def true_float64():
-    """Run HF Qwen3.5 entirely in float64.  Its modeling code has float32 islands (RMSNorm via
-    ``x.float()``, ``softmax(dtype=torch.float32)``, rope, the torch DeltaNet fallback's
-    ``.to(torch.float32)``); inside this context the module's ``torch.float32``/``torch.float``
-    mean float64 and ``Tensor.float()`` means ``.double()``.  A TorchFunctionMode records the
-    dtype of every floating tensor an op returns, so the caller can prove nothing ran in float32."""
-    import torch
+    """HF Qwen3.5 entirely in float64 (``qwen35_reference.true_float64``)."""
     import transformers.models.qwen3_5.modeling_qwen3_5 as mq
-    from torch.overrides import TorchFunctionMode
-
-    class Torch64(types.ModuleType):
-        def __getattr__(self, k):
-            return getattr(torch, k)
-
-    proxy = Torch64("torch_float64")
-    proxy.float32 = proxy.float = torch.float64
-    seen = set()
-
-    class Watch(TorchFunctionMode):
-        def __torch_function__(self, func, types_, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            for t in (out if isinstance(out, (tuple, list)) else (out,)):
-                if isinstance(t, torch.Tensor) and t.is_floating_point():
-                    seen.add(t.dtype)
-            return out
-
-    old_torch, old_float = mq.torch, torch.Tensor.float
-    mq.torch = proxy
-    torch.Tensor.float = lambda self, *a, **k: self.double()
-    try:
-        with Watch():
-            yield seen
-    finally:
-        mq.torch, torch.Tensor.float = old_torch, old_float
+    return ref.true_float64(mq)
 
 
 def build_gqa(dtype):
-    import torch
     spec = fx.MODELS["gqa"]
     cfg = ref.qwen35_text_config(eos_token_id=EOS_ID, **spec["config"])
     model = ref.build_model(cfg, spec["seed"])

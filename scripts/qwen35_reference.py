@@ -21,12 +21,14 @@ sys.path so the converter and the checks use the pinned gguf package.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
 import random
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -376,6 +378,48 @@ def save_hf_checkpoint(model, tok_dir: Path, out_dir: Path) -> None:
     model.save_pretrained(str(out_dir), safe_serialization=True)
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tok_dir / f, out_dir / f)
+
+
+# --------------------------------------------------------------------------------------------
+# float64 runs of HF models
+# --------------------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def true_float64(modeling):
+    """Run an HF model of the modeling module ``modeling`` (e.g.
+    ``transformers.models.qwen3_5.modeling_qwen3_5``) entirely in float64.  Modeling code has
+    float32 islands (RMSNorm via ``x.float()`` or ``.to(torch.float32)``, ``softmax(dtype=
+    torch.float32)``, rope, Qwen3.5's torch DeltaNet fallback); inside this context the
+    module's ``torch.float32``/``torch.float`` mean float64 and ``Tensor.float()`` means
+    ``.double()``.  A TorchFunctionMode records the dtype of every floating tensor an op
+    returns, so the caller can prove nothing ran in float32."""
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    class Torch64(types.ModuleType):
+        def __getattr__(self, k):
+            return getattr(torch, k)
+
+    proxy = Torch64("torch_float64")
+    proxy.float32 = proxy.float = torch.float64
+    seen = set()
+
+    class Watch(TorchFunctionMode):
+        def __torch_function__(self, func, types_, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in (out if isinstance(out, (tuple, list)) else (out,)):
+                if isinstance(t, torch.Tensor) and t.is_floating_point():
+                    seen.add(t.dtype)
+            return out
+
+    old_torch, old_float = modeling.torch, torch.Tensor.float
+    modeling.torch = proxy
+    torch.Tensor.float = lambda self, *a, **k: self.double()
+    try:
+        with Watch():
+            yield seen
+    finally:
+        modeling.torch, torch.Tensor.float = old_torch, old_float
 
 
 # --------------------------------------------------------------------------------------------
