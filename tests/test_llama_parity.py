@@ -295,3 +295,30 @@ def test_llama_cpp_runs_pytrains_llama_adapter(llama_logits_exe, tmp_path, name,
     effect = float(np.abs(with_ad - base).max())
     print(f"{name} {keys}: base {d:.2e}, with adapter {d_lora:.2e}, effect {effect:.3g}")
     assert effect > 0.05 and d < LLAMA_CPP_ATOL and d_lora < LLAMA_CPP_ATOL
+
+
+def test_layer_recompute_equals_the_one_graph_step():
+    """Layer-wise recompute (train.recompute = "layers") runs the llama layers one at a time:
+    same loss and LoRA gradients as the one-graph step."""
+    from pytrain.train.recompute import RecomputeGraph
+    gold = dict(np.load(FIX / "peft_gqa.npz"))
+    m = pytrain.load_model(FIX / "gqa-f32.gguf", device="cpu", threads=2)
+    try:
+        names = select_targets(m.config)[4:]                # layers 1 and 2: l0 > 0
+        ad = lora.create(m.runtime, m.config, names, rank=RANK, alpha=ALPHA, seed=0)
+        ad.set({k: gold[k] for n in names for k in (n + ".lora_a", n + ".lora_b")})
+        tokens, labels = gold["input_ids"], gold["labels"]
+        seg = np.where(gold["attention_mask"] > 0, 0, -1)
+        tgt = L.shift_targets(tokens, labels != L.IGNORE, seg)
+        outs = []
+        for cls in (GradGraph, RecomputeGraph):
+            g = cls(m, ad, tokens.shape[0], tokens.shape[1])
+            outs.append(g.run(tokens, seg, tgt))
+            g.close()
+    finally:
+        m.close()
+    one, rec = outs
+    assert rec["n_valid"] == one["n_valid"] and rec["loss"] == pytest.approx(one["loss"], rel=1e-6)
+    for k, v in one["grads"].items():
+        np.testing.assert_allclose(rec["grads"][k], v, atol=5e-5 * float(np.abs(v).max()),
+                                   rtol=0, err_msg=k)
