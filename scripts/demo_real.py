@@ -131,6 +131,7 @@ def main() -> int:
     model = load_model(gguf, "cpu", cfg.model.threads)
     tok = model.tokenizer
     eog = set(tok.eog_ids)
+    model_layers = model.config.n_layer
     prompts = [prompt_ids(model, c) for c in held_out]
     want = [c["messages"][-1]["content"] for c in held_out]
 
@@ -155,7 +156,7 @@ def main() -> int:
         r = subprocess.run([sys.executable, "-m", "pytrain", "export", str(gguf), "--adapter",
                             str(res.adapter), "--merge", "--merged-type", kind, "-o",
                             str(merged)], check=True, capture_output=True, text=True)
-        lost = re.search(r"update of (\d+) of (\d+) tensors", r.stdout)
+        lost = re.search(r"update \(rms\) in (\d+) of (\d+) tensors", r.stdout)
         erased[kind] = f"{lost.group(1)}/{lost.group(2)}" if lost else "0"
         cpp_merged[kind] = llama_answers(exe, merged, None, prompts, out, eog)
     model.close()
@@ -173,6 +174,10 @@ def main() -> int:
                      if ln.startswith("model name")), ""),
         "model": gguf.name, "n_held_out": n, "train_examples": 600,
         "steps": cfg.train.max_steps, "batch_size": cfg.train.batch_size, "lr": cfg.train.lr,
+        "schedule": cfg.train.schedule, "threads": cfg.model.threads,
+        "targets": "/".join(t.removeprefix("attn_").replace("output", "o")
+                            for t in cfg.lora.targets),
+        "n_layer": model_layers,
         "rank": cfg.lora.rank, "alpha": cfg.lora.alpha,
         "exact_base": exact(base), "exact_adapted": exact(adapted),
         "exact_llama_lora": exact(cpp_lora), "same_tokens_llama_lora": same(adapted, cpp_lora),
@@ -211,11 +216,12 @@ def markdown(r: dict) -> str:
         "# demo-real: SmolLM2-135M-Instruct learns a fixed answer format",
         "",
         f"Made by `python scripts/demo_real.py --results bench_results` (`make demo-real`) at "
-        f"commit {r['commit']}, {r['date']}, on 2 threads of an {r['cpu']}.  Task: a date in words, asked "
-        f"for as YYYY-MM-DD, answered with exactly that; {r['train_examples']} training chats, "
-        f"{n} held-out prompts whose dates are in no training or validation chat.  LoRA r "
-        f"{r['rank']} alpha {r['alpha']:g} on q/k/v/o of the 30 layers, {r['steps']} steps of "
-        f"{r['batch_size']}, lr {r['lr']:g} cosine.  Greedy decoding, at most 24 tokens.",
+        f"commit {r['commit']}, {r['date']}, on {r['threads']} threads of an {r['cpu']}.  Task: a "
+        f"date in words, asked for as YYYY-MM-DD, answered with exactly that; "
+        f"{r['train_examples']} training chats, {n} held-out prompts whose dates are in no "
+        f"training or validation chat.  LoRA r {r['rank']} alpha {r['alpha']:g} on "
+        f"{r['targets']} of the {r['n_layer']} layers, {r['steps']} steps of {r['batch_size']}, "
+        f"lr {r['lr']:g} {r['schedule']}.  Greedy decoding, at most 24 tokens.",
         "",
         "| run | held-out exact match | same tokens as pytrain's adapted answers |",
         "|---|---|---|",

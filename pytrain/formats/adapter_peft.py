@@ -73,10 +73,43 @@ def hf_tables(arch: str | None = None) -> tuple[dict, dict, dict, dict]:
     return names, {v: k for k, v in names.items()}, kinds, pairs
 
 
-def _arch_of(arch: str | None, model_config: Any) -> str | None:
+def _arch_of(arch: str | None, model_config: Any, peft_config: Mapping | None = None
+             ) -> str | None:
     """The architecture named, else the one the model's config belongs to (configs carry
-    their GGUF ``arch``), else None (any known architecture's names)."""
-    return arch or getattr(model_config, "arch", None)
+    their GGUF ``arch``), else the one of the HF class PEFT recorded in ``auto_mapping``, else
+    None (any known architecture's names)."""
+    if arch or getattr(model_config, "arch", None):
+        return arch or model_config.arch
+    auto = (peft_config or {}).get("auto_mapping") or {}
+    entry = models.by_hf_class(auto.get("base_model_class", "")) if isinstance(auto, dict) \
+        else None
+    return entry.name if entry else None
+
+
+def _auto_mapping(arch: str | None) -> dict | None:
+    """What PEFT records for a base model class it maps itself (Llama: it did; Qwen3.5: None),
+    so that a folder pytrain writes names its layout as PEFT's does."""
+    entry = models.get(arch) if arch else None
+    if entry is None or not entry.hf_parent_library:
+        return None
+    return {"base_model_class": entry.hf_classes[0], "parent_library": entry.hf_parent_library}
+
+
+def _warn_ambiguous(bases, arch: str | None, where: str) -> None:
+    """Without an architecture, targets that one family re-orders and another does not (Llama
+    q/k: the rope permutation) are kept as they are; say so rather than stay silent."""
+    if arch is not None:
+        return
+    ambiguous = {t for e in models.all_registered() for t in e.hf_pairs
+                 if any(t in o.hf_modules and t not in o.hf_pairs
+                        for o in models.all_registered())}
+    hit = sorted(b for b in bases if _GGUF_BASE.fullmatch(b).group(2) in ambiguous)
+    if hit:
+        import warnings
+        warnings.warn(f"{where}: the base model's architecture is unknown (pass arch= or "
+                      f"model_config=), so {len(hit)} tensors such as {hit[0]!r} keep their "
+                      f"row order; for a Llama-family model that is wrong (its q/k rows are "
+                      f"permuted for rope)", stacklevel=3)
 
 
 _GGUF_BASE = re.compile(r"blk\.(\d+)\.([a-z_]+)\.weight")
@@ -246,7 +279,7 @@ def peft_config_dict(bases: list[str], alpha: float, rank: int,
         "alora_invocation_tokens": None,
         "alpha_pattern": {},
         "arrow_config": None,
-        "auto_mapping": None,
+        "auto_mapping": _auto_mapping(arch),
         "base_model_name_or_path": base_model_name_or_path or None,
         "bias": "none",
         "corda_config": None,
@@ -408,6 +441,7 @@ def write_peft_adapter(folder: str | os.PathLike[str], tensors: Mapping[str, Any
         raise PeftAdapterError(f"{where}: base_model_name_or_path must be a string")
     pairs = _gguf_pairs(tensors, rank, where, arch)
     _check_shapes(pairs, model_config, where)
+    _warn_ambiguous(pairs, arch, where)
     st_meta = {"format": "pt"}
     for k, v in (metadata or {}).items():
         if not isinstance(k, str) or not k or k == "format":
@@ -483,7 +517,6 @@ def read_peft_adapter(folder: str | os.PathLike[str], model_config: Any = None,
     that architecture's names (default: any known architecture's).  Raises :class:`PeftAdapterError` naming the file.
     """
     folder = Path(folder)
-    arch = _arch_of(arch, model_config)
     cpath, wpath = folder / CONFIG_NAME, folder / WEIGHTS_NAME
     if not folder.is_dir():
         raise PeftAdapterError(f"{folder}: no such adapter folder")
@@ -499,6 +532,7 @@ def read_peft_adapter(folder: str | os.PathLike[str], model_config: Any = None,
     except (OSError, UnicodeDecodeError, ValueError) as e:
         raise PeftAdapterError(f"{cpath}: cannot read the adapter config: {e}") from None
     alpha, rank = _check_config(cfg, cpath)
+    arch = _arch_of(arch, model_config, cfg)
 
     raw, _ = _read_safetensors(wpath)
     halves: dict[str, dict[str, np.ndarray]] = {}
@@ -524,6 +558,7 @@ def read_peft_adapter(folder: str | os.PathLike[str], model_config: Any = None,
         halves.setdefault(base, {})[m.group("w").lower()] = arr
     if not halves:
         raise PeftAdapterError(f"{wpath}: no LoRA tensors")
+    _warn_ambiguous(halves, arch, str(wpath))
     tensors: dict[str, np.ndarray] = {}
     for base, h in sorted(halves.items()):
         for w in "ab":

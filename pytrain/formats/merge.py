@@ -137,10 +137,10 @@ class MergeReport:
         lost = self.lost_updates()
         if lost:
             lines.append(
-                f"warning: requantizing erased most of the update of {len(lost)} of "
-                f"{len(self.tensors)} tensors (their requantization error is at least half the "
-                f"update, rms): the merged model may behave like the base model; "
-                f"--merged-type f16 keeps the update (those tensors then take 16 bits per weight)")
+                f"warning: requantizing left an error of at least half the update (rms) in "
+                f"{len(lost)} of {len(self.tensors)} tensors: the merged model may behave like "
+                f"the base model; --merged-type f16 keeps the update (those tensors then take "
+                f"16 bits per weight)")
         return "\n".join(lines)
 
     def lost_updates(self) -> list[str]:

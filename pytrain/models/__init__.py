@@ -47,6 +47,10 @@ class Architecture:
     hf_modules: Mapping[str, str] = field(default_factory=dict)
     hf_layer_kind_modules: Mapping[bool, frozenset] = field(default_factory=dict)
     hf_pairs: Mapping[str, Callable[..., tuple]] = field(default_factory=dict)
+    # the HF model classes of this family, as PEFT records them in adapter_config.json's
+    # auto_mapping ("base_model_class"): lets a PEFT folder say which layout it is in
+    hf_classes: tuple[str, ...] = ()
+    hf_parent_library: str = ""
     # generation with a KV cache (attention-only models): (n_past, new tokens) -> the host
     # values of ``graph.decode(ctx, cache, n_past, n, lora)``; None: generation recomputes
     # the prefix (recurrent layers would need their state cached too)
@@ -79,6 +83,11 @@ def get(name: str, path: str = "") -> Architecture:
         raise ArchitectureError(f"{where}unsupported architecture {name!r}; supported: "
                          f"{', '.join(names())}")
     return _REGISTERED[name]
+
+
+def by_hf_class(hf_class: str) -> Architecture | None:
+    """The architecture whose HF model class is ``hf_class`` (e.g. ``LlamaForCausalLM``)."""
+    return next((a for a in all_registered() if hf_class in a.hf_classes), None)
 
 
 def all_registered() -> list[Architecture]:

@@ -39,7 +39,7 @@ class GraphInputs:
     """Tensors the host fills before each compute."""
     tokens: object                      # I32 [T·B]
     pos: object                         # I32 [T·B] position within its sample
-    kq_mask: object                     # F32 [T, T, 1, B] 0 or -inf
+    kq_mask: object                     # F32 [T, T, 1, B] 0 or -inf ([n_past + n, n, 1, 1] in decode)
     rows: object | None = None          # I32 [R] flat positions (t + T·b) the head runs on
 
 
@@ -157,4 +157,6 @@ ARCHITECTURE = Architecture(
     hf_layer_kind_modules={False: frozenset(llama_hf.ATTENTION)},
     hf_pairs={t: llama_hf.convert_pair for t in llama_hf.PERMUTED},
     decode_values=decode_values,
+    hf_classes=("LlamaForCausalLM", "MistralForCausalLM"),
+    hf_parent_library="transformers.models.llama.modeling_llama",
 )

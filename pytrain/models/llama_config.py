@@ -159,7 +159,9 @@ def rope_params(meta: dict[str, Any], context_length: int, where: str = "") -> R
     if scaling not in ROPE_SCALING:
         raise ValueError(f"{ARCH}.rope.scaling.type is {scaling!r}; supported: "
                          f"{', '.join(ROPE_SCALING)}")
-    factor = float(key("rope.scaling.factor", 0.0) or key("rope.scale_linear", 0.0) or 0.0)
+    # llama.cpp reads the old rope.scale_linear only when rope.scaling.factor is absent
+    factor = float(key("rope.scaling.factor") if f"{ARCH}.rope.scaling.factor" in meta
+                   else key("rope.scale_linear", 0.0) or 0.0)
     freq_scale = 1.0 if factor == 0.0 or scaling == "none" else 1.0 / factor
     yarn = scaling == "yarn"
     return RopeParams(
@@ -168,5 +170,5 @@ def rope_params(meta: dict[str, Any], context_length: int, where: str = "") -> R
         ext_factor=1.0 if yarn else 0.0,
         attn_factor=float(key("rope.scaling.attn_factor", 1.0)),
         n_ctx_orig=int(key("rope.scaling.original_context_length", context_length) or 0),
-        scaling=scaling if factor or scaling == "none" else "none",
+        scaling="none" if scaling == "linear" and not factor else scaling,
     )

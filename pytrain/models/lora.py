@@ -35,7 +35,8 @@ class LoraAdapter:
         return [t for n in self.names for t in (self.a[n], self.b[n])]
 
     def hook(self, ctx, name: str, x):
-        """The LoraFn for Qwen35Graph: (alpha/r)·B·(A·x) for adapted tensors, else None."""
+        """The LoraFn of the architecture graphs: (alpha/r)·B·(A·x) for adapted tensors, else
+        None."""
         if name not in self.a:
             return None
         ax = lib.ggml_mul_mat(ctx, self.a[name], x)                   # [r, N]

@@ -97,24 +97,28 @@ class Model:
         stop = set(self.tokenizer.eog_ids if stop_ids is None else stop_ids)
         toks = list(prompt_tokens)
         out: list[int] = []
+        if not toks:
+            raise ValueError("generate needs a prompt of at least one token")
         steps = self._cached_steps(toks, max_new_tokens, lora) \
             if self.arch.decode_values is not None else None
-        for _ in range(max_new_tokens):
+        try:
+            for _ in range(max_new_tokens):
+                if steps is not None:
+                    last = steps.send(None if not out else out[-1]).astype(np.float64)
+                else:
+                    last = self.logits(np.array(toks), lora=lora, last_only=True).astype(np.float64)
+                if temperature <= 0:
+                    nxt = int(last.argmax())
+                else:
+                    p = np.exp((last - last.max()) / temperature)
+                    nxt = int(rng.choice(len(p), p=p / p.sum()))
+                if nxt in stop:
+                    break
+                out.append(nxt)
+                toks.append(nxt)
+        finally:
             if steps is not None:
-                last = steps.send(None if not out else out[-1]).astype(np.float64)
-            else:
-                last = self.logits(np.array(toks), lora=lora, last_only=True).astype(np.float64)
-            if temperature <= 0:
-                nxt = int(last.argmax())
-            else:
-                p = np.exp((last - last.max()) / temperature)
-                nxt = int(rng.choice(len(p), p=p / p.sum()))
-            if nxt in stop:
-                break
-            out.append(nxt)
-            toks.append(nxt)
-        if steps is not None:
-            steps.close()
+                steps.close()          # frees the KV cache now, not when collected
         return out
 
     def _cached_steps(self, prompt: list[int], max_new_tokens: int, lora):

@@ -180,4 +180,5 @@ ARCHITECTURE = Architecture(
     hf_modules=qwen35_hf.HF_MODULES,
     hf_layer_kind_modules=qwen35_hf.LAYER_KIND_MODULES,
     hf_pairs={t: qwen35_hf.convert_pair for t in qwen35_hf.DELTANET},
+    hf_classes=("Qwen3_5ForCausalLM",),
 )

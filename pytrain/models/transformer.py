@@ -142,7 +142,11 @@ class KVCache:
                   for _ in range(n_layer)]
         self.v = [lib.ggml_new_tensor_3d(self.ctx.ptr, f32, head_dim, n_head_kv, n_ctx)
                   for _ in range(n_layer)]
-        self.buffer = runtime.alloc(self.ctx)
+        try:
+            self.buffer = runtime.alloc(self.ctx)
+        except BaseException:
+            self.ctx.close()
+            raise
 
     def keys_values(self, ctx, il: int, k, v, n_past: int, stores: list):
         """The cached keys/values of layer ``il`` followed by the new ``k``, ``v`` [hd, Hkv,
@@ -165,10 +169,14 @@ class KVCache:
         return out
 
     def close(self) -> None:
-        if self.buffer is not None:
-            self.runtime.free(self.buffer)
+        try:
+            if self.buffer is not None:
+                self.runtime.free(self.buffer)
+        except ValueError:          # the runtime was closed first and freed it already
+            pass
+        finally:
             self.buffer = None
-        self.ctx.close()
+            self.ctx.close()
 
 
 # --------------------------------------------------------------------------- host inputs
