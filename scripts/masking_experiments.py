@@ -945,6 +945,7 @@ def real_plot(res: dict, png: Path) -> None:
         axs[2].bar([REAL_RUNS.index((name, label))], [end["ends_turn"]], 0.6, color=style,
                    label=label)
     axs[2].bar([3], [res["base_endings"]["ends_turn"]], 0.6, color="grey", label="base model")
+    axs[2].set_xticks(range(4), ["bug", "fix", "pad-id mask", "base"])
     axs[0].set_title("validation loss (masked) per epoch")
     axs[1].set_title("LoRA drift Σ‖BA‖·α/r")
     axs[2].set_title("held-out answers that end the turn")
