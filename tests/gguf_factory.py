@@ -99,6 +99,19 @@ def encode(values: np.ndarray, type_name: str) -> np.ndarray:
     return ggml.to_bytes(values, ggml.TYPES[type_name], row_len=values.shape[-1])
 
 
+def _writer(path, arch: str, name: str, n_blocks: int, hp: dict) -> "gguf.GGUFWriter":
+    """A GGUF writer with the keys every decoder's converter writes first."""
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name(name)
+    w.add_block_count(n_blocks)
+    w.add_context_length(4096)
+    w.add_embedding_length(hp["n_embd"])
+    w.add_feed_forward_length(hp["n_ff"])
+    w.add_head_count(hp["n_head"])
+    w.add_head_count_kv(hp["n_head_kv"])
+    return w
+
+
 def write_qwen35(path: str | Path, dtype: str = "f32", *, seed: int = 0, n_nextn: int = 0,
                  tied: bool = True, arch: str = ARCH, recurrent: list[bool] | None = None,
                  drop: tuple[str, ...] = (), shapes: dict[str, tuple[int, ...]] | None = None,
@@ -121,14 +134,7 @@ def write_qwen35(path: str | Path, dtype: str = "f32", *, seed: int = 0, n_nextn
     want.update(shapes or {})
     rng = np.random.default_rng(seed)
 
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_name("tiny-qwen35-test")
-    w.add_block_count(n_layer + n_nextn)
-    w.add_context_length(4096)
-    w.add_embedding_length(hp["n_embd"])
-    w.add_feed_forward_length(hp["n_ff"])
-    w.add_head_count(hp["n_head"])
-    w.add_head_count_kv(hp["n_head_kv"])
+    w = _writer(path, arch, "tiny-qwen35-test", n_layer + n_nextn, hp)
     w.add_key_length(hp["head_dim"])
     w.add_value_length(hp["head_dim"])
     w.add_layer_norm_rms_eps(hp["rms_eps"])
@@ -208,14 +214,7 @@ def write_llama(path: str | Path, dtype: str = "f32", *, seed: int = 0, tied: bo
     cfg = LlamaConfig(n_layer=hp["n_layer"], n_embd=hp["n_embd"], n_ff=hp["n_ff"],
                       n_head=hp["n_head"], n_head_kv=hp["n_head_kv"], head_dim=hp["head_dim"],
                       n_vocab=hp["n_vocab"], rms_eps=hp["rms_eps"], tied_embeddings=tied)
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_name("tiny-llama-test")
-    w.add_block_count(hp["n_layer"])
-    w.add_context_length(4096)
-    w.add_embedding_length(hp["n_embd"])
-    w.add_feed_forward_length(hp["n_ff"])
-    w.add_head_count(hp["n_head"])
-    w.add_head_count_kv(hp["n_head_kv"])
+    w = _writer(path, "llama", "tiny-llama-test", hp["n_layer"], hp)
     w.add_layer_norm_rms_eps(hp["rms_eps"])
     w.add_rope_freq_base(hp["rope_base"])
     w.add_rope_dimension_count(hp["head_dim"])
