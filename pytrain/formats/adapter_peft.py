@@ -58,19 +58,22 @@ def hf_tables(arch: str | None = None) -> tuple[dict, dict, dict, dict]:
     targets only that kind has, and target -> pair conversion; without ``arch``, the union
     over every known architecture (also those registered at run time)."""
     names, kinds, pairs = {}, {False: set(), True: set()}, {}
-    entries = [models.get(arch)] if arch else models.all_registered()
-    for entry in entries:
+    for entry in [models.get(arch)] if arch else models.all_registered():
         names.update(entry.hf_modules)
         for k, v in entry.hf_layer_kind_modules.items():
             kinds[k] |= set(v)
         pairs.update(entry.hf_pairs)
-    # Without an architecture, a target that one architecture re-orders and another keeps as
-    # it is (attn_q: Llama's rope permutation, Qwen3.5's none) has no layout both share: it
-    # is kept as it is, so reading or writing Llama q/k pairs needs ``arch`` or a LlamaConfig.
-    for t in list(pairs):
-        if any(t in e.hf_modules and t not in e.hf_pairs for e in entries):
-            del pairs[t]
+    if not arch:      # no layout both share: kept as it is (Llama q/k need arch or a config)
+        pairs = {t: f for t, f in pairs.items() if t not in _ambiguous_targets()}
     return names, {v: k for k, v in names.items()}, kinds, pairs
+
+
+def _ambiguous_targets() -> set[str]:
+    """Targets that one architecture re-orders and another keeps as they are (attn_q: Llama's
+    rope permutation, Qwen3.5's none)."""
+    entries = models.all_registered()
+    return {t for e in entries for t in e.hf_pairs
+            if any(t in o.hf_modules and t not in o.hf_pairs for o in entries)}
 
 
 def _arch_of(arch: str | None, model_config: Any, peft_config: Mapping | None = None
@@ -100,10 +103,7 @@ def _warn_ambiguous(bases, arch: str | None, where: str) -> None:
     q/k: the rope permutation) are kept as they are; say so rather than stay silent."""
     if arch is not None:
         return
-    ambiguous = {t for e in models.all_registered() for t in e.hf_pairs
-                 if any(t in o.hf_modules and t not in o.hf_pairs
-                        for o in models.all_registered())}
-    hit = sorted(b for b in bases if _GGUF_BASE.fullmatch(b).group(2) in ambiguous)
+    hit = sorted(b for b in bases if _GGUF_BASE.fullmatch(b).group(2) in _ambiguous_targets())
     if hit:
         import warnings
         warnings.warn(f"{where}: the base model's architecture is unknown (pass arch= or "

@@ -78,39 +78,32 @@ class LlamaGraph(DecoderGraph):
     def decode(self, ctx, cache, n_past: int, n: int, lora: LoraFn | None = None):
         """The graph of n new tokens after the n_past in ``cache``: (logits of the last one
         [V, 1, 1], inputs, the cache stores to compute with it)."""
-        inp = GraphInputs(
-            tokens=lib.ggml_new_tensor_1d(ctx, lib.GGML_TYPE_I32, n),
-            pos=lib.ggml_new_tensor_1d(ctx, lib.GGML_TYPE_I32, n),
-            kq_mask=lib.ggml_new_tensor_4d(ctx, lib.GGML_TYPE_F32, n_past + n, n, 1, 1))
-        for t in (inp.tokens, inp.pos, inp.kq_mask):
-            lib.ggml_set_input(t)
+        inp = self.new_inputs(ctx, 1, n, n_kv=n_past + n)
         stores: list = []
         x = self.embed(ctx, inp)
         for il in range(self.c.n_layer):
-            p = f"blk.{il}."
-            h = self.norm(ctx, x, p + "attn_norm.weight")
-            x = lib.ggml_add(ctx, x, self.attention(ctx, il, h, inp, 1, n, lora, cache, n_past,
-                                                    stores))
-            x = lib.ggml_add(ctx, x, self.ffn(ctx, il, self.norm(ctx, x, p + "ffn_norm.weight"),
-                                              lora))
+            x = self.layer(ctx, il, x, inp, 1, n, lora, cache, n_past, stores)
         return self.head(ctx, x, inp, 1, n, rows=1), inp, stores
 
-    def new_inputs(self, ctx, B: int, T: int) -> GraphInputs:
+    def new_inputs(self, ctx, B: int, T: int, n_kv: int | None = None) -> GraphInputs:
+        """The inputs of a [B, T] graph; with a KV cache, T new tokens see n_kv keys."""
         i32, f32 = lib.GGML_TYPE_I32, lib.GGML_TYPE_F32
         inp = GraphInputs(
             tokens=lib.ggml_new_tensor_1d(ctx, i32, T * B),
             pos=lib.ggml_new_tensor_1d(ctx, i32, T * B),
-            kq_mask=lib.ggml_new_tensor_4d(ctx, f32, T, T, 1, B),
+            kq_mask=lib.ggml_new_tensor_4d(ctx, f32, n_kv or T, T, 1, B),
         )
         for t in (inp.tokens, inp.pos, inp.kq_mask):
             lib.ggml_set_input(t)
         return inp
 
-    def layer(self, ctx, il: int, x, inp: GraphInputs, B: int, T: int, lora: LoraFn | None):
-        """x [E, T·B] -> the output of layer ``il``."""
+    def layer(self, ctx, il: int, x, inp: GraphInputs, B: int, T: int, lora: LoraFn | None,
+              cache=None, n_past: int = 0, stores: list | None = None):
+        """x [E, T·B] -> the output of layer ``il`` (with ``cache``: see ``attention``)."""
         p = f"blk.{il}."
         h = self.norm(ctx, x, p + "attn_norm.weight")
-        x = lib.ggml_add(ctx, x, self.attention(ctx, il, h, inp, B, T, lora))
+        x = lib.ggml_add(ctx, x, self.attention(ctx, il, h, inp, B, T, lora, cache, n_past,
+                                                stores))
         return lib.ggml_add(ctx, x, self.ffn(ctx, il, self.norm(ctx, x, p + "ffn_norm.weight"), lora))
 
 

@@ -23,7 +23,7 @@ ggml's own YaRN magnitude correction for this architecture).  Mixture-of-experts
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 ARCH = "llama"
@@ -61,11 +61,10 @@ class LlamaConfig:
     tied_embeddings: bool = True
     biases: frozenset = frozenset()     # projections with a bias tensor (see BIASED)
     context_length: int = 0
-    recurrent: tuple[bool, ...] = field(default=())
 
-    def __post_init__(self):
-        if not self.recurrent:
-            object.__setattr__(self, "recurrent", (False,) * self.n_layer)
+    @property
+    def recurrent(self) -> tuple[bool, ...]:
+        return (False,) * self.n_layer
 
     @property
     def layer_kinds(self) -> list[str]:
@@ -116,7 +115,7 @@ class LlamaConfig:
             head_dim=head_dim,
             n_vocab=int(n_vocab),
             rms_eps=float(get("attention.layer_norm_rms_epsilon")),
-            rope=rope_params(meta, context, where),
+            rope=rope_params(meta, context),
             rope_freqs="rope_freqs.weight" in names,
             tied_embeddings="output.weight" not in names,
             biases=frozenset(b for b in BIASED if f"blk.0.{b}.bias" in names),
@@ -148,7 +147,7 @@ class LlamaConfig:
         return s
 
 
-def rope_params(meta: dict[str, Any], context_length: int, where: str = "") -> RopeParams:
+def rope_params(meta: dict[str, Any], context_length: int) -> RopeParams:
     """llama.cpp's rope arguments for a ``llama`` GGUF (see the module docstring)."""
     def key(k: str, default: Any = None) -> Any:
         return meta.get(f"{ARCH}.{k}", default)

@@ -68,24 +68,35 @@ class Model:
         tok_p[:, :T] = arr
         seg_p = np.full((B, Tp), -1, np.int64)
         seg_p[:, :T] = seg
-        size = self.graph_budget(Tp)
+        def build(ctx):
+            fwd = self.graph.build(ctx, B, Tp, lora, rows=B if last_only else None)
+            rows = (T - 1 + Tp * np.arange(B)) if last_only else None   # flat position T-1
+            return fwd.logits, fwd.inputs, [], self.input_values(tok_p, seg_p), rows
+        out = self._compute(self.graph_budget(Tp), build).reshape(B, -1, self.config.n_vocab)
+        out = out[:, 0] if last_only else out[:, :T]
+        return out[0] if single else out
+
+    def _compute(self, size: int, build) -> np.ndarray:
+        """One forward graph, built, allocated, filled, computed and freed: ``build(ctx)``
+        gives (logits, graph inputs, nodes to compute first, input values, head rows or
+        None); returns a copy of the logits."""
         ctx = ggml.Context(n_tensors=size, graph_size=size)
         try:
-            fwd = self.graph.build(ctx.ptr, B, Tp, lora, rows=B if last_only else None)
-            lib.ggml_set_output(fwd.logits)
+            logits, inputs, first, vals, rows = build(ctx.ptr)
+            lib.ggml_set_output(logits)
             gf = ggml.new_graph(ctx, size)
-            lib.ggml_build_forward_expand(gf, fwd.logits)
+            for t in first:
+                lib.ggml_build_forward_expand(gf, t)
+            lib.ggml_build_forward_expand(gf, logits)
             self.runtime.alloc_graph(gf, ctx)
-            self.arch.set_inputs(fwd.inputs, self.input_values(tok_p, seg_p))
-            if last_only:   # flat position T-1 of each row
-                ggml.from_numpy(fwd.inputs.rows, (T - 1 + Tp * np.arange(B)).astype(np.int32))
+            self.arch.set_inputs(inputs, vals)
+            if rows is not None:
+                ggml.from_numpy(inputs.rows, np.asarray(rows, np.int32))
             self.runtime.compute(gf)
-            out = ggml.to_numpy(fwd.logits).reshape(B, -1, self.config.n_vocab)
-            out = out[:, 0].copy() if last_only else out[:, :T].copy()
+            return ggml.to_numpy(logits).copy()
         finally:
             self.runtime.forget_graph()
             ctx.close()
-        return out[0] if single else out
 
     def generate(self, prompt_tokens, max_new_tokens: int = 64, temperature: float = 0.0,
                  seed: int = 0, stop_ids=None, lora=None) -> list[int]:
@@ -129,26 +140,14 @@ class Model:
         cache = KVCache(self.runtime, c.n_layer, c.head_dim, c.n_head_kv,
                         len(prompt) + max_new_tokens)
         n_past, new = 0, list(prompt)
+
+        def build(ctx):
+            logits, inp, stores = self.graph.decode(ctx, cache, n_past, len(new), lora)
+            return logits, inp, stores, self.arch.decode_values(n_past, np.array(new)), \
+                [len(new) - 1]
         try:
             while True:
-                size = self.graph_budget(len(new))
-                ctx = ggml.Context(n_tensors=size, graph_size=size)
-                try:
-                    logits, inp, stores = self.graph.decode(ctx.ptr, cache, n_past, len(new), lora)
-                    lib.ggml_set_output(logits)
-                    gf = ggml.new_graph(ctx, size)
-                    for s in stores:
-                        lib.ggml_build_forward_expand(gf, s)
-                    lib.ggml_build_forward_expand(gf, logits)
-                    self.runtime.alloc_graph(gf, ctx)
-                    vals = self.arch.decode_values(n_past, np.array(new))
-                    self.arch.set_inputs(inp, vals)
-                    ggml.from_numpy(inp.rows, np.array([len(new) - 1], np.int32))
-                    self.runtime.compute(gf)
-                    out = ggml.to_numpy(logits).reshape(-1).copy()
-                finally:
-                    self.runtime.forget_graph()
-                    ctx.close()
+                out = self._compute(self.graph_budget(len(new)), build).reshape(-1)
                 n_past += len(new)
                 nxt = yield out
                 new = [nxt]
