@@ -140,8 +140,8 @@ def make_model(name: str, out: Path) -> None:
     model = ref.build_model(cfg, spec["seed"])
     ref.randomize_weights(model, spec["seed"])
     n_params = sum(p.numel() for p in model.parameters())
-    if spec["hf_dtype"] == "float16":
-        model = model.half()
+    if spec["hf_dtype"] != "float32":
+        model = model.to(getattr(torch, spec["hf_dtype"]))
     print(f"[{name}] built {n_params / 1e6:.1f} M parameters in {time.time() - t0:.0f} s", flush=True)
     hf_dir = out / "hf"
     ref.save_hf_checkpoint(model, tok_dir, hf_dir)

@@ -101,6 +101,10 @@ LM-head backward alternatives (``--no-head`` skips): the head's dX product at E 
 V = 151936 and 248320, computed alone as ggml's autodiff emits it (OUT_PROD with a transposed
 gradient), as MUL_MAT from a transposed copy of the weight, and with numpy's BLAS for reference.
 
+On a GPU: ``--device cuda`` runs scripts/bench_train_gpu.py instead (the Qwen3.5-2B shape at
+batch 4 x 1024, frozen weights BF16 / F16 / Q8_0 / Q4_K, HF + PEFT in bf16 on the same GPU; it
+passes every argument on and its docstring says what it measures) -> bench_results/train-cuda.md.
+
 How (from the repo root, with the project's python, the native library built and the reference
 stack of scripts/requirements-reference.txt in /opt/refenv):
 
@@ -1304,6 +1308,9 @@ def labels_only(a) -> int:
 
 
 def main() -> int:
+    if any(x == "--device" or x.startswith("--device=") for x in sys.argv[1:]):
+        import bench_train_gpu   # the GPU benchmark (its --device cpu: a dry run of it)
+        return bench_train_gpu.main(sys.argv[1:])
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="default,mid,mid-v248k")
     ap.add_argument("--threads", default=None,

@@ -3,8 +3,10 @@
 into ``.gpu/`` (git-ignored; the device tool's ``carry`` takes it along):
 
   .gpu/src.tar.xz      the pinned, verified, patched source, only the parts the CUDA ggml and
-                       llama.cpp's libllama builds read, in the cache layout native/build.py
-                       expects (its marker says which archive and patch set)
+                       llama.cpp's libllama builds read, and the converter with its gguf-py
+                       (the GPU benchmark converts its models there), in the cache layout
+                       native/build.py expects (its marker says which archive and patch set)
+  .gpu/commit          the commit the tree was at (the copy that travels has no .git)
   .gpu/whl/            wheels for the GPU machine's Python (3.12) of the dependencies its
                        image lacks: cffi, pycparser, gguf
   .gpu/prefix.tar.xz   optional (--prefix DIR): a CUDA ggml install prefix built here by
@@ -55,7 +57,7 @@ def pack_source(nb) -> Path:
         base = Path(root.name)
         tar.add(root / ".pytrain-extracted", base / ".pytrain-extracted")
         for name in ("CMakeLists.txt", "cmake", "ggml", "src", "include", "vendor", "LICENSE",
-                     "licenses"):
+                     "licenses", "convert_hf_to_gguf.py", "conversion", "gguf-py"):
             p = root / llama / name
             if p.exists():
                 tar.add(p, base / llama / name, filter=keep)
@@ -86,6 +88,11 @@ def main() -> int:
     ap.add_argument("--prefix", type=Path, help="a CUDA ggml install prefix to carry")
     a = ap.parse_args()
     OUT.mkdir(exist_ok=True)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True,
+                            capture_output=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                           text=True, capture_output=True).stdout.strip()
+    (OUT / "commit").write_text(commit + ("+changes" if dirty else "") + "\n")
     made = [pack_source(_native_build()), fetch_wheels()]
     if a.prefix:
         made.append(pack_prefix(a.prefix))

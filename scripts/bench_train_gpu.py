@@ -1,0 +1,537 @@
+"""Benchmark on an NVIDIA GPU: LoRA training tokens/s and peak GPU memory of pytrain, with the
+frozen weights as BF16 / F16 / Q8_0 / Q4_K GGUFs, against HF transformers + PEFT (bf16) on the
+same model and batch, plus a per-op profile of each side.  ``scripts/bench_train.py --device
+cuda`` runs this (and passes its arguments on).
+
+Why: a GPU user compares pytrain's step with what HF + PEFT does on the same card.  The anchor,
+measured earlier on one H200 (HF transformers 5.17 + PEFT 0.21, torch 2.11, bf16, torch's
+DeltaNet fallback because flash-linear-attention refused that Triton): 6,909 tokens/s, 32.9 GiB
+peak, at the shape and batch below.  Where the GPU machine has torch, transformers and PEFT the
+HF side runs here in the same run (``--no-hf`` skips it); the report shows both.
+
+The model (``--shape``, default ``2b``): the Qwen3.5-2B shape (hidden 2048, 24 layers with full
+attention every 4th, 8/2 heads x 256, FFN 6144, DeltaNet 16/16 heads x 128, vocab 248320, tied;
+scripts/bench_forward.py's spec), random weights made once by the reference stack
+(scripts/qwen35_reference.py) and stored as a bfloat16 HF checkpoint; from it the pinned
+``convert_hf_to_gguf.py`` writes the BF16, F16 and Q8_0 GGUFs (three converters in parallel),
+and ggml's own Q4_K quantizer re-encodes every tensor the converter's Q8_0 file quantizes
+(``tests/gguf_factory.quantized_copy``: the converter writes no K-quant; this is what
+llama-quantize does with a pure type).  ``--shape mid`` is the CPU benchmark's small shape: a
+dry run of this script on a machine without a GPU (``--device cpu``).
+
+The step, the same on both sides: batch 4 x 1024 random token ids over the vocabulary, the first
+half of each row a masked prompt (HF label -100, pytrain ``train_mask`` False); LoRA r 16,
+alpha 32, dropout 0 on q/k/v/o of the 6 attention layers; AdamW lr 1e-4 with global-norm
+clipping at 1.0.  pytrain: ``load_model(gguf, device="cuda")`` (frozen weights keep the file's
+type on CUDA), ``Trainer(...).step`` (its default ``recompute="auto"``).  HF:
+``Qwen3_5ForCausalLM.from_pretrained(dtype=bfloat16, attn_implementation="sdpa")`` on the GPU,
+``peft.get_peft_model`` (PEFT keeps the LoRA weights float32), forward with labels, backward,
+clip, AdamW step.  Both start from B = 0 adapters, so the first loss is the base model's masked
+loss on the batch: the table shows both sides' (a check that they train the same model).
+
+Measured: each side and weight type runs in its own process; ``--warmup`` steps, then
+``--steps`` timed ones (wall time of a whole step, synchronised); tokens/s = B*T / median step.
+Peak GPU memory: ``nvidia-smi`` samples the device's used memory every 100 ms while the worker
+runs, minus what was in use before it started (the same measure for both sides: CUDA context,
+weights, activations, allocator pools, everything); beside it each side's own figure (torch:
+``max_memory_reserved``; pytrain: device memory in use after the steps, from ggml).  Profile
+(``--profile-types``, default bf16; ``--no-profile`` skips): one extra pytrain step computed node
+by node through a ggml scheduler eval callback (the scheduler synchronises after each node;
+bench_train.py's ``profile_pytrain``), summed by op and by part of the model; one HF step under
+torch.profiler, top ops by self GPU time.
+
+Results go to ``--json`` (default ``bench_results/train-cuda.json``) after every worker, so a run
+stopped at a time limit keeps what it measured, and the markdown (``--out``, default
+``bench_results/train-cuda.md``) is rendered from it (``--report-from FILE`` re-renders).
+
+    python3 scripts/bench_train.py --device cuda                        # everything, ~8 minutes on an H200
+    python3 scripts/bench_train.py --device cuda --make-only            # only the GGUFs (CPU work)
+    python3 scripts/bench_train.py --device cpu --shape mid --batch 1 64 --steps 1 --warmup 1 \\
+        --out /tmp/gpu.md                                              # the dry run
+"""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPTS = REPO / "scripts"
+sys.path.insert(0, str(SCRIPTS))
+import bench_forward as bf  # noqa: E402
+import bench_train as bt  # noqa: E402
+
+ANCHOR = dict(tokens_per_s=6909, peak_gib=32.9, batch=(4, 1024),
+              stack="HF transformers 5.17 + PEFT 0.21, torch 2.11, bf16, torch DeltaNet fallback")
+TYPES = ("bf16", "f16", "q8_0", "q4_k")
+CONVERTED = ("bf16", "f16", "q8_0")       # written by convert_hf_to_gguf.py
+TIMEOUT_S = 900                            # one worker, load to last step
+
+
+# --------------------------------------------------------------------------------------------
+# the models
+# --------------------------------------------------------------------------------------------
+
+def spec_name(shape: str) -> str:
+    """The bench_forward spec of ``shape`` stored as bfloat16 (registered on first use)."""
+    name = f"{shape}-bf16"
+    bf.SPECS.setdefault(name, dict(bf.SPECS[shape], outtype="bf16", hf_dtype="bfloat16",
+                                   min_free_gb=4 * bf.SPECS[shape].get("min_free_gb", 2)))
+    return name
+
+
+def make_models(shape: str, cache: Path, types: list[str], python: str, ggml_python: str) -> dict:
+    """The HF checkpoint and one GGUF per type, made once under ``cache`` (``python``: the
+    reference stack; ``ggml_python``: pytrain's, for the Q4_K quantizer); returns the record."""
+    name = spec_name(shape)
+    d = bf.spec_dir(cache, name)
+    if not (d / "done.json").exists():
+        t0 = time.time()
+        subprocess.run([python, str(Path(__file__).resolve()), "--make", shape, "--into", str(d)],
+                       cwd=str(REPO), check=True)
+        print(f"[{name}] HF checkpoint and BF16 GGUF in {time.time() - t0:.0f} s", flush=True)
+    done = json.loads((d / "done.json").read_text())
+    files = {"bf16": d / done["gguf"]}
+    todo = [t for t in types if t != "bf16" and not (d / f"model-{t}.gguf").exists()]
+    t0 = time.time()
+    # Q4_K is re-encoded from the F16 file, on the tensors the Q8_0 file quantizes
+    need = set(todo) | ({"f16", "q8_0"} if "q4_k" in todo else set())
+    conv = [t for t in CONVERTED if t in need and not (d / f"model-{t}.gguf").exists()]
+    if conv:
+        cmd = [python, str(Path(__file__).resolve()), "--convert", str(d / "hf"), "--into", str(d)]
+        with cf.ThreadPoolExecutor(len(conv)) as ex:
+            list(ex.map(lambda t: subprocess.run(cmd + ["--type", t], cwd=str(REPO), check=True), conv))
+    if "q4_k" in todo:
+        subprocess.run([ggml_python, str(Path(__file__).resolve()), "--q4k", str(d)], cwd=str(REPO),
+                       check=True)
+    if todo:
+        print(f"[{name}] {', '.join(todo)} in {time.time() - t0:.0f} s", flush=True)
+    for t in types:
+        files[t] = d / f"model-{t}.gguf"
+    return dict(shape=shape, dir=d, files=files, n_params=done["n_params"],
+                vocab=bf.SPECS[shape]["config"]["vocab_size"], desc=bf.SPECS[shape]["desc"])
+
+
+def convert(hf_dir: Path, into: Path, outtype: str) -> None:
+    """One GGUF by the pinned converter, written under a temporary name and renamed."""
+    import qwen35_reference as ref
+    out = into / f"model-{outtype}.gguf"
+    tmp = out.with_suffix(".part")
+    ref.convert_to_gguf(hf_dir, tmp, outtype)
+    os.replace(tmp, out)
+
+
+def make_q4k(d: Path) -> None:
+    """Q4_K from the F16 GGUF, on the tensors the converter's Q8_0 file quantizes."""
+    sys.path.insert(0, str(REPO / "tests"))
+    sys.path.insert(0, str(REPO))
+    from gguf_factory import quantized_copy
+    tmp = d / "model-q4_k.part"
+    quantized_copy(d / "model-f16.gguf", d / "model-q8_0.gguf", tmp, "q4_K",
+                   workers=os.cpu_count() or 1)
+    os.replace(tmp, d / "model-q4_k.gguf")
+
+
+# --------------------------------------------------------------------------------------------
+# GPU memory, sampled from outside the worker
+# --------------------------------------------------------------------------------------------
+
+class GpuMemory:
+    """The device's used memory (MiB) every 100 ms from ``nvidia-smi -lms``, while a worker runs;
+    nothing (None) on a machine without nvidia-smi."""
+
+    CMD = ["nvidia-smi", "--id=0", "--query-gpu=memory.used", "--format=csv,noheader,nounits"]
+
+    def __init__(self):
+        self.idle = self._once() if shutil.which("nvidia-smi") else None
+        self.samples: list[int] = []
+        self.proc = None
+
+    def _once(self) -> int | None:
+        try:
+            return int(subprocess.check_output(self.CMD, text=True, timeout=30).split()[0])
+        except (subprocess.SubprocessError, ValueError, IndexError):
+            return None
+
+    def __enter__(self):
+        if self.idle is not None:
+            self.proc = subprocess.Popen(self.CMD + ["-lms", "100"], stdout=subprocess.PIPE,
+                                         text=True)
+            threading.Thread(target=self._read, daemon=True).start()
+        return self
+
+    def _read(self):
+        for line in self.proc.stdout:
+            try:
+                self.samples.append(int(line.split()[0]))
+            except (ValueError, IndexError):
+                pass
+
+    def __exit__(self, *exc):
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait(timeout=30)
+
+    def result(self) -> dict | None:
+        if self.idle is None or not self.samples:
+            return None
+        peak = max(self.samples)
+        return dict(idle_mib=self.idle, peak_mib=peak, peak_above_idle_mib=peak - self.idle,
+                    n_samples=len(self.samples))
+
+
+# --------------------------------------------------------------------------------------------
+# workers (each in its own process; one JSON line "RESULT {...}")
+# --------------------------------------------------------------------------------------------
+
+def _steps(one, warmup: int, steps: int, sync=lambda: None) -> dict:
+    losses, times = [], []
+    for i in range(warmup + steps):
+        sync()
+        t0 = time.perf_counter()
+        losses.append(one())
+        sync()
+        times.append(time.perf_counter() - t0)
+    timed = times[warmup:]
+    return dict(losses=losses, warmup_s=times[:warmup], times=timed,
+                median_s=statistics.median(timed), best_s=min(timed))
+
+
+def pytrain_worker(a) -> dict:
+    sys.path.insert(0, str(REPO))
+    import pytrain
+    from pytrain.ggml import ffi, lib
+    from pytrain.models import lora
+    from pytrain.models.lora_targets import lora_param_count, select_targets
+    from pytrain.train.optimizer import AdamW
+    from pytrain.train.trainer import Trainer
+
+    B, T = a.batch
+    t0 = time.perf_counter()
+    m = pytrain.load_model(a.gguf, device=a.device)
+    names = select_targets(m.config)
+    ad = lora.create(m.runtime, m.config, names, bt.RANK, bt.ALPHA, seed=0)
+    tr = Trainer(m, ad, AdamW(lr=bt.LR, max_grad_norm=bt.MAX_NORM), recompute=a.recompute)
+    load_s = time.perf_counter() - t0
+    tokens, train, seg = bt.make_batch(m.config.n_vocab, B, T, a.seed)
+    batch = SimpleNamespace(tokens=tokens, seg=seg, train_mask=train)
+    if a.profile:
+        tr.step([batch], bt.LR)
+        return dict(profile=bt.profile_pytrain(tr, batch, m.config))
+    r = _steps(lambda: tr.step([batch], bt.LR).loss, a.warmup, a.steps)
+    rt = m.runtime
+    dev = lib.ggml_backend_get_device(rt.gpu if rt.gpu is not None else rt.cpu)
+    free, total = ffi.new("size_t *"), ffi.new("size_t *")
+    lib.ggml_backend_dev_memory(dev, free, total)
+    return dict(r, load_s=load_s, first_loss=r["losses"][0], tokens=B * T,
+                n_targets=bt.n_targets(train), lora_params=lora_param_count(m.config, names, bt.RANK),
+                lora_names=len(names), weight_types=bt._weight_types(m),
+                weights_bytes=int(m.weights.total_bytes), step_graph=bt._step_kind(tr),
+                graph_nodes=bt._graph_nodes(tr), backends=[bt._backend_name(b) for b in rt.backends],
+                device_used_end=int(total[0] - free[0]), device_total=int(total[0]),
+                tokens_per_s=B * T / r["median_s"])
+
+
+def hf_worker(a) -> dict:
+    import peft
+    import torch
+    import transformers
+    from peft import LoraConfig, get_peft_model
+    from transformers.models.qwen3_5 import Qwen3_5ForCausalLM
+    dev = torch.device(a.device)
+    B, T = a.batch
+    t0 = time.perf_counter()
+    model = Qwen3_5ForCausalLM.from_pretrained(a.hf, dtype=torch.bfloat16,
+                                               attn_implementation=a.hf_attn).to(dev)
+    pm = get_peft_model(model, LoraConfig(r=bt.RANK, lora_alpha=bt.ALPHA, lora_dropout=0.0,
+                                          bias="none", task_type="CAUSAL_LM",
+                                          target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+    pm.train()
+    params = [p for p in pm.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=bt.LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+    load_s = time.perf_counter() - t0
+    tokens, train, _seg = bt.make_batch(model.config.vocab_size, B, T, a.seed)
+    ids = torch.from_numpy(tokens).to(dev)
+    labels = ids.clone()
+    labels[torch.from_numpy(~train).to(dev)] = -100
+
+    def one() -> float:
+        loss = pm(input_ids=ids, labels=labels, use_cache=False).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, bt.MAX_NORM)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return float(loss.detach())
+
+    cuda = dev.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    if a.profile:
+        from torch.profiler import ProfilerActivity, profile
+        one()
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        with profile(activities=acts) as prof:
+            sync()
+            t1 = time.perf_counter()
+            one()
+            sync()
+            wall = time.perf_counter() - t1
+        key = "self_device_time_total" if cuda else "self_cpu_time_total"
+        ka = sorted(prof.key_averages(), key=lambda e: -getattr(e, key, 0))
+        total = sum(getattr(e, key, 0) for e in ka)
+        top = [(e.key, getattr(e, key, 0) / 1e6, int(e.count)) for e in ka[:20]]
+        return dict(profile=dict(wall=wall, total_s=total / 1e6, top=top, key=key))
+    r = _steps(one, a.warmup, a.steps, sync)
+    mem = dict(max_allocated=torch.cuda.max_memory_allocated(), max_reserved=torch.cuda.max_memory_reserved()) \
+        if cuda else {}
+    return dict(r, load_s=load_s, first_loss=r["losses"][0], tokens=B * T,
+                n_targets=int((labels[:, 1:] != -100).sum()), lora_params=sum(p.numel() for p in params),
+                lora_dtypes=sorted({str(p.dtype).replace("torch.", "") for p in params}),
+                attn=model.config._attn_implementation, torch=torch.__version__,
+                transformers=transformers.__version__, peft=peft.__version__,
+                tokens_per_s=B * T / r["median_s"], **mem)
+
+
+def run_worker(side: str, a, extra: list[str], profile: bool = False) -> dict:
+    """One worker process; its RESULT line, its GPU memory, or the error it ended with."""
+    cmd = [a.python if side == "pytrain" else a.ref_python, str(Path(__file__).resolve()), "--worker", side, "--device", a.device,
+           "--batch", *map(str, a.batch), "--warmup", str(a.warmup), "--steps", str(a.steps),
+           "--recompute", a.recompute, "--hf-attn", a.hf_attn, "--seed", str(a.seed), *extra]
+    if profile:
+        cmd.append("--profile")
+    t0 = time.time()
+    with GpuMemory() as mem:
+        try:
+            p = subprocess.run(cmd, cwd=str(REPO), capture_output=True, text=True, timeout=a.timeout)
+            out, err, rc = p.stdout, p.stderr, p.returncode
+        except subprocess.TimeoutExpired as e:
+            out, err, rc = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) \
+                else (e.stdout or ""), f"timed out after {a.timeout} s", -9
+    lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
+    res = json.loads(lines[-1][7:]) if lines else dict(error=f"exit {rc}: " + (err or out)[-3000:])
+    res.update(wall_s=time.time() - t0, gpu_memory=mem.result())
+    sys.stderr.write(err[-2000:] if rc else "")
+    return res
+
+
+# --------------------------------------------------------------------------------------------
+# the run and its report
+# --------------------------------------------------------------------------------------------
+
+def machine() -> dict:
+    info = dict(bf.machine_facts())
+    if info["commit"] == "?":      # a copy of the tree without .git (the GPU machine's)
+        info["commit"] = os.environ.get("PYTRAIN_COMMIT", "?")
+    if shutil.which("nvidia-smi"):
+        try:
+            info["gpu"] = subprocess.check_output(
+                ["nvidia-smi", "--id=0", "--query-gpu=name,driver_version,memory.total",
+                 "--format=csv,noheader"], text=True, timeout=30).strip()
+        except subprocess.SubprocessError:
+            pass
+    return info
+
+
+def run(a) -> dict:
+    types = [t.strip() for t in a.types.split(",") if t.strip()]
+    bad = [t for t in types if t not in TYPES]
+    if bad:
+        raise SystemExit(f"--types: {', '.join(bad)} not among {', '.join(TYPES)}")
+    t0 = time.time()
+    mod = make_models(a.shape, a.cache, types, a.ref_python, a.python)
+    j = dict(kind="train-gpu", device=a.device, shape=a.shape, desc=mod["desc"],
+             n_params=mod["n_params"], batch=list(a.batch), warmup=a.warmup, steps=a.steps,
+             command=" ".join(["python3", "scripts/bench_train.py", *sys.argv[1:]]),
+             machine=machine(), anchor=ANCHOR, models_s=time.time() - t0, pytrain={}, hf=None,
+             profile={}, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+    if a.make_only:
+        return j
+
+    def save():
+        a.json.parent.mkdir(parents=True, exist_ok=True)
+        a.json.write_text(json.dumps(j, indent=1, default=str))
+
+    if a.do_hf:
+        j["hf"] = run_worker("hf", a, ["--hf", str(mod["dir"] / "hf")])
+        print(f"[hf] {_summary(j['hf'])}", flush=True)
+        save()
+    for t in types:
+        j["pytrain"][t] = run_worker("pytrain", a, ["--gguf", str(mod["files"][t])])
+        print(f"[pytrain {t}] {_summary(j['pytrain'][t])}", flush=True)
+        save()
+    if a.do_profile:
+        for t in [t.strip() for t in a.profile_types.split(",") if t.strip() in types]:
+            j["profile"][t] = run_worker("pytrain", a, ["--gguf", str(mod["files"][t])], profile=True)
+            save()
+        if a.do_hf:
+            j["profile"]["hf"] = run_worker("hf", a, ["--hf", str(mod["dir"] / "hf")], profile=True)
+            save()
+    j["total_s"] = time.time() - t0
+    save()
+    return j
+
+
+def _summary(r: dict) -> str:
+    if "error" in r:
+        return "FAILED " + r["error"].splitlines()[-1][:300] if r["error"].strip() else "FAILED"
+    mem = r.get("gpu_memory") or {}
+    return (f"{r['tokens_per_s']:.0f} tokens/s (median step {r['median_s']:.3f} s), first loss "
+            f"{r['first_loss']:.4f}, peak GPU memory above idle "
+            f"{_gib(mem.get('peak_above_idle_mib', 0) * 2**20) if mem else '-'}")
+
+
+def _gib(b) -> str:
+    return f"{b / 2**30:.1f} GiB" if b else "-"
+
+
+def _peak(r: dict | None) -> float | None:
+    mem = (r or {}).get("gpu_memory") or {}
+    return mem["peak_above_idle_mib"] * 2**20 if mem else None
+
+
+def report(j: dict) -> str:
+    hf = j.get("hf") or {}
+    hf_ok = "tokens_per_s" in hf
+    B, T = j["batch"]
+    lines = [f"# LoRA training on {j['device'].upper()}: pytrain vs HF transformers + PEFT "
+             f"({j['shape']} shape)", "",
+             f"Made by `{j['command']}` ({j['date']}); scripts/bench_train_gpu.py says what is "
+             "measured and how.", "",
+             f"- model: {j['desc']}; {j['n_params'] / 1e9:.2f} B parameters, random weights",
+             f"- batch {B} x {T}, the first half of each row a masked prompt; LoRA r {bt.RANK}, "
+             f"alpha {bt.ALPHA:g} on q/k/v/o of the attention layers; AdamW lr {bt.LR:g}, clip "
+             f"{bt.MAX_NORM:g}; {j['warmup']} warm-up and {j['steps']} timed steps per side",
+             f"- machine: {j['machine'].get('gpu', 'no GPU')}; {j['machine'].get('cpu', '')}; "
+             f"pytrain {j['machine'].get('commit', '?')}"]
+    if hf_ok:
+        lines.append(f"- HF side: torch {hf['torch']}, transformers {hf['transformers']}, PEFT "
+                     f"{hf['peft']}, attention {hf['attn']}, base bf16, LoRA {'/'.join(hf['lora_dtypes'])}")
+    an = j["anchor"]
+    lines += ["", f"Anchor (measured earlier on one H200, {an['stack']}): {an['tokens_per_s']:,} "
+              f"tokens/s, {an['peak_gib']} GiB peak.", "",
+              "| side | frozen weights (as loaded) | tokens/s | x HF here | x anchor | peak GPU memory "
+              "(nvidia-smi, above idle) | own allocator figure | first loss | step |",
+              "|---|---|---:|---:|---:|---:|---:|---:|---|"]
+    rows = ([("HF + PEFT", "bf16", hf)] if hf else []) + \
+        [("pytrain", t, r) for t, r in j["pytrain"].items()]
+    for side, t, r in rows:
+        if "error" in r:
+            lines.append(f"| {side} | {t} | failed: {r['error'].strip().splitlines()[-1][:160] if r['error'].strip() else '?'} "
+                         "| | | | | | |")
+            continue
+        tps = r["tokens_per_s"]
+        x_hf = f"{tps / hf['tokens_per_s']:.2f}" if hf_ok else "-"
+        if side == "HF + PEFT":
+            own, what = r.get("max_reserved"), "bf16 (torch)"
+            step = "one graph (autograd)"
+        else:
+            own = r.get("device_used_end")
+            what = ", ".join(f"{k}: {v}" for k, v in sorted(r["weight_types"].items()))
+            step = r["step_graph"]
+        lines.append(f"| {side} | {what} | {tps:,.0f} | {x_hf} | {tps / an['tokens_per_s']:.2f} | "
+                     f"{_gib(_peak(r))} | {_gib(own)} | {r['first_loss']:.4f} | {step} |")
+    lines += ["", "Own allocator figure: HF = `torch.cuda.max_memory_reserved`; pytrain = device "
+              "memory in use after the timed steps (ggml_backend_dev_memory: total - free; ggml's "
+              "buffers and pools only grow)."]
+    for t, p in j.get("profile", {}).items():
+        if "error" in p or "profile" not in p:
+            lines += ["", f"Profile of {t}: failed: {p.get('error', '?').strip()[-300:]}"]
+            continue
+        p = p["profile"]
+        if t == "hf":
+            lines += ["", f"## Profile: HF + PEFT, one step under torch.profiler (wall {p['wall']:.3f} s; "
+                      f"{p['key']} summed {p['total_s']:.3f} s)", "",
+                      "| op | self time (s) | share | calls |", "|---|---:|---:|---:|"]
+            lines += [f"| `{k[:70]}` | {s:.4f} | {s / p['total_s']:.1%} | {n} |" for k, s, n in p["top"]]
+            continue
+        tot = sum(p["by_op"].values())
+        lines += ["", f"## Profile: pytrain {t}, one step node by node (wall {p['wall']:.2f} s with the "
+                  f"per-node synchronisation; {p['n_nodes']} nodes; {p['overhead'] * 1e6:.0f} us per-node "
+                  f"overhead taken off each)", "",
+                  f"Step: {p['step_graph']}; backends {', '.join(p['backends'])}.", "",
+                  "| part | time (s) | share |", "|---|---:|---:|"]
+        lines += [f"| {k} | {v:.4f} | {v / tot:.1%} |" for k, v in
+                  sorted(p["by_part"].items(), key=lambda kv: -kv[1])]
+        lines += ["", "| op [backend] | time (s) | share | nodes |", "|---|---:|---:|---:|"]
+        lines += [f"| {k} | {v:.4f} | {v / tot:.1%} | {p['count_op_backend'].get(k, 0)} |" for k, v in
+                  sorted(p["by_op_backend"].items(), key=lambda kv: -kv[1])[:20]]
+    return "\n".join(lines) + "\n"
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--shape", default="2b", choices=["2b", "mid"])
+    ap.add_argument("--types", default=",".join(TYPES))
+    ap.add_argument("--batch", type=int, nargs=2, default=list(ANCHOR["batch"]), metavar=("B", "T"))
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--recompute", default="auto", choices=["auto", "off", "layers"])
+    ap.add_argument("--hf-attn", default="sdpa")
+    ap.add_argument("--no-hf", dest="do_hf", action="store_false")
+    ap.add_argument("--no-profile", dest="do_profile", action="store_false")
+    ap.add_argument("--profile-types", default="bf16")
+    ap.add_argument("--make-only", action="store_true", help="make the models, measure nothing")
+    ap.add_argument("--cache", type=Path, default=Path(os.environ.get(
+        "PYTRAIN_CACHE", Path.home() / ".cache" / "pytrain")) / "bench")
+    ap.add_argument("--python", default=sys.executable, help="interpreter with pytrain, torch, "
+                    "transformers and PEFT (on the GPU machine: the one python3)")
+    ap.add_argument("--ref-python", default=None, help="interpreter for the HF side and the "
+                    "models (default: --python; on a CPU machine the reference venv)")
+    ap.add_argument("--timeout", type=int, default=TIMEOUT_S, help="seconds per worker")
+    ap.add_argument("--out", type=Path, default=REPO / "bench_results" / "train-cuda.md")
+    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--report-from", type=Path, default=None)
+    ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--worker", choices=["pytrain", "hf"], help=argparse.SUPPRESS)
+    ap.add_argument("--profile", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--gguf", help=argparse.SUPPRESS)
+    ap.add_argument("--hf", help=argparse.SUPPRESS)
+    ap.add_argument("--make", choices=["2b", "mid"], help=argparse.SUPPRESS)
+    ap.add_argument("--convert", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--type", help=argparse.SUPPRESS)
+    ap.add_argument("--q4k", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--into", type=Path, help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    a.json = a.json or a.out.with_suffix(".json")
+    a.ref_python = a.ref_python or a.python
+    return a
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse(sys.argv[1:] if argv is None else argv)
+    if a.make:
+        bf.make_model(spec_name(a.make), a.into)
+        return 0
+    if a.convert:
+        convert(a.convert, a.into, a.type)
+        return 0
+    if a.q4k:
+        make_q4k(a.q4k)
+        return 0
+    if a.worker:
+        res = (pytrain_worker if a.worker == "pytrain" else hf_worker)(a)
+        print("RESULT " + json.dumps(res), flush=True)
+        return 0
+    j = json.loads(a.report_from.read_text()) if a.report_from else run(a)
+    if a.make_only:
+        print(f"models under {bf.spec_dir(a.cache, spec_name(a.shape))}")
+        return 0
+    md = report(j)
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(md)
+    print(md)
+    print(f"wrote {a.out}" + ("" if a.report_from else f" and {a.json}"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
