@@ -11,9 +11,10 @@ def new_tensor(ctx, arr: np.ndarray):
 
 
 def run(build, inputs: dict, grad_of: tuple = (), seed_grad: np.ndarray | None = None,
-        threads: int = 2, graph_size: int = 16384):
+        threads: int = 2, graph_size: int = 16384, inspect=None):
     """build(ctx, tensors: dict) -> output tensor.  With ``grad_of``, the loss is
-    Σ output·seed_grad and the gradients of those inputs are returned too."""
+    Σ output·seed_grad and the gradients of those inputs are returned too.  ``inspect(graph)``
+    is called on the allocated graph before it is computed."""
     rt = ggml.Runtime("cpu", threads=threads, graph_size=graph_size)
     ctx = ggml.Context(n_tensors=graph_size * 2, graph_size=graph_size, grads=bool(grad_of))
     c = ctx.ptr
@@ -50,6 +51,8 @@ def run(build, inputs: dict, grad_of: tuple = (), seed_grad: np.ndarray | None =
     if grad_of:
         ggml.from_numpy(r, seed_grad.astype(np.float32))
         ggml.seed_backward(graph)
+    if inspect is not None:
+        inspect(graph)
     rt.compute(graph)
     result = ggml.to_numpy(out).copy()
     gvals = {k: ggml.to_numpy(g).copy() for k, g in grads.items()}

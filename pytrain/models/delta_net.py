@@ -262,6 +262,9 @@ def gated_delta_rule(ctx, q, k, v, g, beta, ci: ChunkInputs, C: int):
 
 def _place_chunk(ctx, canvas, o, c: int):
     """Write chunk c's output [S, C, BH] into the [S, C, NC, BH] result.  ACC has a backward;
-    CONCAT and the SET_ROWS writes llama.cpp uses do not."""
-    return lib.ggml_acc(ctx, canvas, o, canvas.nb[1], canvas.nb[3], canvas.nb[3] * canvas.ne[3],
-                        c * canvas.nb[2])
+    CONCAT and the SET_ROWS writes llama.cpp uses do not.  In place (patch 0010 lets an
+    in-place ACC take a gradient): the canvas is this function's own zero tensor, read by
+    nothing but the next chunk's ACC, and a copying ACC per chunk rewrote the whole canvas,
+    O(NC²) in the sequence length."""
+    return lib.ggml_acc_inplace(ctx, canvas, o, canvas.nb[1], canvas.nb[3],
+                                canvas.nb[3] * canvas.ne[3], c * canvas.nb[2])
