@@ -23,7 +23,10 @@ The step, the same on both sides: batch 4 x 1024 random token ids over the vocab
 half of each row a masked prompt (HF label -100, pytrain ``train_mask`` False); LoRA r 16,
 alpha 32, dropout 0 on q/k/v/o of the 6 attention layers; AdamW lr 1e-4 with global-norm
 clipping at 1.0.  pytrain: ``load_model(gguf, device="cuda")`` (frozen weights keep the file's
-type on CUDA), ``Trainer(...).step`` (its default ``recompute="auto"``).  HF:
+type on CUDA), ``Trainer(...).step``, once per ``--recompute`` policy (default ``auto,layers``:
+the Trainer's default, which on a GPU keeps one graph while it needs under half the device's
+memory, and layer-wise recompute, which keeps a few layers' activations at a time for a second
+forward of most layers; a policy that ends up as the same step is run once).  HF:
 ``Qwen3_5ForCausalLM.from_pretrained(dtype=bfloat16, attn_implementation="sdpa")`` on the GPU,
 ``peft.get_peft_model`` (PEFT keeps the LoRA weights float32), forward with labels, backward,
 clip, AdamW step.  Both start from B = 0 adapters, so the first loss is the base model's masked
@@ -220,7 +223,7 @@ def pytrain_worker(a) -> dict:
     m = pytrain.load_model(a.gguf, device=a.device)
     names = select_targets(m.config)
     ad = lora.create(m.runtime, m.config, names, bt.RANK, bt.ALPHA, seed=0)
-    tr = Trainer(m, ad, AdamW(lr=bt.LR, max_grad_norm=bt.MAX_NORM), recompute=a.recompute)
+    tr = Trainer(m, ad, AdamW(lr=bt.LR, max_grad_norm=bt.MAX_NORM), recompute=a.policy)
     load_s = time.perf_counter() - t0
     tokens, train, seg = bt.make_batch(m.config.n_vocab, B, T, a.seed)
     batch = SimpleNamespace(tokens=tokens, seg=seg, train_mask=train)
@@ -304,7 +307,7 @@ def run_worker(side: str, a, extra: list[str], profile: bool = False) -> dict:
     """One worker process; its RESULT line, its GPU memory, or the error it ended with."""
     cmd = [a.python if side == "pytrain" else a.ref_python, str(Path(__file__).resolve()), "--worker", side, "--device", a.device,
            "--batch", *map(str, a.batch), "--warmup", str(a.warmup), "--steps", str(a.steps),
-           "--recompute", a.recompute, "--hf-attn", a.hf_attn, "--seed", str(a.seed), *extra]
+           "--hf-attn", a.hf_attn, "--seed", str(a.seed), *extra]
     if profile:
         cmd.append("--profile")
     t0 = time.time()
@@ -363,14 +366,24 @@ def run(a) -> dict:
         j["hf"] = run_worker("hf", a, ["--hf", str(mod["dir"] / "hf")])
         print(f"[hf] {_summary(j['hf'])}", flush=True)
         save()
+    policies = [r.strip() for r in a.recompute.split(",") if r.strip()]
     for t in types:
-        j["pytrain"][t] = run_worker("pytrain", a, ["--gguf", str(mod["files"][t])])
-        print(f"[pytrain {t}] {_summary(j['pytrain'][t])}", flush=True)
-        save()
+        kinds = set()
+        for pol in policies:
+            r = run_worker("pytrain", a, ["--gguf", str(mod["files"][t]), "--policy", pol])
+            if r.get("step_graph") in kinds:
+                continue        # this policy chose a step already measured
+            kinds.add(r.get("step_graph"))
+            r["policy"] = pol
+            j["pytrain"][f"{t} {pol}"] = r
+            print(f"[pytrain {t}, recompute={pol}] {_summary(r)}", flush=True)
+            save()
     if a.do_profile:
         for t in [t.strip() for t in a.profile_types.split(",") if t.strip() in types]:
-            j["profile"][t] = run_worker("pytrain", a, ["--gguf", str(mod["files"][t])], profile=True)
-            save()
+            for pol in policies:
+                j["profile"][f"{t} {pol}"] = run_worker(
+                    "pytrain", a, ["--gguf", str(mod["files"][t]), "--policy", pol], profile=True)
+                save()
         if a.do_hf:
             j["profile"]["hf"] = run_worker("hf", a, ["--hf", str(mod["dir"] / "hf")], profile=True)
             save()
@@ -421,7 +434,7 @@ def report(j: dict) -> str:
               "(nvidia-smi, above idle) | own allocator figure | first loss | step |",
               "|---|---|---:|---:|---:|---:|---:|---:|---|"]
     rows = ([("HF + PEFT", "bf16", hf)] if hf else []) + \
-        [("pytrain", t, r) for t, r in j["pytrain"].items()]
+        [("pytrain", k.split()[0], r) for k, r in j["pytrain"].items()]
     for side, t, r in rows:
         if "error" in r:
             lines.append(f"| {side} | {t} | failed: {r['error'].strip().splitlines()[-1][:160] if r['error'].strip() else '?'} "
@@ -435,7 +448,7 @@ def report(j: dict) -> str:
         else:
             own = r.get("device_used_end")
             what = ", ".join(f"{k}: {v}" for k, v in sorted(r["weight_types"].items()))
-            step = r["step_graph"]
+            step = f"recompute={r.get('policy', '?')}: {r['step_graph']}"
         lines.append(f"| {side} | {what} | {tps:,.0f} | {x_hf} | {tps / an['tokens_per_s']:.2f} | "
                      f"{_gib(_peak(r))} | {_gib(own)} | {r['first_loss']:.4f} | {step} |")
     lines += ["", "Own allocator figure: HF = `torch.cuda.max_memory_reserved`; pytrain = device "
@@ -474,7 +487,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--batch", type=int, nargs=2, default=list(ANCHOR["batch"]), metavar=("B", "T"))
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--recompute", default="auto", choices=["auto", "off", "layers"])
+    ap.add_argument("--recompute", default="auto,layers",
+                    help="pytrain Trainer(recompute=...) policies to run each type under, "
+                         "comma-separated (auto, off, layers)")
     ap.add_argument("--hf-attn", default="sdpa")
     ap.add_argument("--no-hf", dest="do_hf", action="store_false")
     ap.add_argument("--no-profile", dest="do_profile", action="store_false")
@@ -493,6 +508,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--worker", choices=["pytrain", "hf"], help=argparse.SUPPRESS)
     ap.add_argument("--profile", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--policy", default="auto", help=argparse.SUPPRESS)
     ap.add_argument("--gguf", help=argparse.SUPPRESS)
     ap.add_argument("--hf", help=argparse.SUPPRESS)
     ap.add_argument("--make", choices=["2b", "mid"], help=argparse.SUPPRESS)
