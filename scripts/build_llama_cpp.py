@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import fcntl
 import hashlib
-import importlib.util
 import json
 import os
 import shutil
@@ -34,6 +33,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import native_build  # noqa: E402  (native/build.py as a module)
 PROGRAMS = {name: Path(__file__).resolve().parent / f"{name}.c"
             for name in ("llama_logits", "llama_generate")}
 # What the `llama` target's CMake configure reads; models/, tools/, tests/ etc. are not needed.
@@ -48,15 +49,6 @@ CMAKE_ARGS = [
     "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_SUBPROCESS=OFF",
 ]
 
-
-def _native_build():
-    """``native/build.py`` as a module: one definition of the pinned archive and its cache."""
-    spec = importlib.util.spec_from_file_location("_pytrain_native_build",
-                                                  ROOT / "native" / "build.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod       # dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def build_root() -> Path:
@@ -132,7 +124,7 @@ def copy_source(nb, want: str) -> Path:
 
 
 def build(jobs: int | None = None, force: bool = False) -> dict:
-    nb = _native_build()
+    nb = native_build.load()
     jobs = jobs or max(1, os.cpu_count() or 1)
     root = build_root()
     root.mkdir(parents=True, exist_ok=True)

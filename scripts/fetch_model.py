@@ -21,7 +21,6 @@ Usage:  python scripts/fetch_model.py [smollm2]      (prints the GGUF's path)
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import sys
 import tempfile
@@ -30,6 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import native_build  # noqa: E402  (native/build.py as a module)
 
 
 @dataclass(frozen=True)
@@ -55,19 +56,10 @@ MODELS = {
 }
 
 
-def _native_build():
-    """``native/build.py`` as a module: one definition of the cache and of a pinned fetch."""
-    spec = importlib.util.spec_from_file_location("_pytrain_native_build",
-                                                  ROOT / "native" / "build.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
 
 def model_path(name: str = "smollm2") -> Path:
     """Where the GGUF is (or will be) cached."""
-    nb = _native_build()
+    nb = native_build.load()
     return nb.cache_dir() / "models" / MODELS[name].filename
 
 
@@ -81,7 +73,7 @@ def fetched(name: str = "smollm2") -> Path | None:
 
 
 def fetch(name: str = "smollm2") -> Path:
-    nb = _native_build()
+    nb = native_build.load()
     spec = MODELS[name]
     dest = model_path(name)
     stamp = dest.with_suffix(".sha256")

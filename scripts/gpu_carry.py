@@ -18,13 +18,14 @@ Usage:  python scripts/gpu_carry.py [--prefix ~/.cache/pytrain/install/llama_cpp
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import subprocess
 import sys
 import tarfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import native_build  # noqa: E402  (native/build.py as a module)
 OUT = ROOT / ".gpu"
 WHEELS = ["cffi==2.1.1", "pycparser==3.12", "gguf==0.19.0"]   # PyYAML, requests: in the image
 # ggml backends the CUDA build does not configure (kept out to stay under the carry limit)
@@ -32,14 +33,6 @@ SKIP = ("ggml-vulkan", "ggml-sycl", "ggml-metal", "ggml-opencl", "ggml-cann", "g
         "ggml-zdnn", "ggml-hexagon", "ggml-musa", "ggml-rpc", "ggml-blas", "ggml-zendnn",
         "ggml-virtgpu", "ggml-openvino")
 
-
-def _native_build():
-    spec = importlib.util.spec_from_file_location("_pytrain_native_build",
-                                                  ROOT / "native" / "build.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def pack_source(nb) -> Path:
@@ -93,7 +86,7 @@ def main() -> int:
     dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
                            text=True, capture_output=True).stdout.strip()
     (OUT / "commit").write_text(commit + ("+changes" if dirty else "") + "\n")
-    made = [pack_source(_native_build()), fetch_wheels()]
+    made = [pack_source(native_build.load()), fetch_wheels()]
     if a.prefix:
         made.append(pack_prefix(a.prefix))
     total = 0

@@ -22,7 +22,6 @@ sys.path so the converter and the checks use the pinned gguf package.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import os
 import random
@@ -37,23 +36,18 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import native_build  # noqa: E402  (native/build.py as a module)
 
 
 # --------------------------------------------------------------------------------------------
 # pinned llama.cpp source
 # --------------------------------------------------------------------------------------------
 
-def _native_build():
-    spec = importlib.util.spec_from_file_location("_pytrain_native_build", REPO / "native" / "build.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod       # dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
-
 
 def llama_cpp_dir() -> Path:
     """vendor/llama.cpp of the pinned llama-cpp-python archive (fetched and verified once)."""
-    nb = _native_build()
+    nb = native_build.load()
     nb.extract_source()
     return nb.llama_cpp_dir()
 
