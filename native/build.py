@@ -325,8 +325,13 @@ GGML_OPTIONS = ["-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=ON", "-DGGML_
 
 
 def ggml_options(cuda: bool) -> list[str]:
-    """Every CMake option of a build: recorded in its stamp, so a change rebuilds."""
-    opts = GGML_OPTIONS + blas_options()
+    """Every CMake option of a build: recorded in its stamp, so a change rebuilds.
+    ``PYTRAIN_GGML_NATIVE=0`` builds for any x86-64 CPU with AVX2 (GGML_NATIVE off) instead of
+    this one: for a prefix that is built here and carried to another machine (a GPU's)."""
+    opts = list(GGML_OPTIONS)
+    if os.environ.get("PYTRAIN_GGML_NATIVE", "1") == "0":
+        opts[opts.index("-DGGML_NATIVE=ON")] = "-DGGML_NATIVE=OFF"
+    opts += blas_options()
     if cuda:   # its rpath option also names cuBLAS; CMake keeps the last one
         opts += cuda_options(cuda_toolkit())
     return opts
@@ -352,7 +357,26 @@ def cmake_build(cuda: bool, jobs: int, options: list[str]) -> Path:
         shutil.rmtree(prefix)
     _run(["cmake", "--install", str(bdir)], "cmake install")
     (prefix / "options.json").write_text(json.dumps(options) + "\n")   # for --prebuilt
+    (prefix / "source.json").write_text(json.dumps(
+        {"archive_sha256": ARCHIVE_SHA256, "patches_sha256": patches_digest(),
+         "patches": [p.name for p in patches()]}) + "\n")
     return prefix
+
+
+def check_prebuilt(prefix: Path) -> list[str]:
+    """The CMake options of an install prefix this script built elsewhere, after checking that
+    it was built from this archive and this patch set (a prefix from an older checkout would
+    otherwise be stamped as the current build)."""
+    try:
+        src = json.loads((prefix / "source.json").read_text())
+        options = json.loads((prefix / "options.json").read_text())
+    except (OSError, ValueError) as e:
+        raise BuildError(f"{prefix} is not an install prefix made by native/build.py ({e})")
+    if src.get("archive_sha256") != ARCHIVE_SHA256 or src.get("patches_sha256") != patches_digest():
+        have = ", ".join(src.get("patches", [])) or "?"
+        raise BuildError(f"{prefix} was built from another source or patch set (patches: "
+                         f"{have}); rebuild it from this checkout")
+    return options
 
 
 def _run(cmd: list[str], what: str) -> None:
@@ -391,7 +415,7 @@ def build(cuda: bool = False, jobs: int | None = None, force: bool = False,
     stamp = out_dir / "build_info.json"
     check_tools(cuda and prebuilt is None)
     if prebuilt is not None:      # an install prefix built elsewhere by this script
-        options = json.loads((prebuilt / "options.json").read_text())
+        options = check_prebuilt(prebuilt)
     else:
         options = ggml_options(cuda)
     if stamp.exists() and not force:

@@ -133,3 +133,45 @@ def test_a_patch_that_does_not_apply_is_a_one_line_error(tmp_path, cache, monkey
     rc, err = run_main(["--source-only"], capsys)
     assert rc == 1 and len(err) == 1 and "0001-bad.patch does not apply" in err[0]
     assert not (native_build.source_root() / ".pytrain-extracted").exists()
+
+
+def _prefix(tmp_path, **source):
+    p = tmp_path / "prefix"
+    p.mkdir()
+    (p / "options.json").write_text('["-DGGML_NATIVE=OFF"]')
+    if source:
+        import json
+        (p / "source.json").write_text(json.dumps(source))
+    return p
+
+
+def test_a_prebuilt_prefix_from_another_patch_set_is_refused(tmp_path, cache, monkeypatch, capsys):
+    """A prefix carried from an older checkout would be stamped as this build: refused, with
+    the patch set it was built from."""
+    monkeypatch.setattr(native_build, "extract_source", lambda: None)
+    old = _prefix(tmp_path, archive_sha256=native_build.ARCHIVE_SHA256,
+                  patches_sha256="0" * 64, patches=["0001-a.patch"])
+    rc, err = run_main(["--cuda", "--prebuilt", str(old), "--out", str(tmp_path / "o")], capsys)
+    assert rc == 1 and len(err) == 1
+    assert "another source or patch set (patches: 0001-a.patch)" in err[0], err
+
+
+def test_a_prebuilt_prefix_without_its_source_record_is_refused(tmp_path, cache, monkeypatch, capsys):
+    monkeypatch.setattr(native_build, "extract_source", lambda: None)
+    rc, err = run_main(["--cuda", "--prebuilt", str(_prefix(tmp_path)), "--out",
+                        str(tmp_path / "o")], capsys)
+    assert rc == 1 and len(err) == 1 and "not an install prefix made by native/build.py" in err[0]
+
+
+def test_a_prebuilt_prefix_of_this_source_gives_its_options(tmp_path):
+    p = _prefix(tmp_path, archive_sha256=native_build.ARCHIVE_SHA256,
+                patches_sha256=native_build.patches_digest())
+    assert native_build.check_prebuilt(p) == ["-DGGML_NATIVE=OFF"]
+
+
+def test_portable_builds_turn_ggml_native_off(monkeypatch):
+    monkeypatch.setenv("PYTRAIN_GGML_NATIVE", "0")
+    opts = native_build.ggml_options(cuda=False)
+    assert "-DGGML_NATIVE=OFF" in opts and "-DGGML_NATIVE=ON" not in opts
+    monkeypatch.delenv("PYTRAIN_GGML_NATIVE")
+    assert "-DGGML_NATIVE=ON" in native_build.ggml_options(cuda=False)
