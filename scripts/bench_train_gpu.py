@@ -87,8 +87,7 @@ TIMEOUT_S = 900                            # one worker, load to last step
 def spec_name(shape: str) -> str:
     """The bench_forward spec of ``shape`` stored as bfloat16 (registered on first use)."""
     name = f"{shape}-bf16"
-    bf.SPECS.setdefault(name, dict(bf.SPECS[shape], outtype="bf16", hf_dtype="bfloat16",
-                                   min_free_gb=4 * bf.SPECS[shape].get("min_free_gb", 2)))
+    bf.SPECS.setdefault(name, dict(bf.SPECS[shape], outtype="bf16", hf_dtype="bfloat16"))
     return name
 
 
