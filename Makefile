@@ -53,7 +53,7 @@ experiments: build
 
 # what scripts/gpu_check.sh needs on a GPU machine without a package index, into .gpu/ (the
 # device tool's carry): the source subset, wheels, and a CUDA ggml prefix built here for any
-# AVX2 CPU (about 32 minutes on 2 cores once; saves ~6 device minutes)
+# AVX2 CPU (about 20 minutes on 2 cores once; saves ~6 device minutes)
 gpu-carry: build
 	$(PY) scripts/gpu_carry.py --build-prefix
 

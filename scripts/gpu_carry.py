@@ -13,9 +13,10 @@ into ``.gpu/`` (git-ignored; the device tool's ``carry`` takes it along):
                        the cffi module (``native/build.py --prebuilt``, seconds) instead of
                        spending ~6 of its 15 device minutes on the build.  ``--build-prefix``
                        builds it here for any x86-64 CPU with AVX2 (PYTRAIN_GGML_NATIVE=0: the
-                       GPU machine's CPU is not this one) and CUDA arch 90: about 32 minutes
-                       on 2 cores, 27 MB packed.  ``--prefix DIR`` packs one built earlier;
-                       either is checked to come from this archive and patch set.
+                       GPU machine's CPU is not this one) and CUDA arch 90: about 20 minutes
+                       on 2 cores, 25 MiB packed (bench_results/cuda_build-amd.md).
+                       ``--prefix DIR`` packs one built earlier; either is checked to come
+                       from this archive and patch set.
 
 Usage:  python scripts/gpu_carry.py [--build-prefix | --prefix DIR]      (or: make gpu-carry)
 """
