@@ -331,6 +331,7 @@ class Runtime:
         self._current = None       # address of the graph the scheduler has allocated
         self._ensure_sched(graph_size)
         self._buffers: list = []
+        self._gallocs: list = []   # allocators of the graphs kept allocated (alloc_kept)
 
     def _ensure_sched(self, graph_size: int) -> None:
         """The scheduler's hash set and backend-id arrays are sized at creation; a graph with
@@ -349,6 +350,9 @@ class Runtime:
         if getattr(self, "sched", None) is not None:
             lib.ggml_backend_sched_free(self.sched)
             self.sched = None
+        for g in getattr(self, "_gallocs", []):
+            lib.ggml_gallocr_free(g)
+        self._gallocs = []
         for b in self._buffers:
             lib.ggml_backend_buffer_free(b)
         self._buffers = []
@@ -413,6 +417,32 @@ class Runtime:
                 raise CPUFallbackError(
                     f"{len(fb)} ops would run on the CPU instead of {self.device}: "
                     + ", ".join(sorted(set(fb))[:12]))
+
+    # -- small graphs kept allocated, outside the scheduler
+    @property
+    def compute_backend(self):
+        """The backend every op of a kept graph runs on: the GPU, else the CPU."""
+        return self.gpu if self.gpu is not None else self.cpu
+
+    def alloc_kept(self, graph) -> None:
+        """Allocate a small graph once, in a buffer of its own on ``compute_backend``, to be
+        run by ``compute_kept`` any number of times.  For the optimizer's graphs, which run
+        between every two training steps: through the scheduler each of them evicted the step
+        graph, which then had to be allocated again (its whole node list walked by ggml and
+        its tensors by Python) at every step.  Every op must run on that backend (no
+        scheduler splits it)."""
+        buft = lib.ggml_backend_get_default_buffer_type(self.compute_backend)
+        galloc = lib.ggml_gallocr_new(buft)
+        if galloc == ffi.NULL or not lib.ggml_gallocr_alloc_graph(galloc, graph):
+            if galloc != ffi.NULL:
+                lib.ggml_gallocr_free(galloc)
+            raise MemoryError("could not allocate a kept graph")
+        self._gallocs.append(galloc)
+
+    def compute_kept(self, graph) -> None:
+        status = lib.ggml_backend_graph_compute(self.compute_backend, graph)
+        if status != lib.GGML_STATUS_SUCCESS:
+            raise RuntimeError(f"graph compute failed with ggml status {status}")
 
     def forget_graph(self) -> None:
         """Call before freeing the context of the allocated graph."""

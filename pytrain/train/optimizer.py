@@ -95,11 +95,13 @@ class Optimizer:
             lib.ggml_build_forward_expand(
                 self.update_graph,
                 lib.ggml_opt_step_adamw(c, p, g, acc.m[k], acc.v[k], self.adamw_params))
+        # allocated once, beside the scheduler: the step graph stays allocated between steps
+        runtime.alloc_kept(self.norm_graph)
+        runtime.alloc_kept(self.update_graph)
         self.t = 0
 
     def grad_norm(self) -> float:
-        self.rt.alloc_graph(self.norm_graph, self.ctx)
-        self.rt.compute(self.norm_graph)
+        self.rt.compute_kept(self.norm_graph)
         return math.sqrt(max(float(ggml.to_numpy(self.sumsq).reshape(-1)[0]), 0.0)) \
             if np.isfinite(ggml.to_numpy(self.sumsq)).all() else float("nan")
 
@@ -110,13 +112,12 @@ class Optimizer:
         clip = 1.0
         if hp.max_grad_norm > 0 and grad_norm > hp.max_grad_norm:
             clip = hp.max_grad_norm / (grad_norm + 1e-6)
-        self.rt.alloc_graph(self.update_graph, self.ctx)
         ggml.from_numpy(self.clip, np.array([clip], np.float32))
         b1h = 1.0 / (1.0 - hp.beta1 ** self.t)
         b2h = 1.0 / (1.0 - hp.beta2 ** self.t)
         ggml.from_numpy(self.adamw_params, np.array(
             [lr, hp.beta1, hp.beta2, hp.eps, hp.weight_decay, b1h, b2h], np.float32))
-        self.rt.compute(self.update_graph)
+        self.rt.compute_kept(self.update_graph)
         return clip
 
 
