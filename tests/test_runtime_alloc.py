@@ -110,3 +110,47 @@ def test_training_steps_keep_the_step_graph_allocated(monkeypatch):
         m.close()
     assert len(allocations) == 1, allocations       # the step graph, once
     assert losses[-1] < losses[0], losses
+
+
+def _graph_on(rt, with_add: bool):
+    """An allocated graph: a 64x64 F32 MUL_MAT (the BLAS backend's op), then an ADD (the CPU
+    backend's) when ``with_add``."""
+    ctx = ggml.Context(n_tensors=8, graph_size=16)
+    c = ctx.ptr
+    a = lib.ggml_new_tensor_2d(c, lib.GGML_TYPE_F32, 64, 64)
+    b = lib.ggml_new_tensor_2d(c, lib.GGML_TYPE_F32, 64, 64)
+    for t in (a, b):
+        lib.ggml_set_input(t)
+    out = lib.ggml_mul_mat(c, a, b)
+    if with_add:
+        out = lib.ggml_add(c, out, b)
+    lib.ggml_set_output(out)
+    graph = ggml.new_graph(ctx, 16)
+    lib.ggml_build_forward_expand(graph, out)
+    rt.alloc_graph(graph, ctx)
+    return ctx, graph
+
+
+def test_cpu_fallbacks_sees_every_node_off_the_accelerator():
+    """``cpu_fallbacks`` answers "none" from the scheduler's split count when the graph is one
+    split on the accelerator, and walks the nodes otherwise.  Without a GPU here, the BLAS
+    backend stands in for it (a backend listed before the CPU that takes only some ops)."""
+    import pytest
+    rt = ggml.Runtime("cpu", threads=1, graph_size=64)
+    if rt.blas is None:
+        rt.close()
+        pytest.skip("this build has no BLAS backend to stand in for a GPU")
+    try:
+        rt.gpu = rt.blas
+        one = _graph_on(rt, with_add=False)             # allocates: no fallback
+        assert lib.ggml_backend_sched_get_n_splits(rt.sched) == 1
+        assert rt.cpu_fallbacks(one[1]) == []
+        with pytest.raises(ggml.CPUFallbackError, match="1 ops would run on the CPU.*: ADD$"):
+            _graph_on(rt, with_add=True)
+        assert lib.ggml_backend_sched_get_n_splits(rt.sched) == 2
+        rt.allow_cpu_fallback = True
+        two = _graph_on(rt, with_add=True)
+        assert rt.cpu_fallbacks(two[1]) == ["ADD"]
+    finally:
+        rt.gpu = None
+        rt.close()
