@@ -257,13 +257,7 @@ def quantized_copy(f32_model: Path, like: Path, out: Path, type_name: str,
                                           gguf.GGMLQuantizationType.F16,
                                           gguf.GGMLQuantizationType.BF16)}
     qtype = gguf.GGMLQuantizationType[type_name.upper()]
-    arch = str(src.fields["general.architecture"].contents())
-    w = gguf.GGUFWriter(out, arch)
-    for f in src.fields.values():
-        if f.name.startswith("GGUF.") or f.name == "general.architecture":
-            continue
-        sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
-        w.add_key_value(f.name, f.contents(), f.types[0], sub_type=sub)
+    w = _copy_keys(src, out)
     for t in src.tensors:
         values = np.asarray(t.data).reshape([int(n) for n in reversed(t.shape)])
         if t.name in quantized:
@@ -271,6 +265,32 @@ def quantized_copy(f32_model: Path, like: Path, out: Path, type_name: str,
             w.add_tensor(t.name, raw.reshape(values.shape[0], -1), raw_dtype=qtype)
         else:
             w.add_tensor(t.name, values)
+    return _finish(w, out)
+
+
+def _copy_keys(r: "gguf.GGUFReader", out: Path, arch: str | None = None,
+               rename=lambda name: name) -> "gguf.GGUFWriter":
+    """A writer for ``out`` holding every key of ``r`` under ``rename(name)`` (None drops
+    it); ``general.architecture`` is ``arch``, by default ``r``'s."""
+    w = gguf.GGUFWriter(out, arch or str(r.fields["general.architecture"].contents()))
+    for f in r.fields.values():
+        name = None if f.name.startswith("GGUF.") or f.name == "general.architecture" \
+            else rename(f.name)
+        if name is None:
+            continue
+        sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(name, f.contents(), f.types[0], sub_type=sub)
+    return w
+
+
+def _copy_tensors(r: "gguf.GGUFReader", w: "gguf.GGUFWriter") -> None:
+    """Every tensor of ``r``, bytes and type unchanged."""
+    for t in r.tensors:
+        w.add_tensor(t.name, np.asarray(t.data), raw_shape=[int(n) for n in reversed(t.shape)],
+                     raw_dtype=t.tensor_type)
+
+
+def _finish(w: "gguf.GGUFWriter", out: Path) -> Path:
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -295,44 +315,20 @@ def renamed_arch_copy(src: Path, out: Path, arch: str) -> Path:
     ``arch``: the same tensors under another architecture name."""
     r = gguf.GGUFReader(src)
     old = str(r.fields["general.architecture"].contents())
-    w = gguf.GGUFWriter(out, arch)
-    for f in r.fields.values():
-        if f.name.startswith("GGUF.") or f.name == "general.architecture":
-            continue
-        name = arch + f.name[len(old):] if f.name.startswith(old + ".") else f.name
-        sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
-        w.add_key_value(name, f.contents(), f.types[0], sub_type=sub)
-    for t in r.tensors:
-        raw = np.asarray(t.data)
-        w.add_tensor(t.name, raw, raw_shape=[int(n) for n in reversed(t.shape)],
-                     raw_dtype=t.tensor_type)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return out
+    w = _copy_keys(r, out, arch, lambda name: arch + name[len(old):]
+                   if name.startswith(old + ".") else name)
+    _copy_tensors(r, w)
+    return _finish(w, out)
 
 
 def with_keys(src: Path, out: Path, keys: dict) -> Path:
     """``src`` with metadata ``keys`` added or replaced (values as Python str/int/float; floats
     are written as F32, ints as U32), every tensor unchanged."""
     r = gguf.GGUFReader(src)
-    arch = str(r.fields["general.architecture"].contents())
-    w = gguf.GGUFWriter(out, arch)
-    for f in r.fields.values():
-        if f.name.startswith("GGUF.") or f.name == "general.architecture" or f.name in keys:
-            continue
-        sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
-        w.add_key_value(f.name, f.contents(), f.types[0], sub_type=sub)
+    w = _copy_keys(r, out, rename=lambda name: None if name in keys else name)
     for k, v in keys.items():
         vt = (gguf.GGUFValueType.STRING if isinstance(v, str) else gguf.GGUFValueType.FLOAT32
               if isinstance(v, float) else gguf.GGUFValueType.UINT32)
         w.add_key_value(k, v, vt)
-    for t in r.tensors:
-        w.add_tensor(t.name, np.asarray(t.data), raw_shape=[int(n) for n in reversed(t.shape)],
-                     raw_dtype=t.tensor_type)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return out
+    _copy_tensors(r, w)
+    return _finish(w, out)

@@ -45,6 +45,18 @@ def run_llama(exe, model: Path, adapter: Path | None, tokens, out: Path, n_vocab
     return np.fromfile(out, dtype=np.float32).reshape(len(tokens), n_vocab)
 
 
+def deltas_with_adapter(exe, model: Path, adapter: Path, tokens, ours_base, ours_lora,
+                        tmp: Path) -> tuple[float, float, float]:
+    """llama.cpp on ``model`` without and with ``--lora adapter`` against pytrain's logits of
+    the same: (max|Δ| base, max|Δ| with the adapter, the adapter's effect in llama.cpp, so a
+    check can tell that llama.cpp applied it)."""
+    V = ours_base.shape[-1]
+    base = run_llama(exe, model, None, tokens, tmp / "llama-base.f32", V)
+    lora = run_llama(exe, model, adapter, tokens, tmp / "llama-lora.f32", V)
+    return (float(np.abs(base - ours_base).max()), float(np.abs(lora - ours_lora).max()),
+            float(np.abs(lora - base).max()))
+
+
 def llama_cpp_compatible(fixture: Path, tmp_path: Path) -> Path:
     """A copy of ``fixture`` whose ``rope.dimension_sections`` fit its tiny heads.
 

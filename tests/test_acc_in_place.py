@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 from graph_harness import run
 
-from pytrain import ggml
 from pytrain.ggml import ffi, lib
 
 D, C, NC = 8, 4, 6          # each chunk: a [D, C] block of a [D, C * NC] tensor

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from llama_cpp_check import llama_cpp_compatible, run_llama
+from llama_cpp_check import deltas_with_adapter, llama_cpp_compatible
 
 import pytrain
 from pytrain.models import lora
@@ -73,15 +73,11 @@ def test_llama_cpp_loads_adapter_and_matches_pytrain(llama_logits_exe, tmp_path,
         toks = tokens_for(m.config.n_vocab, T)
         ours_base = m.logits(toks)
         ours_lora = m.logits(toks, lora=ad.hook)
-        V = ours_base.shape[-1]
-        cpp_base = run_llama(llama_logits_exe, path, None, toks, tmp_path / "base.f32", V)
-        cpp_lora = run_llama(llama_logits_exe, path, adapter_file, toks, tmp_path / "lora.f32", V)
     finally:
         m.close()
 
-    d_base = float(np.abs(cpp_base - ours_base).max())
-    d_lora = float(np.abs(cpp_lora - ours_lora).max())
-    effect = float(np.abs(cpp_lora - cpp_base).max())
+    d_base, d_lora, effect = deltas_with_adapter(llama_logits_exe, path, adapter_file, toks,
+                                                 ours_base, ours_lora, tmp_path)
     print(f"\n{fixture} T={T}: max|Δ| base {d_base:.3g}, with adapter {d_lora:.3g}; "
           f"adapter effect {effect:.3g}; logit scale {float(np.abs(ours_lora).max()):.3g}")
     assert effect > MIN_EFFECT, "llama.cpp ignored the adapter (logits did not change)"
@@ -148,12 +144,8 @@ def test_llama_cpp_keeps_weights_out_of_extra_buffer_types(llama_logits_exe, tmp
         ours_base, ours_lora = m.logits(toks), m.logits(toks, lora=ad.hook)
     finally:
         m.close()
-    V = ours_base.shape[-1]
-    cpp_base = run_llama(llama_logits_exe, path, None, toks, tmp_path / "base.f32", V)
-    cpp_lora = run_llama(llama_logits_exe, path, adapter_file, toks, tmp_path / "lora.f32", V)
-    d_base = float(np.abs(cpp_base - ours_base).max())
-    d_lora = float(np.abs(cpp_lora - ours_lora).max())
-    effect = float(np.abs(cpp_lora - cpp_base).max())
+    d_base, d_lora, effect = deltas_with_adapter(llama_logits_exe, path, adapter_file, toks,
+                                                 ours_base, ours_lora, tmp_path)
     print(f"\nQ4_0: max|Δ| base {d_base:.3g}, with adapter {d_lora:.3g}; effect {effect:.3g}")
     assert effect > MIN_EFFECT
     assert d_base < ATOL and d_lora < ATOL

@@ -283,7 +283,7 @@ def test_llama_cpp_runs_pytrains_llama_adapter(llama_logits_exe, tmp_path, name,
     by far more than the tolerance.  Measured (Intel Xeon, 2 threads): base 5.5e-6 - 7.5e-6,
     with the adapter 1.8e-5 - 1.6e-4, its effect 16 - 19."""
     from gguf_factory import with_keys
-    from llama_cpp_check import run_llama
+    from llama_cpp_check import deltas_with_adapter
     from pytrain.formats.adapter_gguf import write_lora_gguf
     path = FIX / f"{name}.gguf"
     if keys:
@@ -301,11 +301,8 @@ def test_llama_cpp_runs_pytrains_llama_adapter(llama_logits_exe, tmp_path, name,
         ours, ours_lora = m.logits(toks), m.logits(toks, lora=ad.hook)
     finally:
         m.close()
-    V = ours.shape[-1]
-    base = run_llama(llama_logits_exe, path, None, toks, tmp_path / "b.f32", V)
-    with_ad = run_llama(llama_logits_exe, path, adapter, toks, tmp_path / "a.f32", V)
-    d, d_lora = float(np.abs(base - ours).max()), float(np.abs(with_ad - ours_lora).max())
-    effect = float(np.abs(with_ad - base).max())
+    d, d_lora, effect = deltas_with_adapter(llama_logits_exe, path, adapter, toks, ours,
+                                            ours_lora, tmp_path)
     print(f"{name} {keys}: base {d:.2e}, with adapter {d_lora:.2e}, effect {effect:.3g}")
     assert effect > 0.05 and d < LLAMA_CPP_ATOL and d_lora < LLAMA_CPP_ATOL
 
