@@ -64,7 +64,8 @@ def hf_tables(arch: str | None = None) -> tuple[dict, dict, dict, dict]:
             kinds[k] |= set(v)
         pairs.update(entry.hf_pairs)
     if not arch:      # no layout both share: kept as it is (Llama q/k need arch or a config)
-        pairs = {t: f for t, f in pairs.items() if t not in _ambiguous_targets()}
+        ambiguous = _ambiguous_targets()
+        pairs = {t: f for t, f in pairs.items() if t not in ambiguous}
     return names, {v: k for k, v in names.items()}, kinds, pairs
 
 
@@ -103,7 +104,8 @@ def _warn_ambiguous(bases, arch: str | None, where: str) -> None:
     q/k: the rope permutation) are kept as they are; say so rather than stay silent."""
     if arch is not None:
         return
-    hit = sorted(b for b in bases if _GGUF_BASE.fullmatch(b).group(2) in _ambiguous_targets())
+    ambiguous = _ambiguous_targets()
+    hit = sorted(b for b in bases if _GGUF_BASE.fullmatch(b).group(2) in ambiguous)
     if hit:
         import warnings
         warnings.warn(f"{where}: the base model's architecture is unknown (pass arch= or "
