@@ -26,7 +26,8 @@ clipping at 1.0.  pytrain: ``load_model(gguf, device="cuda")`` (frozen weights k
 type on CUDA), ``Trainer(...).step``, once per ``--recompute`` policy (default ``auto,layers``:
 the Trainer's default, which on a GPU keeps one graph while it needs under half the device's
 memory, and layer-wise recompute, which keeps a few layers' activations at a time for a second
-forward of most layers; a policy that ends up as the same step is run once).  HF:
+forward of most layers; a policy that ends up as the same step as an earlier one is
+measured but reported once).  HF:
 ``Qwen3_5ForCausalLM.from_pretrained(dtype=bfloat16, attn_implementation="sdpa")`` on the GPU,
 ``peft.get_peft_model`` (PEFT keeps the LoRA weights float32), forward with labels, backward,
 clip, AdamW step.  Both start from B = 0 adapters, so the first loss is the base model's masked
