@@ -319,22 +319,50 @@ def blas_options() -> list[str]:
 # ggml's own CMake defaults leave GGML_LLAMAFILE off when ggml is built alone (llama.cpp's
 # CMake turns it on): its tinyBLAS F32/F16/BF16 matmul made pytrain's forward 1.6-2.4x faster
 # on this project's machines (bench_results/forward.md).
-GGML_OPTIONS = ["-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=ON", "-DGGML_NATIVE=ON",
+#
+# The CPU backend is built the way llama.cpp's portable releases build it: every backend is a
+# module loaded at run time (GGML_BACKEND_DL) and ggml-cpu is compiled once per x86-64
+# instruction-set level (GGML_CPU_ALL_VARIANTS: x64, sse42, ..., haswell (AVX2), skylakex,
+# icelake, zen4, sapphirerapids, ...).  pytrain loads the best variant the CPU it runs on can
+# execute (pytrain/ggml.py), so a build, or a wheel, copied to another x86-64 CPU runs there
+# instead of dying with SIGILL, and one build can run the tests under several variants.
+GGML_OPTIONS = ["-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=ON",
+                "-DGGML_BACKEND_DL=ON", "-DGGML_NATIVE=OFF", "-DGGML_CPU_ALL_VARIANTS=ON",
                 "-DGGML_LLAMAFILE=ON", "-DGGML_BUILD_TESTS=OFF", "-DGGML_BUILD_EXAMPLES=OFF",
                 "-DGGML_CCACHE=OFF", "-DCMAKE_INSTALL_RPATH=$ORIGIN"]
 
 
+def native_wanted() -> bool:
+    """``PYTRAIN_GGML_NATIVE=1``: one ggml-cpu for this machine's CPU (``-march=native``), for
+    a local install that will never move.  README "Installation" says what it is worth."""
+    return os.environ.get("PYTRAIN_GGML_NATIVE", "0") not in ("", "0")
+
+
 def ggml_options(cuda: bool) -> list[str]:
-    """Every CMake option of a build: recorded in its stamp, so a change rebuilds.
-    ``PYTRAIN_GGML_NATIVE=0`` builds for any x86-64 CPU with AVX2 (GGML_NATIVE off) instead of
-    this one: for a prefix that is built here and carried to another machine (a GPU's)."""
+    """Every CMake option of a build: recorded in its stamp, so a change rebuilds."""
     opts = list(GGML_OPTIONS)
-    if os.environ.get("PYTRAIN_GGML_NATIVE", "1") == "0":
-        opts[opts.index("-DGGML_NATIVE=ON")] = "-DGGML_NATIVE=OFF"
+    if native_wanted():
+        opts[opts.index("-DGGML_NATIVE=OFF")] = "-DGGML_NATIVE=ON"
+        opts.remove("-DGGML_CPU_ALL_VARIANTS=ON")
     opts += blas_options()
     if cuda:   # its rpath option also names cuBLAS; CMake keeps the last one
         opts += cuda_options(cuda_toolkit())
     return opts
+
+
+SUPPORTED_PLATFORMS = {("Linux", "x86_64")}
+
+
+def check_platform(system: str | None = None, machine: str | None = None) -> None:
+    """pytrain is built and tested on Linux x86-64 only (the pinned OpenBLAS wheel, the CPU
+    variants and every test figure are for that platform): anything else is refused here,
+    in one line, rather than failing later with a misleading download or compiler error."""
+    import platform
+    system = system or platform.system()
+    machine = machine or platform.machine()
+    if (system, machine) not in SUPPORTED_PLATFORMS:
+        raise BuildError(f"pytrain supports Linux x86-64 only; this is {system} {machine} "
+                         f"(see README \"Installation\": supported platforms)")
 
 
 def cmake_configure(variant: str, options: list[str]) -> Path:
@@ -347,7 +375,7 @@ def cmake_configure(variant: str, options: list[str]) -> Path:
 
 def cmake_build(cuda: bool, jobs: int, options: list[str]) -> Path:
     """Configure and build ggml as shared libraries; returns an install prefix."""
-    variant = "cuda" if cuda else "cpu"
+    variant = ("cuda" if cuda else "cpu") + ("-native" if "-DGGML_NATIVE=ON" in options else "")
     prefix = cache_dir() / "install" / f"{SRC_DIRNAME}-{variant}"
     bdir = cmake_configure(variant, options + [f"-DCMAKE_INSTALL_PREFIX={prefix}",
                                                "-DCMAKE_INSTALL_LIBDIR=lib"])
@@ -389,15 +417,21 @@ def _run(cmd: list[str], what: str) -> None:
 
 
 def install_libs(prefix: Path, out_dir: Path, options: list[str]) -> list[str]:
-    """Copy the shared libraries into the package (swapped in as a whole directory)."""
+    """Copy what runs into the package (swapped in as a whole directory): libggml and
+    libggml-base under the names the extension and the modules load them by (their sonames;
+    the link-time names and symlinks stay in the prefix, so a wheel holds one copy of each),
+    the backend modules (ggml-cpu variants, blas, cuda: installed by ggml's CMake in bin/),
+    and the BLAS library libggml-blas links by its soname."""
     lib_dir = out_dir / "lib"
     tmp = Path(tempfile.mkdtemp(dir=out_dir, prefix=".lib-"))
     names = []
     tmp.chmod(0o755)
-    for so in sorted((prefix / "lib").glob("libggml*.so*")):
-        shutil.copy2(so, tmp / so.name, follow_symlinks=False)  # keep soname links as links
+    sonames = [so for so in (prefix / "lib").glob("libggml*.so.*")
+               if so.name.split(".so.", 1)[1].isdigit()]
+    for so in sorted([*sonames, *(prefix / "bin").glob("libggml*.so")]):
+        shutil.copy2(so, tmp / so.name)          # a soname link: the file it names
         names.append(so.name)
-    for opt in options:                # the BLAS library libggml-blas links by its soname
+    for opt in options:
         if opt.startswith("-DGGML_BLAS_LIBRARIES="):
             blas_lib = Path(opt.split("=", 1)[1])
             shutil.copy2(blas_lib, tmp / blas_lib.name)
@@ -408,11 +442,22 @@ def install_libs(prefix: Path, out_dir: Path, options: list[str]) -> list[str]:
     return names
 
 
+def cpu_variants(libs: list[str]) -> list[str]:
+    """The ggml-cpu modules of a build by variant name (``native`` for a -march=native one)."""
+    out = []
+    for name in libs:
+        if name.startswith("libggml-cpu") and name.endswith(".so"):  # modules: no soname
+            out.append(name[len("libggml-cpu-"):-len(".so")] if name != "libggml-cpu.so"
+                       else "native")
+    return out
+
+
 def build(cuda: bool = False, jobs: int | None = None, force: bool = False,
           out_dir: Path = PKG_NATIVE, prebuilt: Path | None = None) -> dict:
     jobs = jobs or max(1, os.cpu_count() or 1)
     out_dir.mkdir(parents=True, exist_ok=True)
     stamp = out_dir / "build_info.json"
+    check_platform()
     check_tools(cuda and prebuilt is None)
     if prebuilt is not None:      # an install prefix built elsewhere by this script
         options = check_prebuilt(prebuilt)
@@ -432,8 +477,8 @@ def build(cuda: bool = False, jobs: int | None = None, force: bool = False,
     libs = install_libs(prefix, out_dir, options)
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import ffi  # noqa: E402  (native/ffi.py, next to this file)
-    module = ffi.compile_module(include_dir=prefix / "include", lib_dir=out_dir / "lib",
-                                out_dir=out_dir, cuda=cuda)
+    module = ffi.compile_module(include_dir=prefix / "include", lib_dir=prefix / "lib",
+                                out_dir=out_dir)
     version = _ggml_version()
     info = {
         "ggml_version": version,
@@ -447,6 +492,7 @@ def build(cuda: bool = False, jobs: int | None = None, force: bool = False,
         "blas": f"{OPENBLAS_PROJECT}=={OPENBLAS_VERSION}" if "-DGGML_BLAS=ON" in options else None,
         "options": options,
         "libs": libs,
+        "cpu_variants": cpu_variants(libs),
         "module": module,
         "build_seconds": round(time.monotonic() - t0, 1),
         "jobs": jobs,

@@ -5,18 +5,24 @@ preprocessor with empty stand-ins for the system headers, so cffi sees exactly t
 API and a ggml upgrade cannot silently leave a stale signature behind.  The extension is
 linked with an ``$ORIGIN/lib`` rpath, so it finds the shared libraries in the package without
 LD_LIBRARY_PATH.
+
+It links only ggml's core (``libggml``: the backend registry and scheduler; ``libggml-base``:
+tensors, graphs, GGUF, quantization).  The backends (the ggml-cpu variant for this CPU, BLAS,
+CUDA) are modules that pytrain/ggml.py loads at run time, so one extension serves every CPU
+variant and the CUDA build alike.  It is compiled against CPython's limited API
+(``_ggml.abi3.so``), so one build serves every Python >= 3.10.
 """
 from __future__ import annotations
 
 import re
 import shutil
 import subprocess
-import sysconfig
 import tempfile
 from pathlib import Path
 
 MODULE = "pytrain._native._ggml"
-HEADERS = ["ggml.h", "ggml-alloc.h", "ggml-backend.h", "ggml-cpu.h", "ggml-opt.h", "gguf.h"]
+HEADERS = ["ggml.h", "ggml-alloc.h", "ggml-backend.h", "ggml-opt.h", "gguf.h"]
+LINKED = ["ggml", "ggml-base"]
 
 # Types cffi knows natively; everything else the system headers would bring must not appear.
 _STUB_HEADERS = {"stdbool.h": "", "stddef.h": "", "stdint.h": "", "stdio.h": "",
@@ -40,9 +46,10 @@ def _compiler() -> str:
 
 
 def exported_symbols(lib_dir: Path) -> set[str]:
-    """Dynamic symbols defined by the built libraries."""
+    """Dynamic symbols defined by the libraries the extension links (not the backend
+    modules: their functions are reached through the backend registry)."""
     names: set[str] = set()
-    for so in lib_dir.glob("libggml*.so"):
+    for so in (lib_dir / f"lib{name}.so" for name in LINKED):
         out = subprocess.run(["nm", "-D", "--defined-only", str(so)], check=True,
                              capture_output=True, text=True).stdout
         names.update(line.split()[-1] for line in out.splitlines() if line.strip())
@@ -66,8 +73,8 @@ def _drop_unexported(text: str, exported: set[str]) -> str:
     return c_generator.CGenerator().visit(ast)
 
 
-def cdef_source(include_dir: Path, cuda: bool, exported: set[str] | None = None) -> str:
-    headers = HEADERS + (["ggml-cuda.h"] if cuda else [])
+def cdef_source(include_dir: Path, exported: set[str] | None = None) -> str:
+    headers = HEADERS
     with tempfile.TemporaryDirectory() as tmp:
         stub = Path(tmp) / "stub"
         stub.mkdir()
@@ -102,32 +109,38 @@ def _drop_repeated_typedefs(text: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def make_builder(include_dir: Path, lib_dir: Path, cuda: bool):
+def make_builder(include_dir: Path, lib_dir: Path):
     import cffi
 
     ffibuilder = cffi.FFI()
-    ffibuilder.cdef(cdef_source(include_dir, cuda, exported_symbols(lib_dir)))
-    libs = ["ggml", "ggml-base", "ggml-cpu"] + (["ggml-cuda"] if cuda else [])
-    includes = "".join(f'#include "{h}"\n' for h in HEADERS + (["ggml-cuda.h"] if cuda else []))
+    ffibuilder.cdef(cdef_source(include_dir, exported_symbols(lib_dir)))
+    includes = "".join(f'#include "{h}"\n' for h in HEADERS)
     ffibuilder.set_source(
         MODULE, includes,
         include_dirs=[str(include_dir)],
         library_dirs=[str(lib_dir)],
-        libraries=libs,
+        libraries=LINKED,
         extra_compile_args=["-Wno-deprecated-declarations"],
         extra_link_args=["-Wl,-rpath,$ORIGIN/lib"],
+        py_limited_api=True,
     )
     return ffibuilder
 
 
-def compile_module(include_dir: Path, lib_dir: Path, out_dir: Path, cuda: bool) -> str:
-    """Build the extension into ``out_dir`` (the package's ``_native`` folder)."""
-    ffibuilder = make_builder(include_dir, lib_dir, cuda)
+def compile_module(include_dir: Path, lib_dir: Path, out_dir: Path) -> str:
+    """Build the extension into ``out_dir`` (the package's ``_native`` folder), replacing any
+    other build of it there (an older per-Python-version ``_ggml.cpython-*.so`` would be
+    imported before the ``abi3`` one)."""
+    ffibuilder = make_builder(include_dir, lib_dir)
     with tempfile.TemporaryDirectory() as tmp:
         built = Path(ffibuilder.compile(tmpdir=tmp, verbose=False))
-        suffix = sysconfig.get_config_var("EXT_SUFFIX")
-        dest = out_dir / f"_ggml{suffix}"
+        if not built.name.endswith(".abi3.so"):
+            raise RuntimeError(f"cffi built {built.name}, not a limited-API (.abi3.so) module")
+        dest = out_dir / "_ggml.abi3.so"
         tmp_dest = dest.with_name(dest.name + ".tmp")
         shutil.copy2(built, tmp_dest)
         tmp_dest.replace(dest)
+    for old in out_dir.glob("_ggml*.so"):
+        if old != dest:
+            old.unlink()
     return dest.name

@@ -18,27 +18,125 @@ import numpy as np
 from pytrain.errors import PytrainError
 
 NATIVE_DIR = Path(__file__).resolve().parent / "_native"
+LIB_DIR = NATIVE_DIR / "lib"
 
 if not (NATIVE_DIR / "build_info.json").exists():
     raise ImportError(f"pytrain's native ggml build in {NATIVE_DIR} is missing or incomplete; "
                       f"build it with `make build` or `python native/build.py`")
+
+
+class CpuVariantError(PytrainError, ImportError):
+    """The ggml-cpu variant asked for is not in this build or not runnable on this CPU."""
+
+
+@dataclass(frozen=True)
+class CpuVariant:
+    name: str          # "zen4", "haswell", "x64", ... ("native": built with -march=native)
+    path: Path
+    score: int         # ggml_backend_score(): 0 = this CPU lacks its instructions
+    chosen_by: str     # "best for this CPU" or "PYTRAIN_CPU_VARIANT"
+
+
+def cpu_variant_scores(lib_dir: Path = LIB_DIR) -> dict[str, tuple[Path, int]]:
+    """Every ggml-cpu module of the build with the score ggml gives it on this CPU (the
+    variant's own cpuid check: 0 when the CPU lacks one of its instruction sets, else higher
+    for more of them), as ggml's ``ggml_backend_load_best`` computes it.  Each module is
+    opened and closed again; only the chosen one stays loaded."""
+    import ctypes
+    import _ctypes
+    out = {}
+    for path in sorted(lib_dir.glob("libggml-cpu*.so")):
+        name = path.name[len("libggml-cpu-"):-3] if path.name != "libggml-cpu.so" else "native"
+        handle = ctypes.CDLL(str(path), mode=os.RTLD_LOCAL)
+        try:
+            fn = getattr(handle, "ggml_backend_score", None)
+            out[name] = (path, int(fn()) if fn is not None else 1)
+        finally:
+            _ctypes.dlclose(handle._handle)
+    return out
+
+
+def choose_cpu_variant(scores: dict[str, tuple[Path, int]], wanted: str | None) -> CpuVariant:
+    """``wanted`` (``PYTRAIN_CPU_VARIANT``) if set, else a native module if the build has one,
+    else the runnable variant with the highest score, as ggml's own loader picks it."""
+    if not scores:
+        raise CpuVariantError(f"no ggml-cpu module in {LIB_DIR}: rebuild with `make build`")
+    runnable = sorted((s, n) for n, (_, s) in scores.items() if s > 0)
+    if wanted:
+        if wanted not in scores:
+            raise CpuVariantError(f"PYTRAIN_CPU_VARIANT={wanted}: this build has no such ggml-cpu "
+                                  f"variant (it has {', '.join(sorted(scores))})")
+        path, score = scores[wanted]
+        if score <= 0:
+            raise CpuVariantError(
+                f"PYTRAIN_CPU_VARIANT={wanted}: this CPU lacks instructions that variant needs "
+                f"(it would die with SIGILL); variants this CPU runs: "
+                f"{', '.join(n for _, n in runnable) or 'none'}")
+        return CpuVariant(wanted, path, score, "PYTRAIN_CPU_VARIANT")
+    if "native" in scores:
+        path, score = scores["native"]
+        return CpuVariant("native", path, score, "built for this CPU (PYTRAIN_GGML_NATIVE=1)")
+    if not runnable:
+        raise CpuVariantError(f"none of this build's ggml-cpu variants runs on this CPU "
+                              f"({', '.join(sorted(scores))})")
+    score, name = runnable[-1]
+    return CpuVariant(name, scores[name][0], score, "best for this CPU")
+
+
+def _install_log_filter():
+    """ggml logs through one process-wide callback; by default it prints everything, which
+    with run-time backends means a "loaded ... backend" line per module at every import.
+    Warnings and errors still go to stderr; ``PYTRAIN_GGML_LOG=1`` shows ggml's info and
+    debug lines too."""
+    import sys
+    shown = {lib.GGML_LOG_LEVEL_WARN, lib.GGML_LOG_LEVEL_ERROR}
+    if os.environ.get("PYTRAIN_GGML_LOG", "") not in ("", "0"):
+        shown |= {lib.GGML_LOG_LEVEL_INFO, lib.GGML_LOG_LEVEL_DEBUG}
+    last = [lib.GGML_LOG_LEVEL_NONE]
+
+    def log(level, text, _user):
+        if level != lib.GGML_LOG_LEVEL_CONT:
+            last[0] = level
+        if last[0] in shown:
+            sys.stderr.write(ffi.string(text).decode(errors="replace"))
+            sys.stderr.flush()
+
+    cb = ffi.callback("ggml_log_callback", log)
+    lib.ggml_log_set(cb, ffi.NULL)
+    return cb                    # kept alive for the life of the process
+
+
+def _load_backends() -> CpuVariant:
+    """Register the backend modules of the build with ggml: CUDA and BLAS when built, and the
+    ggml-cpu variant for this CPU (ggml's registry lists devices in this order)."""
+    variant = choose_cpu_variant(cpu_variant_scores(), os.environ.get("PYTRAIN_CPU_VARIANT"))
+    for path in (LIB_DIR / "libggml-cuda.so", LIB_DIR / "libggml-blas.so", variant.path):
+        if path.exists() and lib.ggml_backend_load(str(path).encode()) == ffi.NULL:
+            raise ImportError(f"ggml could not load its backend module {path}")
+    return variant
+
+
 # With the BLAS backend, ggml-cpu's OpenMP threads must not spin while OpenBLAS's threads work
 # between them: with the default (active) wait on this project's 2-core machines a training
 # step of the small default model took 1.0 s instead of 0.17, a mid-size one 3.4 s instead of
-# 1.7.  libgomp reads the policy once, when it loads with ggml, so it is set before that
-# (unless the caller chose one, or loaded OpenMP first), and taken out of the environment again
-# so that programs this process starts (a reference run, a compiler) keep their own default.
+# 1.7.  libgomp reads the policy once, when it loads with the ggml-cpu module, so it is set
+# before that (unless the caller chose one, or loaded OpenMP first), and taken out of the
+# environment again so that programs this process starts (a reference run, a compiler) keep
+# their own default.
 _passive = (json.loads((NATIVE_DIR / "build_info.json").read_text()).get("blas")
             and os.environ.get("PYTRAIN_BLAS", "1") not in ("", "0")
             and "OMP_WAIT_POLICY" not in os.environ)
 if _passive:
     os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
 try:
-    from pytrain._native._ggml import ffi, lib  # type: ignore[import-not-found]
-except ImportError as e:  # pragma: no cover - depends on the build
-    raise ImportError(
-        f"pytrain's native ggml library is missing or stale ({e}); build it with "
-        f"`make build` or `python native/build.py` from the source tree") from e
+    try:
+        from pytrain._native._ggml import ffi, lib  # type: ignore[import-not-found]
+    except ImportError as e:  # pragma: no cover - depends on the build
+        raise ImportError(
+            f"pytrain's native ggml library is missing or stale ({e}); build it with "
+            f"`make build` or `python native/build.py` from the source tree") from e
+    _LOG_CALLBACK = _install_log_filter()
+    CPU_VARIANT = _load_backends()
 finally:
     if _passive:
         del os.environ["OMP_WAIT_POLICY"]
@@ -239,11 +337,25 @@ def devices() -> list[Device]:
     return out
 
 
+def _cpu_reg():
+    return lib.ggml_backend_dev_backend_reg(lib.ggml_backend_dev_by_type(
+        lib.GGML_BACKEND_DEVICE_TYPE_CPU))
+
+
 def cpu_features() -> list[str]:
-    names = ["sse3", "ssse3", "avx", "avx_vnni", "avx2", "bmi2", "f16c", "fma", "avx512",
-             "avx512_vbmi", "avx512_vnni", "avx512_bf16", "amx_int8", "neon", "arm_fma",
-             "fp16_va", "dotprod", "matmul_int8", "sve", "sme", "riscv_v", "vsx", "llamafile"]
-    return [n for n in names if getattr(lib, f"ggml_cpu_has_{n}", lambda: 0)()]
+    """The instruction sets the loaded ggml-cpu variant was compiled for ("avx2",
+    "avx512", "amx_int8", ...; "llamafile", "openmp", "repack" for its other features),
+    lower case, as ggml's CPU backend reports them."""
+    fn = lib.ggml_backend_reg_get_proc_address(_cpu_reg(), b"ggml_backend_get_features")
+    if fn == ffi.NULL:
+        return []
+    feats = ffi.cast("ggml_backend_get_features_t", fn)(_cpu_reg())
+    out = []
+    i = 0
+    while feats[i].name != ffi.NULL:
+        out.append(ffi.string(feats[i].name).decode().lower())
+        i += 1
+    return out
 
 
 def buffer_type_name(buft) -> str:
@@ -267,8 +379,7 @@ def extra_buffer_types() -> list[str]:
     created without buffer types (the defaults again).  Listed here for ``pytrain doctor``
     and the test that checks every buffer pytrain uses is a default one."""
     dev = lib.ggml_backend_dev_by_type(lib.GGML_BACKEND_DEVICE_TYPE_CPU)
-    reg = lib.ggml_backend_dev_backend_reg(dev)
-    fn = lib.ggml_backend_reg_get_proc_address(reg, b"ggml_backend_dev_get_extra_bufts")
+    fn = lib.ggml_backend_reg_get_proc_address(_cpu_reg(), b"ggml_backend_dev_get_extra_bufts")
     if fn == ffi.NULL:
         return []
     arr = ffi.cast("ggml_backend_dev_get_extra_bufts_t", fn)(dev)
@@ -285,16 +396,22 @@ def default_threads() -> int:
                else (os.cpu_count() or 1))
 
 
+def _set_threads(backend, threads: int) -> None:
+    """A backend's thread count, through its module's registry entry (the CPU and BLAS
+    backends are modules loaded at run time: their functions are not linked)."""
+    reg = lib.ggml_backend_dev_backend_reg(lib.ggml_backend_get_device(backend))
+    fn = lib.ggml_backend_reg_get_proc_address(reg, b"ggml_backend_set_n_threads")
+    if fn != ffi.NULL:
+        ffi.cast("ggml_backend_set_n_threads_t", fn)(backend, threads)
+
+
 def _init_blas(threads: int):
     """The BLAS backend with ``threads`` threads, or None when the build has none."""
     dev = lib.ggml_backend_dev_by_type(lib.GGML_BACKEND_DEVICE_TYPE_ACCEL)
     if dev == ffi.NULL or ffi.string(lib.ggml_backend_dev_name(dev)).decode() != "BLAS":
         return None
     backend = lib.ggml_backend_dev_init(dev, ffi.NULL)
-    reg = lib.ggml_backend_dev_backend_reg(dev)
-    fn = lib.ggml_backend_reg_get_proc_address(reg, b"ggml_backend_set_n_threads")
-    if fn != ffi.NULL:
-        ffi.cast("ggml_backend_set_n_threads_t", fn)(backend, threads)
+    _set_threads(backend, threads)
     return backend
 
 
@@ -327,7 +444,7 @@ class Runtime:
                 raise DeviceError("device 'cuda' requested but ggml reports no GPU device "
                                    "(build with PYTRAIN_CUDA=1 on a machine with CUDA)")
         self.cpu = lib.ggml_backend_init_by_type(lib.GGML_BACKEND_DEVICE_TYPE_CPU, ffi.NULL)
-        lib.ggml_backend_cpu_set_n_threads(self.cpu, self.threads)
+        _set_threads(self.cpu, self.threads)
         self.gpu = gpu
         # ggml's BLAS backend (OpenBLAS) takes the large matmuls and OUT_PRODs off the CPU
         # backend when the build has it; listed before the CPU so the scheduler gives it those

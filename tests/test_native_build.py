@@ -169,9 +169,47 @@ def test_a_prebuilt_prefix_of_this_source_gives_its_options(tmp_path):
     assert native_build.check_prebuilt(p) == ["-DGGML_NATIVE=OFF"]
 
 
-def test_portable_builds_turn_ggml_native_off(monkeypatch):
-    monkeypatch.setenv("PYTRAIN_GGML_NATIVE", "0")
+def test_builds_are_portable_unless_native_is_asked_for(monkeypatch):
+    """The default build is llama.cpp's portable one: backends as run-time modules and one
+    ggml-cpu per x86-64 level.  PYTRAIN_GGML_NATIVE=1 builds one ggml-cpu for this CPU."""
+    monkeypatch.delenv("PYTRAIN_GGML_NATIVE", raising=False)
     opts = native_build.ggml_options(cuda=False)
-    assert "-DGGML_NATIVE=OFF" in opts and "-DGGML_NATIVE=ON" not in opts
-    monkeypatch.delenv("PYTRAIN_GGML_NATIVE")
-    assert "-DGGML_NATIVE=ON" in native_build.ggml_options(cuda=False)
+    assert {"-DGGML_BACKEND_DL=ON", "-DGGML_CPU_ALL_VARIANTS=ON", "-DGGML_NATIVE=OFF"} <= set(opts)
+    monkeypatch.setenv("PYTRAIN_GGML_NATIVE", "1")
+    opts = native_build.ggml_options(cuda=False)
+    assert "-DGGML_NATIVE=ON" in opts and "-DGGML_BACKEND_DL=ON" in opts
+    assert "-DGGML_CPU_ALL_VARIANTS=ON" not in opts and "-DGGML_NATIVE=OFF" not in opts
+
+
+@pytest.mark.parametrize("system,machine", [("Linux", "aarch64"), ("Darwin", "arm64"),
+                                            ("Windows", "AMD64")])
+def test_unsupported_platforms_are_refused_in_one_line(system, machine, tmp_path, cache,
+                                                       monkeypatch, capsys):
+    """Nothing is downloaded or compiled first: the pinned OpenBLAS wheel and the CPU
+    variants are x86-64 Linux ones, and a later failure would name the wrong cause."""
+    import platform
+    monkeypatch.setattr(platform, "system", lambda: system)
+    monkeypatch.setattr(platform, "machine", lambda: machine)
+    fake_pip(monkeypatch, "import sys; sys.exit('pip must not run')")
+    rc, err = run_main(["--out", str(tmp_path / "o")], capsys)
+    assert rc == 1 and len(err) == 1, err
+    assert err[0] == (f"error: pytrain supports Linux x86-64 only; this is {system} {machine} "
+                      f'(see README "Installation": supported platforms)')
+    assert not (cache / "dl").exists() and not (tmp_path / "o" / "build_info.json").exists()
+
+
+def test_the_build_installs_every_x86_cpu_variant_and_one_abi3_module():
+    """What `make build` put in the package: libggml and libggml-base by their sonames, a
+    ggml-cpu module per x86-64 level (the portable set llama.cpp's releases ship), and the
+    cffi extension for CPython's limited API."""
+    import json
+    info = json.loads((Path(native_build.PKG_NATIVE) / "build_info.json").read_text())
+    if "-DGGML_NATIVE=ON" in info["options"]:
+        pytest.skip("a PYTRAIN_GGML_NATIVE=1 build has one ggml-cpu module")
+    assert {"x64", "sse42", "haswell", "skylakex", "icelake", "zen4",
+            "sapphirerapids"} <= set(info["cpu_variants"])
+    lib = Path(native_build.PKG_NATIVE) / "lib"
+    assert (lib / "libggml.so.0").is_file() and (lib / "libggml-base.so.0").is_file()
+    assert not any(p.is_symlink() for p in lib.iterdir())
+    assert info["module"] == "_ggml.abi3.so"
+    assert [p.name for p in Path(native_build.PKG_NATIVE).glob("_ggml*.so")] == ["_ggml.abi3.so"]

@@ -27,7 +27,13 @@ def report() -> str:
         mem = (f"{d.memory_free / 2**30:.1f} GiB free of {d.memory_total / 2**30:.1f} GiB"
                if d.memory_total else "memory unknown")
         lines.append(f"  {d.name:<8} {d.kind:<5} {d.description}  ({mem})")
-    lines.append(f"cpu features: {' '.join(ggml.cpu_features()) or 'none detected'}")
+    v = ggml.CPU_VARIANT
+    runnable = [n for n, (_, score) in sorted(ggml.cpu_variant_scores().items()) if score > 0]
+    lines.append(f"cpu variant: {v.name} ({v.chosen_by}; {v.path.name}); this CPU runs "
+                 f"{len(runnable)} of the build's {len(info.get('cpu_variants', []))}: "
+                 f"{' '.join(runnable)}")
+    lines.append(f"cpu features: {' '.join(ggml.cpu_features()) or 'none detected'} "
+                 f"(those the variant was compiled for)")
     extra = ggml.extra_buffer_types()
     lines.append(f"cpu extra buffer types: {' '.join(extra) or 'none'} (never used by pytrain: "
                  f"weights and compute stay in the default buffer types)")
