@@ -208,9 +208,19 @@ class Session:
         self.model.close()
 
 
+def runtime_summary(model: Model) -> str:
+    """One line saying what the run computes on, for the log and for bug reports: the device,
+    the ggml-cpu variant (which instruction sets its kernels use), threads, BLAS."""
+    from pytrain import ggml
+    rt, v = model.runtime, ggml.CPU_VARIANT
+    return (f"device {rt.device}: ggml-cpu variant {v.name} ({v.chosen_by}), {rt.threads} "
+            f"threads{', BLAS backend' if rt.blas is not None else ''}")
+
+
 def open_session(cfg: Config, out: Path, log: Callable[[str], None]) -> Session:
     model = load_model(cfg.model.path, cfg.model.device, cfg.model.threads, cfg.model.type_policy)
     try:
+        log(runtime_summary(model))
         splits = load_data(cfg.data, model.tokenizer)
         log(splits.train_stats.summary())
         names = select_targets(model.config, cfg.lora.targets, cfg.lora.skip_ssm)

@@ -1,0 +1,155 @@
+"""Where the tests' numeric bounds come from, in one place.
+
+The same tests run on different x86-64 CPUs, ggml-cpu variants (AVX2 to AVX-512 and AMX),
+with and without the BLAS backend, on 1 or 2 threads.  Each of those sums float32 values in
+another order, so no bound may be a number one machine happened to print.  Three kinds of
+bound are used, each derived here:
+
+* **float32 rounding, calibrated on the same input.**  Two float32 evaluations of the same
+  mathematical quantity (a padded batch and its rows alone, two accumulations of one step)
+  differ only by rounding.  How large float32 rounding is for *this* computation on *this*
+  CPU is measured in the test, on the same input, against float64 (or, where there is no
+  float64 forward, against the same float32 computation with every weight perturbed by one
+  unit of float32 rounding), and the comparison is allowed ``F32_SPREAD`` times that.
+  An error is never smaller than a few units of rounding of the value itself
+  (``ulps``), which covers a calibration that happened to round exactly.
+
+* **A kept type's own noise, measured on the same input.**  With F16 or quantized weights
+  kept, ggml rounds every matmul's activations to that type, so a float32 difference of
+  one ulp upstream can flip an 8-bit rounding downstream, and the logits then move by up to
+  the type's own rounding noise.  That noise is measured in the test: the same model loaded
+  with ``type_policy = "f32"`` (the same weight values, no activation rounding) against the
+  kept one.  Two implementations that round the same function with the same kernels
+  (pytrain and llama.cpp) are then within a multiple of it (``kept_noise_bounds``).
+
+* **AdamW's own amplification.**  AdamW divides each gradient element by its running
+  magnitude, so a gradient element within rounding of zero can change its update by up to
+  ``2·c_t·lr`` at step t whatever its size (``adam_ratio_bound``), while every other element
+  moves by a rounding-sized fraction of that.  Two runs that should be equal are compared
+  with that hard per-element bound, and with a bound on the *share* of elements that may
+  use it (``assert_adamw_close``).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+U32 = 2.0 ** -24          # float32 unit roundoff: |fl(x) - x| <= U32·|x|
+
+# Two float32 evaluations of one value, each off by e from the exact value (e measured on
+# the same input), differ by at most 2e; a second computation of a different shape (other
+# kernels: BLAS or ggml-cpu, other blocking) may round up to twice as badly as the
+# calibrated one.  4 x is that, and it is still far below the faults the tests plant
+# (a padded position leaking at weight 1e-3 moves a loss by ~1e-3 of a token's CE).
+F32_SPREAD = 4.0
+
+
+def ulps(x, n: float = 8.0) -> float:
+    """n units of float32 rounding of the largest magnitude in x."""
+    return n * U32 * float(np.max(np.abs(np.asarray(x, np.float64))))
+
+
+def f32_bound(measured_error: float, value) -> float:
+    """The allowed difference between two float32 evaluations of ``value`` whose rounding
+    error on this input was measured as ``measured_error`` (see the module docstring)."""
+    return F32_SPREAD * max(float(measured_error), ulps(value))
+
+
+# --------------------------------------------------------------------------- kept types
+
+def log_softmax(x) -> np.ndarray:
+    x = np.asarray(x, np.float64)
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def kl_rows(p_log: np.ndarray, q_log: np.ndarray) -> np.ndarray:
+    """KL(p || q) per row of log-probabilities."""
+    return (np.exp(p_log) * (p_log - q_log)).sum(-1)
+
+
+def kept_noise_bounds(kept_log: np.ndarray, f32_log: np.ndarray) -> dict:
+    """Bounds for comparing a kept-type computation with another implementation of the same
+    rounding (llama.cpp on the same file), from the kept type's own noise on this input:
+    ``kept_log`` (weights kept) against ``f32_log`` (same weights as float32).
+
+    * KL: for small perturbations KL is quadratic in the log-probability difference
+      (KL(p||q) ≈ ½ Δᵀ F Δ), so two independent roundings a, b of the same f with
+      KL(f||a) ≈ KL(f||b) ≈ k have KL(a||b) ≈ 2k on average: the mean bound is 4 k (2x for
+      the estimate), the per-position bound 4x the largest per-position noise.
+    * argmax: a and b can disagree at a position only where a's top-two gap is at most
+      2·max|a - b| (a flip needs the two tokens' difference to change sign), and |a - b| is
+      at most |a - f| + |b - f| ≈ 2·(a's noise there): so within 4x a's own noise at that
+      position (max over the vocabulary of |kept - f32|).
+    """
+    kl = kl_rows(f32_log, kept_log)
+    noise = np.abs(kept_log - f32_log).max(-1)
+    floor = ulps(f32_log)
+    return {"kl_mean": 4 * max(float(kl.mean()), floor),
+            "kl_max": 4 * max(float(kl.max()), floor),
+            "gap": 4 * np.maximum(noise, floor),       # per position
+            "noise": noise, "kl": kl}
+
+
+def top2_gap(log_probs: np.ndarray) -> np.ndarray:
+    s = np.sort(log_probs, -1)
+    return s[..., -1] - s[..., -2]
+
+
+# --------------------------------------------------------------------------- AdamW
+
+def adam_ratio_bound(beta1: float, beta2: float, t: int) -> float:
+    """max |m̂_t| / sqrt(v̂_t) over every gradient sequence, at step t (eps only lowers it).
+
+    m̂_t = Σ_k a_k g_k and v̂_t = Σ_k b_k g_k² with a_k = (1-β1)β1^(t-k)/(1-β1^t) and
+    b_k = (1-β2)β2^(t-k)/(1-β2^t); Cauchy-Schwarz on Σ (a_k/√b_k)(√b_k g_k) gives
+    |m̂_t| ≤ sqrt(Σ a_k²/b_k)·sqrt(v̂_t).  1 at t = 1, 1.0013 at t = 2."""
+    ks = np.arange(1, t + 1)
+    a = (1 - beta1) * beta1 ** (t - ks) / (1 - beta1 ** t)
+    b = (1 - beta2) * beta2 ** (t - ks) / (1 - beta2 ** t)
+    return float(math.sqrt(np.sum(a * a / b)))
+
+
+def adamw_element_bound(lrs: list[float], beta1: float = 0.9, beta2: float = 0.999) -> float:
+    """The most one parameter element can differ between two AdamW runs from the same start
+    whose gradients differ in any way: each step moves an element by at most c_t·lr_t in
+    either run (weight decay only shrinks a difference)."""
+    return sum(2 * lr * adam_ratio_bound(beta1, beta2, t) for t, lr in enumerate(lrs, 1))
+
+
+# The share of elements whose update may differ by a sizeable fraction of lr: only those whose
+# gradient is within float32 rounding of zero.  Gradients round at ~1e-5 of their tensor's
+# scale (test_masked_loss, test_recompute: GRAD_ROUNDING), and the gradient elements of these
+# adapters are spread over several orders of magnitude, so about 1e-5 of them lie that close
+# to zero; 1% is a 1000x margin.  A real fault (a micro-batch dropped, a step skipped or
+# repeated) changes the update of a large share of the elements.
+ADAMW_FLIP_SHARE = 0.01
+# What "differs" means for that share: 1% of the per-element bound.  An element whose
+# gradient is not near zero sees a relative change of its gradient of ~1e-5, which changes
+# its AdamW update by about that fraction of lr, far below 1%.
+ADAMW_FLIP_FRACTION = 0.01
+
+
+def assert_adamw_close(got: dict, want: dict, lrs: list[float], beta1: float = 0.9,
+                       beta2: float = 0.999) -> None:
+    """Adapters after the AdamW steps ``lrs`` of two runs that compute the same gradients up
+    to float32 rounding: every element within ``adamw_element_bound`` (plus the rounding
+    of the value itself), and at most ``ADAMW_FLIP_SHARE`` of all elements beyond
+    ``ADAMW_FLIP_FRACTION`` of it."""
+    assert sorted(got) == sorted(want)
+    bound = adamw_element_bound(lrs, beta1, beta2)
+    n = far = 0
+    worst = (0.0, "")
+    for k in want:
+        a, b = np.asarray(got[k], np.float64), np.asarray(want[k], np.float64)
+        d = np.abs(a - b)
+        tol = bound + 4 * U32 * np.abs(b)
+        assert (d <= tol).all(), (k, float(d.max()), bound)
+        n += d.size
+        far += int((d > ADAMW_FLIP_FRACTION * bound).sum())
+        if d.max() > worst[0]:
+            worst = (float(d.max()), k)
+    assert far <= ADAMW_FLIP_SHARE * n, (f"{far} of {n} elements differ by more than "
+                                         f"{ADAMW_FLIP_FRACTION} of the AdamW bound {bound:.3g}",
+                                         worst)
