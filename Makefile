@@ -5,7 +5,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 CUDA   ?= 0
 
-.PHONY: all build llama-cpp cuda-check real-model test demo demo-real experiments gpu-carry doctor clean distclean
+.PHONY: all build llama-cpp cuda-check real-model test test-cpu-matrix demo demo-real experiments gpu-carry doctor clean distclean
 
 all: build
 
@@ -36,6 +36,12 @@ real-model: build
 
 test: build llama-cpp cuda-check real-model
 	$(PY) -m pytest -q
+
+# the numerically sensitive tests under several CPU configurations of this machine: ggml-cpu
+# variants (the best for this CPU, AVX2-only, -march=native), BLAS on and off, 1 and 2 threads
+# (not part of `make test`; about 20 minutes on 2 cores; summary in bench_results/)
+test-cpu-matrix: build llama-cpp real-model
+	$(PY) scripts/test_cpu_matrix.py --out bench_results/cpu_matrix.md
 
 demo: build
 	$(PY) -m pytrain doctor

@@ -248,8 +248,7 @@ def cuda_options(tk: CudaToolkit) -> list[str]:
     if tk.cublas_include is not None:
         args += [f"-DCUDA_cublas_LIBRARY={tk.cublas_lib / 'libcublas.so.13'}",
                  f"-DCUDA_cublasLt_LIBRARY={tk.cublas_lib / 'libcublasLt.so.13'}",
-                 f"-DCMAKE_CUDA_FLAGS=-I{tk.cublas_include}",
-                 f"-DCMAKE_CXX_FLAGS=-I{tk.cublas_include}"]
+                 f"-DCMAKE_CUDA_FLAGS=-I{tk.cublas_include}"]   # C/C++: ggml_options
     return args
 
 
@@ -333,20 +332,28 @@ GGML_OPTIONS = ["-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=ON",
 
 
 def native_wanted() -> bool:
-    """``PYTRAIN_GGML_NATIVE=1``: one ggml-cpu for this machine's CPU (``-march=native``), for
-    a local install that will never move.  README "Installation" says what it is worth."""
+    """``PYTRAIN_GGML_NATIVE=1``: one ggml-cpu compiled with -march=native for this machine's
+    CPU, for a local install that will never move, and for the CPU-variant test matrix.
+    ggml's own GGML_NATIVE refuses run-time backends, so the flag is given to the compiler
+    directly; the module is ``libggml-cpu.so``, which pytrain calls the ``native`` variant."""
     return os.environ.get("PYTRAIN_GGML_NATIVE", "0") not in ("", "0")
 
 
 def ggml_options(cuda: bool) -> list[str]:
     """Every CMake option of a build: recorded in its stamp, so a change rebuilds."""
     opts = list(GGML_OPTIONS)
+    cflags = []
     if native_wanted():
-        opts[opts.index("-DGGML_NATIVE=OFF")] = "-DGGML_NATIVE=ON"
         opts.remove("-DGGML_CPU_ALL_VARIANTS=ON")
+        cflags.append("-march=native")
     opts += blas_options()
-    if cuda:   # its rpath option also names cuBLAS; CMake keeps the last one
-        opts += cuda_options(cuda_toolkit())
+    if cuda:
+        tk = cuda_toolkit()
+        opts += cuda_options(tk)   # its rpath option also names cuBLAS; CMake keeps the last one
+        if tk.cublas_include is not None:
+            cflags.append(f"-I{tk.cublas_include}")
+    if cflags:
+        opts += [f"-DCMAKE_C_FLAGS={' '.join(cflags)}", f"-DCMAKE_CXX_FLAGS={' '.join(cflags)}"]
     return opts
 
 
@@ -375,7 +382,8 @@ def cmake_configure(variant: str, options: list[str]) -> Path:
 
 def cmake_build(cuda: bool, jobs: int, options: list[str]) -> Path:
     """Configure and build ggml as shared libraries; returns an install prefix."""
-    variant = ("cuda" if cuda else "cpu") + ("-native" if "-DGGML_NATIVE=ON" in options else "")
+    variant = ("cuda" if cuda else "cpu") + ("" if "-DGGML_CPU_ALL_VARIANTS=ON" in options
+                                             else "-native")
     prefix = cache_dir() / "install" / f"{SRC_DIRNAME}-{variant}"
     bdir = cmake_configure(variant, options + [f"-DCMAKE_INSTALL_PREFIX={prefix}",
                                                "-DCMAKE_INSTALL_LIBDIR=lib"])

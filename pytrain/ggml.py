@@ -37,28 +37,39 @@ class CpuVariant:
     chosen_by: str     # "best for this CPU" or "PYTRAIN_CPU_VARIANT"
 
 
-def cpu_variant_scores(lib_dir: Path = LIB_DIR) -> dict[str, tuple[Path, int]]:
-    """Every ggml-cpu module of the build with the score ggml gives it on this CPU (the
-    variant's own cpuid check: 0 when the CPU lacks one of its instruction sets, else higher
-    for more of them), as ggml's ``ggml_backend_load_best`` computes it.  Each module is
-    opened and closed again; only the chosen one stays loaded."""
+def _variant_name(path: Path) -> str:
+    return path.name[len("libggml-cpu-"):-3] if path.name != "libggml-cpu.so" else "native"
+
+
+def _module_score(path: Path) -> int:
+    """ggml_backend_score() of a ggml-cpu module: its own cpuid check (0 when the CPU lacks
+    one of its instruction sets, else higher for more of them), as ggml's
+    ``ggml_backend_load_best`` computes it.  The module is closed again afterwards."""
     import ctypes
     import _ctypes
-    out = {}
-    for path in sorted(lib_dir.glob("libggml-cpu*.so")):
-        name = path.name[len("libggml-cpu-"):-3] if path.name != "libggml-cpu.so" else "native"
-        handle = ctypes.CDLL(str(path), mode=os.RTLD_LOCAL)
-        try:
-            fn = getattr(handle, "ggml_backend_score", None)
-            out[name] = (path, int(fn()) if fn is not None else 1)
-        finally:
-            _ctypes.dlclose(handle._handle)
-    return out
+    handle = ctypes.CDLL(str(path), mode=os.RTLD_LOCAL)
+    try:
+        fn = getattr(handle, "ggml_backend_score", None)
+        return int(fn()) if fn is not None else 1
+    finally:
+        _ctypes.dlclose(handle._handle)
+
+
+def cpu_variant_scores(lib_dir: Path = LIB_DIR) -> dict[str, tuple[Path, int]]:
+    """Every ggml-cpu module of the build, by variant name, with its score on this CPU."""
+    return {_variant_name(p): (p, _module_score(p))
+            for p in sorted(lib_dir.glob("libggml-cpu*.so"))}
 
 
 def choose_cpu_variant(scores: dict[str, tuple[Path, int]], wanted: str | None) -> CpuVariant:
-    """``wanted`` (``PYTRAIN_CPU_VARIANT``) if set, else a native module if the build has one,
+    """``wanted`` (``PYTRAIN_CPU_VARIANT``: a variant name, or the path of a ggml-cpu module
+    built elsewhere from the same source) if set, else a native module if the build has one,
     else the runnable variant with the highest score, as ggml's own loader picks it."""
+    if wanted and os.sep in wanted:
+        path = Path(wanted)
+        if not path.is_file():
+            raise CpuVariantError(f"PYTRAIN_CPU_VARIANT={wanted}: no such file")
+        scores = {**scores, wanted: (path, _module_score(path))}
     if not scores:
         raise CpuVariantError(f"no ggml-cpu module in {LIB_DIR}: rebuild with `make build`")
     runnable = sorted((s, n) for n, (_, s) in scores.items() if s > 0)
@@ -433,7 +444,10 @@ class Runtime:
                  graph_size: int = 8192, allow_cpu_fallback: bool = False, blas: bool = True):
         if device not in ("cpu", "cuda", "auto"):
             raise DeviceError(f"device must be 'cpu', 'cuda' or 'auto', got {device!r}")
-        self.threads = threads or default_threads()
+        # PYTRAIN_THREADS overrides every runtime's thread count, configs and callers
+        # included: for running a whole test suite or benchmark at another count
+        forced = os.environ.get("PYTRAIN_THREADS", "")
+        self.threads = int(forced) if forced else (threads or default_threads())
         self.allow_cpu_fallback = allow_cpu_fallback
         gpu = None
         if device in ("cuda", "auto"):

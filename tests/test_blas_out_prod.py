@@ -2,6 +2,8 @@
 (native/patches/0008: one sgemm per matrix, src0 broadcast over src1's batch as ggml-cpu does
 for grouped-query attention).  Checked against a float64 numpy einsum, and the scheduler must
 have run the op on BLAS (sizes below the patch's minimum stay on the CPU, also checked)."""
+import os
+
 import numpy as np
 import pytest
 
@@ -9,6 +11,8 @@ from pytrain import ggml
 from pytrain.ggml import ffi, lib
 
 F32 = lib.GGML_TYPE_F32
+pytestmark = pytest.mark.skipif(os.environ.get("PYTRAIN_BLAS", "1") in ("", "0"),
+                                reason="PYTRAIN_BLAS=0: the BLAS backend is switched off")
 
 
 def out_prod(a: np.ndarray, b: np.ndarray, *, transposed_b: bool, padded_a: bool):

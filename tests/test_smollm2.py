@@ -3,22 +3,19 @@ ChatML template, pad id = eos id = 2 = ``<|im_end|>``), from the pinned PyPI whe
 ``scripts/fetch_model.py`` fetches (``make test`` does it).  Checked against llama.cpp itself
 (``scripts/llama_logits``, ``scripts/llama_generate``) and a float64 numpy forward.
 
-Bounds:
+Bounds (tests/bounds.py derives each kind):
 * loaded as F32, pytrain's logits equal a float64 forward of the file's dequantized weights
-  (tests/llama_ref.py) to 1e-4 (measured 2.9e-5 on 24 chat tokens): the graph computes the
-  model exactly;
+  (tests/llama_ref.py) to 1e-4: the graph computes the model exactly;
+* exactness claims (a padded batch equals its rows alone) run on the F32 load, within 4x the
+  float32 rounding measured on the same rows against the float64 forward;
 * with the file's types kept, pytrain and llama.cpp run the same ggml-cpu kernels, but an
-  upstream float32 sum grouped differently (llama.cpp's attention over its KV-cache layout)
-  changes the 8-bit rounding of some activations downstream, which a 30-layer Q4_1 model
-  spreads to the tails of the distribution: max |Δ log-softmax| up to ~1.2 on rare tokens,
-  while the distributions agree (KL(llama.cpp || pytrain) per position: mean 2.1e-3, max
-  1.3e-2 on the 49 tokens of this chat; pytrain against itself with the row padded
-  differently: max 1.0e-2 on 16 tokens).  The argmax agreed at 48 of 49 positions; the
-  other is a near tie (llama.cpp's top two 0.052 apart, pytrain's 0.10).  Bounds: mean KL
-  0.01, max KL 0.1, the same argmax wherever llama.cpp's top two are 0.3 or more apart;
-* greedy generation with the KV cache is llama.cpp's own incremental decoding, so the tokens
-  are equal (all 24 of both prompts here; make demo-real: 40 of 40 answers with an adapter);
-  where they part, pytrain's top two must be a near tie (0.3) at that token.
+  upstream float32 sum grouped differently (llama.cpp's attention over its KV-cache layout,
+  another batch shape) changes the 8-bit rounding of some activations downstream, which a
+  30-layer Q4_1 model spreads to the tails of the distribution (max |Δ log-softmax| near 1
+  on rare tokens; the same file on another CPU moved a padded batch's loss by 0.02).  So
+  the kept comparisons are bounded by the kept type's own noise on the same tokens, pytrain
+  kept against pytrain F32 (``bounds.kept_noise_bounds``): KL and argmax flips within what
+  that noise allows, never a fixed number.
 """
 import subprocess
 from pathlib import Path
@@ -59,6 +56,21 @@ def model(gguf_path):
 
 
 @pytest.fixture(scope="module")
+def model_f32(gguf_path):
+    """The same file loaded as F32: the same weight values, no activation rounding."""
+    m = pytrain.load_model(gguf_path, device="cpu", threads=2, type_policy="f32")
+    yield m
+    m.close()
+
+
+@pytest.fixture(scope="module")
+def weights64(gguf_path):
+    """The file's tensors dequantized to float64 and its keys, for tests/llama_ref.py."""
+    from llama_ref import gguf_contents
+    return gguf_contents(gguf_path)
+
+
+@pytest.fixture(scope="module")
 def generate_exe():
     from llama_cpp_check import built_binary
     exe = built_binary("llama_generate")
@@ -94,33 +106,30 @@ def test_inspect(gguf_path, capsys):
     assert "architecture: llama" in out and "Q4_1" in out and "120 tensors" in out
 
 
-def test_f32_logits_equal_float64_forward(gguf_path, model):
-    from llama_ref import forward_gguf
-    ids = chat_ids(model)[:24]
-    m = pytrain.load_model(gguf_path, device="cpu", threads=2, type_policy="f32")
-    try:
-        got = log_softmax(m.logits(np.array(ids)))
-    finally:
-        m.close()
-    err = float(np.abs(got - forward_gguf(gguf_path, ids)).max())
+def test_f32_logits_equal_float64_forward(model_f32, weights64):
+    from llama_ref import forward
+    ids = chat_ids(model_f32)[:24]
+    got = log_softmax(model_f32.logits(np.array(ids)))
+    err = float(np.abs(got - forward(*weights64, ids)).max())
     print(f"SmolLM2 as F32 vs float64: {err:.2e}")
     assert err < 1e-4, err
 
 
-def test_logits_match_llama_cpp(model, llama_logits_exe, tmp_path, gguf_path):
+def test_logits_match_llama_cpp(model, model_f32, llama_logits_exe, tmp_path, gguf_path):
+    """llama.cpp and pytrain on the file as stored, bounded by the kept type's noise on these
+    tokens (``bounds.assert_same_rounding``: pytrain kept against pytrain F32)."""
+    from bounds import assert_same_rounding, kl_rows
     from llama_cpp_check import run_llama
     ids = chat_ids(model)
     ours = log_softmax(model.logits(np.array(ids)))
+    f32 = log_softmax(model_f32.logits(np.array(ids)))
     theirs = log_softmax(run_llama(llama_logits_exe, gguf_path, None, ids, tmp_path / "l.f32",
                                    model.config.n_vocab))
-    kl = (np.exp(theirs) * (theirs - ours)).sum(-1)
-    top2 = np.sort(theirs, -1)[:, -2:]
-    clear = top2[:, 1] - top2[:, 0] >= 0.3
-    agree = ours.argmax(-1) == theirs.argmax(-1)
+    kl, noise = kl_rows(theirs, ours), kl_rows(f32, ours)
     print(f"SmolLM2 vs llama.cpp over {len(ids)} tokens: KL mean {kl.mean():.2e} max "
-          f"{kl.max():.2e}; argmax agrees at {agree.mean():.0%}")
-    assert kl.mean() < 0.01 and kl.max() < 0.1, kl
-    assert agree[clear].all()
+          f"{kl.max():.2e} (Q4_1's own noise: KL mean {noise.mean():.2e} max {noise.max():.2e}); "
+          f"argmax differs at {int((ours.argmax(-1) != theirs.argmax(-1)).sum())} positions")
+    assert_same_rounding(ours, theirs, f32)
 
 
 def llama_tokenize(exe, gguf_path, texts, tmp_path, parse_special):
@@ -180,34 +189,47 @@ def test_chat_template_matches_llama_cpp(model, generate_exe, gguf_path, tmp_pat
     assert ours == default + theirs
 
 
-def test_pad_equals_eos_regression(model):
-    """Seed 004's trap on the real tokenizer and template: padding and the end-of-turn token
-    are the same id (2).  The assistant's closing <|im_end|> stays a target; padding never is;
-    the masked loss of a padded batch equals that of its rows alone."""
+PAD_CHATS = [CHAT + [{"role": "assistant", "content": "Rome."}],
+             [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "Hi!"}]]
+
+
+def padded_and_alone(model, leak: float = 0.0) -> dict:
+    """The masked loss of the two chats as one right-padded batch, and of each row alone
+    (no padding).  ``leak``: a planted fault, the padded positions' targets (the pad token)
+    enter the loss at that weight, the valid count unchanged."""
     from pytrain.data import Example, make_batches
     from pytrain.models import lora
     from pytrain.models.lora_targets import select_targets
     from pytrain.train import loss as L
     from pytrain.train.graphs import GradGraph
-    convs = [CHAT + [{"role": "assistant", "content": "Rome."}],
-             [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "Hi!"}]]
-    encs = [encode_chat(model.tokenizer, c) for c in convs]
+    encs = [encode_chat(model.tokenizer, c) for c in PAD_CHATS]
     exs = [Example(np.array(e.ids, np.int32), np.array(e.mask)) for e in encs]
-    for e, c in zip(encs, convs):
-        eos_targets = [i for i, (t, m) in enumerate(zip(e.ids, e.mask)) if m and t == 2]
-        n_assistant = sum(m["role"] == "assistant" for m in c)
-        assert len(eos_targets) == n_assistant and e.ids[eos_targets[-1] - 1] != 2
     (b,) = make_batches(exs, 2, seed=0, pad_id=model.pad_id)
-    assert (b.tokens[b.seg < 0] == 2).all() and (b.seg < 0).any()   # padding is id 2 too
     tgt = L.shift_targets(b.tokens, b.train_mask, b.seg)
-    n_eos = int((tgt == 2).sum())
-    assert n_eos == 3                    # the three real end-of-turn targets, no padding
     ad = lora.create(model.runtime, model.config, select_targets(model.config)[:8], 4, 8.0)
+    real_prepare = L.MaskedCE.prepare
+
+    def leaky_prepare(self, targets, pad_id, *a, **k):
+        n = real_prepare(self, targets, pad_id, *a, **k)
+        if targets.size == b.seg.size:                 # the padded batch's graph
+            rows = np.nonzero((b.seg.reshape(-1) < 0)[:targets.size])[0]
+            mask = ggml.to_numpy(self.inputs.row_mask).reshape(-1).copy()
+            mask[rows] = 1.0
+            ggml.from_numpy(self.inputs.row_mask, mask.reshape(-1, 1))
+            w = np.full(1, leak, np.float32)
+            for r in rows:
+                lib.ggml_backend_tensor_set(self.inputs.labels, ffi.from_buffer(w),
+                                            int(r) * self.inputs.labels.nb[1] + pad_id * 4, 4)
+        return n
+    from pytrain import ggml
+    from pytrain.ggml import ffi, lib
     try:
+        if leak:
+            L.MaskedCE.prepare = leaky_prepare
         g = GradGraph(model, ad, B=b.tokens.shape[0], T=b.tokens.shape[1])
         padded = g.run(b.tokens, b.seg, tgt)
         g.close()
-        alone_sum, n = 0.0, 0
+        rows = []
         for row in range(b.tokens.shape[0]):
             k = int((b.seg[row] >= 0).sum())
             t1 = L.shift_targets(b.tokens[row:row + 1, :k], b.train_mask[row:row + 1, :k],
@@ -215,16 +237,68 @@ def test_pad_equals_eos_regression(model):
             g = GradGraph(model, ad, B=1, T=k)
             r = g.run(b.tokens[row:row + 1, :k], b.seg[row:row + 1, :k], t1)
             g.close()
-            alone_sum += r["loss"] * r["n_valid"]
-            n += r["n_valid"]
+            rows.append((b.tokens[row, :k], t1[0], r))
     finally:
+        L.MaskedCE.prepare = real_prepare
         model.runtime.free(ad.buffer)
         ad.ctx.close()
-    assert padded["n_valid"] == n
-    assert padded["loss"] == pytest.approx(alone_sum / n, rel=1e-3)
+    n = sum(r["n_valid"] for _, _, r in rows)
+    return {"batch": b, "targets": tgt, "padded": padded, "rows": rows,
+            "alone": sum(r["loss"] * r["n_valid"] for _, _, r in rows) / n, "n": n}
 
 
-def test_greedy_generation_matches_llama_cpp(model, generate_exe, gguf_path, tmp_path):
+def assert_padded_equals_alone(got: dict, model_f32, weights64) -> None:
+    """The padded batch's masked loss equals that of its rows alone.  Both are float32
+    evaluations of one number; the bound is ``bounds.f32_bound`` of the float32 rounding
+    measured on these rows: the largest |log-softmax| error at a target, pytrain F32 against
+    the float64 forward of the same weights (the loss is a mean of those values)."""
+    from bounds import f32_bound
+    from llama_ref import forward
+    err = 0.0
+    for toks, t1, _ in got["rows"]:
+        at = np.nonzero(t1 >= 0)[0]
+        exact = forward(*weights64, toks)[at, t1[at]]
+        ours = log_softmax(model_f32.logits(np.array(toks)))[at, t1[at]]
+        err = max(err, float(np.abs(ours - exact).max()))
+    assert got["padded"]["n_valid"] == got["n"]
+    bound = f32_bound(err, got["alone"])
+    print(f"padded {got['padded']['loss']:.7f} alone {got['alone']:.7f} bound {bound:.2e}")
+    assert abs(got["padded"]["loss"] - got["alone"]) <= bound, (got["padded"]["loss"],
+                                                                got["alone"], bound)
+
+
+def test_pad_equals_eos_regression(model_f32, weights64):
+    """Seed 004's trap on the real tokenizer and template: padding and the end-of-turn token
+    are the same id (2).  The assistant's closing <|im_end|> stays a target; padding never is;
+    the masked loss of a padded batch equals that of its rows alone (on the F32 load: the
+    claim is exact, so float32 rounding is all that may separate them)."""
+    for c in PAD_CHATS:
+        e = encode_chat(model_f32.tokenizer, c)
+        eos_targets = [i for i, (t, m) in enumerate(zip(e.ids, e.mask)) if m and t == 2]
+        n_assistant = sum(m["role"] == "assistant" for m in c)
+        assert len(eos_targets) == n_assistant and e.ids[eos_targets[-1] - 1] != 2
+    got = padded_and_alone(model_f32)
+    b = got["batch"]
+    assert (b.tokens[b.seg < 0] == 2).all() and (b.seg < 0).any()   # padding is id 2 too
+    assert int((got["targets"] == 2).sum()) == 3   # the three real end-of-turn targets, no padding
+    assert_padded_equals_alone(got, model_f32, weights64)
+
+
+def test_padding_comparison_catches_a_leak_of_1e_3(model_f32, weights64):
+    """The planted fault: each padded position's pad-token target enters the loss at weight
+    1e-3 (the valid count, and so the division, unchanged)."""
+    got = padded_and_alone(model_f32, leak=1e-3)
+    assert got["padded"]["n_valid"] == got["n"]           # the counts do not show it
+    with pytest.raises(AssertionError):
+        assert_padded_equals_alone(got, model_f32, weights64)
+
+
+def test_greedy_generation_matches_llama_cpp(model, model_f32, generate_exe, gguf_path, tmp_path):
+    """Greedy decoding with the KV cache is llama.cpp's own incremental decoding, so the tokens
+    are equal; where they part, the next token must be one the kept type's rounding can
+    flip: pytrain's top-two gap within 4x its own noise at that token (as in
+    ``bounds.assert_same_rounding``)."""
+    from bounds import kept_noise
     prompts = [chat_ids(model), chat_ids(model, CHAT[1:2])]
     inp = tmp_path / "prompts"
     inp.write_text("\n".join(",".join(map(str, p)) for p in prompts) + "\n")
@@ -239,9 +313,13 @@ def test_greedy_generation_matches_llama_cpp(model, generate_exe, gguf_path, tmp
         want = [x for x in t if x not in model.tokenizer.eog_ids]
         if ours != want:       # allowed only where the next token is a near tie for pytrain
             k = next(i for i, (a, b) in enumerate(zip(ours + [-1], want + [-1])) if a != b)
-            last = log_softmax(model.logits(np.array(p + ours[:k]), last_only=True))
-            gap = np.diff(np.sort(last)[-2:])[0]
-            assert gap < 0.3, (k, gap, model.tokenizer.decode(ours), model.tokenizer.decode(want))
+            prefix = np.array(p + ours[:k])
+            last = log_softmax(model.logits(prefix, last_only=True)).reshape(1, -1)
+            f32 = log_softmax(model_f32.logits(prefix, last_only=True)).reshape(1, -1)
+            gap = np.diff(np.sort(last[0])[-2:])[0]
+            noise = kept_noise(last, f32)["max"][0]
+            assert gap <= 4 * noise, (k, gap, noise, model.tokenizer.decode(ours),
+                                      model.tokenizer.decode(want))
 
 
 def test_pytrain_train_on_the_real_model(gguf_path, tmp_path, model):
