@@ -83,7 +83,8 @@ def choose_cpu_variant(scores: dict[str, tuple[Path, int]], wanted: str | None) 
                 f"PYTRAIN_CPU_VARIANT={wanted}: this CPU lacks instructions that variant needs "
                 f"(it would die with SIGILL); variants this CPU runs: "
                 f"{', '.join(n for _, n in runnable) or 'none'}")
-        return CpuVariant(wanted, path, score, "PYTRAIN_CPU_VARIANT")
+        name = _variant_name(path) if os.sep in wanted else wanted
+        return CpuVariant(name, path, score, "PYTRAIN_CPU_VARIANT")
     if "native" in scores:
         path, score = scores["native"]
         return CpuVariant("native", path, score, "built for this CPU (PYTRAIN_GGML_NATIVE=1)")

@@ -30,6 +30,8 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -42,13 +44,23 @@ BATCH = (2, 256)
 SETTINGS = [("f32", "1"), ("f16", "0")]      # (weights, PYTRAIN_BLAS)
 
 
+def _values(name: str, shape: tuple, rng):
+    """Random values a trained model's would resemble: a decaying DeltaNet state (ssm_a < 0),
+    norms near 1, matrices scaled by their fan-in."""
+    if name.endswith("ssm_a"):
+        return -np.exp(rng.normal(0.0, 0.5, shape))
+    if len(shape) == 1:
+        return 1.0 + 0.1 * rng.standard_normal(shape)
+    return rng.standard_normal(shape) / np.sqrt(shape[-1])
+
+
 def mid_model(dtype: str) -> Path:
     from gguf_factory import write_qwen35
-    out = native_build.cache_dir() / "bench" / f"mid-random-{dtype}.gguf"
+    out = native_build.load().cache_dir() / "bench" / f"mid-random-{dtype}.gguf"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_suffix(".part")
-        write_qwen35(tmp, dtype, seed=0, **MID)
+        write_qwen35(tmp, dtype, seed=0, values_fn=_values, **MID)
         os.replace(tmp, out)
     return out
 

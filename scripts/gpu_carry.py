@@ -12,9 +12,10 @@ into ``.gpu/`` (git-ignored; the device tool's ``carry`` takes it along):
   .gpu/prefix.tar.xz   optional: a CUDA ggml install prefix, so the GPU machine only compiles
                        the cffi module (``native/build.py --prebuilt``, seconds) instead of
                        spending ~6 of its 15 device minutes on the build.  ``--build-prefix``
-                       builds it here for any x86-64 CPU with AVX2 (PYTRAIN_GGML_NATIVE=0: the
-                       GPU machine's CPU is not this one) and CUDA arch 90: about 20 minutes
-                       on 2 cores, 25 MiB packed (bench_results/cuda_build-amd.md).
+                       builds it here, portable as every build is (each x86-64 level of
+                       ggml-cpu, loaded at run time: the GPU machine's CPU is not this one)
+                       and for CUDA arch 90: about 20 minutes on 2 cores
+                       (bench_results/cuda_build-amd.md, measured before the CPU variants).
                        ``--prefix DIR`` packs one built earlier; either is checked to come
                        from this archive and patch set.
 
@@ -86,7 +87,7 @@ def pack_prefix(prefix: Path) -> Path:
 def build_prefix(nb, jobs: int | None) -> Path:
     """A portable CUDA ggml install prefix, built in the cache (the cffi module the build also
     makes goes to a temporary folder: the GPU machine compiles its own for its Python)."""
-    os.environ["PYTRAIN_GGML_NATIVE"] = "0"
+    os.environ.pop("PYTRAIN_GGML_NATIVE", None)        # portable: every CPU variant
     with tempfile.TemporaryDirectory() as tmp:
         nb.build(cuda=True, jobs=jobs, out_dir=Path(tmp))
     return nb.cache_dir() / "install" / f"{nb.SRC_DIRNAME}-cuda"

@@ -56,7 +56,7 @@ SENSITIVE = [
 def native_module() -> Path:
     """A ggml-cpu compiled with -march=native for this machine, from the same source and
     patches (built once into the cache: ``PYTRAIN_GGML_NATIVE=1 native/build.py``)."""
-    out = native_build.cache_dir() / "native-variant"
+    out = native_build.load().cache_dir() / "native-variant"
     env = {**os.environ, "PYTRAIN_GGML_NATIVE": "1"}
     r = subprocess.run([sys.executable, str(ROOT / "native" / "build.py"), "--out", str(out)],
                        env=env, capture_output=True, text=True)
@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     variants = a.variants.split(",")
     if "native" in variants:
         variants[variants.index("native")] = str(native_module())
-    xml_dir = native_build.cache_dir() / "cpu-matrix"
+    xml_dir = native_build.load().cache_dir() / "cpu-matrix"
     xml_dir.mkdir(parents=True, exist_ok=True)
     cells = []
     for variant, blas, threads in itertools.product(variants, a.blas.split(","),

@@ -150,8 +150,11 @@ def write_qwen35(path: str | Path, dtype: str = "f32", *, seed: int = 0, n_nextn
     w.add_array(f"{arch}.attention.recurrent_layers", list(recurrent) + [False] * n_nextn)
     if n_nextn:
         w.add_nextn_predict_layers(n_nextn)
-    w.add_tokenizer_model("gpt2")
-    w.add_token_list([f"t{i}" for i in range(hp["n_vocab"])])
+    w.add_tokenizer_model("gpt2")           # a placeholder vocabulary the tokenizer accepts
+    w.add_tokenizer_pre("qwen35")
+    w.add_token_list(["t", "0"] + [f"t{i}" for i in range(hp["n_vocab"] - 2)])
+    w.add_token_merges(["t 0"])
+    w.add_eos_token_id(hp["n_vocab"] - 1)
 
     model = TinyQwen35(Path(path), hp)
     _add_tensors(w, model, want, dtype, rng, drop=drop, extra=extra, types=types,

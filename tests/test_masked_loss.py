@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import pytrain
+import step_rounding
 from pytrain.train import loss as L
 from pytrain.models import lora
 from pytrain.train.graphs import GradGraph
@@ -29,20 +30,9 @@ def setup():
     m.close()
 
 
-# Two computations of the same float32 gradient that differ only in how sums are grouped: the
-# BLAS backend takes the matmuls whose dims are all >= 32 and blocks its GEMMs by matrix shape,
-# ggml-cpu takes the smaller ones, so a wider padding or another batch split regroups them.
-# Equal to 5e-5 of the tensor's largest entry; measured: at most 1.2e-5 of it (batch of 4 vs
-# four micro-batches of 1, where the one runs through BLAS and the four through ggml-cpu).
-GRAD_ROUNDING = 5e-5
-
-
-def close_to_rounding(got, want, name):
-    scale = float(np.abs(want).max())
-    err = float(np.abs(got - want).max())
-    assert err <= GRAD_ROUNDING * scale, (name, err / scale)
-
-
+# Two computations of the same float32 step (another padding width, micro-batches against one
+# batch, the head on selected rows) differ only in how their sums are grouped: they are
+# compared within the rounding measured on the same input (tests/step_rounding.py).
 def batch(lengths, T, seed=0, vocab=480):
     rng = np.random.default_rng(seed)
     B = len(lengths)
@@ -111,33 +101,75 @@ def test_padded_and_masked_rows_get_exactly_zero_gradient(setup):
     assert np.abs(bug["logit_grad"][:, :10][seg[:, :10] < 0]).sum() > 0
 
 
-def test_padding_width_does_not_change_loss_or_lora_gradients(setup):
-    m, ad = setup
+def padding_widths(m, ad, leak: float = 0.0) -> tuple[list[dict], list[dict]]:
+    """The step of one batch at widths 11, 37 and 90 (37 and 90 pad to 64 and 96: 2 and 3
+    DeltaNet chunks of 32), and the rounding of the step at each width.  ``leak``: a planted
+    fault, the padded positions past width 11 leak into the loss with their pad-token
+    target at that weight (the valid count unchanged)."""
     tokens, seg = batch([11, 6], 11, seed=3)
     tgt = L.shift_targets(tokens, np.ones_like(tokens), seg)
     outs = []
-    for width in (11, 37, 90):   # 37 and 90 pad to 64 and 96: 2 and 3 DeltaNet chunks of 32
-        g = GradGraph(m, ad, B=2, T=width)
-        outs.append(g.run(tokens, seg, tgt))
-        g.close()
-    for o in outs[1:]:
-        assert o["n_valid"] == outs[0]["n_valid"]
-        assert abs(o["loss"] - outs[0]["loss"]) < 1e-5
-        for k, v in outs[0]["grads"].items():
-            close_to_rounding(o["grads"][k], v, k)
+    real_prepare = L.MaskedCE.prepare
+
+    def leaky(self, targets, pad_id, *a, **k):
+        n = real_prepare(self, targets, pad_id, *a, **k)
+        flat = targets.reshape(-1)
+        rows = np.nonzero(flat < 0)[0]
+        mask = np.ones(flat.size, np.float32)
+        mask[flat < 0] = 0.0
+        mask[rows[rows % targets.shape[-1] >= 11]] = 1.0     # padding past the batch's width
+        from pytrain import ggml
+        from pytrain.ggml import ffi, lib
+        ggml.from_numpy(self.inputs.row_mask, mask.reshape(-1, 1))
+        w = np.full(1, leak, np.float32)
+        for r in rows[rows % targets.shape[-1] >= 11]:
+            lib.ggml_backend_tensor_set(self.inputs.labels, ffi.from_buffer(w),
+                                        int(r) * self.inputs.labels.nb[1] + 480 * 4, 4)
+        return n
+    roundings = []
+    for width in (11, 37, 90):
+        padded = [np.pad(x, ((0, 0), (0, width - 11)), constant_values=v)
+                  for x, v in ((tokens, 480), (seg, -1), (tgt, L.IGNORE))]
+        roundings.append(step_rounding.measure(m, ad, 2, width, *padded))
+        if leak and width > 11:
+            L.MaskedCE.prepare = leaky
+        try:
+            g = GradGraph(m, ad, B=2, T=width)
+            outs.append(g.run(tokens, seg, tgt))
+            g.close()
+        finally:
+            L.MaskedCE.prepare = real_prepare
+    return outs, roundings
+
+
+def test_padding_width_does_not_change_loss_or_lora_gradients(setup):
+    m, ad = setup
+    outs, roundings = padding_widths(m, ad)
+    for o, r in zip(outs[1:], roundings[1:]):
+        step_rounding.assert_step_close(o, outs[0], step_rounding.worst(roundings[0], r))
     assert max(np.abs(v).max() for v in outs[0]["grads"].values()) > 1e-4
+
+
+def test_padding_comparison_catches_a_leak_of_1e_3(setup):
+    """The planted fault: padded positions enter the loss at weight 1e-3."""
+    m, ad = setup
+    outs, roundings = padding_widths(m, ad, leak=1e-3)
+    assert outs[1]["n_valid"] == outs[0]["n_valid"]
+    with pytest.raises(AssertionError):
+        step_rounding.assert_step_close(outs[1], outs[0],
+                                        step_rounding.worst(roundings[0], roundings[1]))
 
 
 def test_gradient_accumulation_is_a_token_mean_over_the_step(setup):
     """One batch of 4, and four micro-batches of 1 with different valid counts each scaled by
-    the step's valid count, give the same summed gradient and loss."""
+    the step's valid count, give the same summed gradient and loss, within the rounding
+    measured on the batch of 4 (tests/step_rounding.py)."""
     m, ad = setup
     tokens, seg = batch([12, 3, 8, 5], 12, seed=4)
     tgt = L.shift_targets(tokens, np.ones_like(tokens), seg)
     n_step = int((tgt >= 0).sum())
-    g = GradGraph(m, ad, B=4, T=12)
-    full = g.run(tokens, seg, tgt)
-    g.close()
+    rounding = step_rounding.measure(m, ad, 4, 12, tokens, seg, tgt)
+    full = rounding["ref"]
     g = GradGraph(m, ad, B=1, T=12)
     acc_loss, acc = 0.0, None
     for b in range(4):
@@ -145,9 +177,13 @@ def test_gradient_accumulation_is_a_token_mean_over_the_step(setup):
         acc_loss += o["loss"]
         acc = o["grads"] if acc is None else {k: acc[k] + v for k, v in o["grads"].items()}
     g.close()
-    assert abs(acc_loss - full["loss"]) < 1e-5
-    for k, v in full["grads"].items():
-        close_to_rounding(acc[k], v, k)
+    step_rounding.assert_step_close({"loss": acc_loss, "grads": acc, "n_valid": n_step},
+                                    full, rounding)
+    # a micro-batch dropped from the accumulation (the planted fault) is far outside it
+    short = {k: acc[k] - v for k, v in o["grads"].items()}
+    with pytest.raises(AssertionError):
+        step_rounding.assert_step_close({"loss": acc_loss - o["loss"], "grads": short,
+                                         "n_valid": n_step}, full, rounding)
     # mean of per-micro-batch means would differ (valid counts 11, 2, 7, 4)
     g = GradGraph(m, ad, B=1, T=12)
     mean_of_means = np.mean([g.run(tokens[b:b + 1], seg[b:b + 1], tgt[b:b + 1])["loss"]

@@ -495,11 +495,14 @@ def test_cli_subprocess(tmp_path):
 # Q8_0 keep 0.73-0.83 (ratio 0.072-0.079); Q8_0 -> F16 0.63-0.73 (ratio 0.062-0.066).
 LLAMA_VS_LORA = {"F32": (LLAMA_ATOL, 1.0), "BF16": (BF16_MAX, BF16_RATIO),
                  "Q8_0": (Q8_MAX, Q8_RATIO), "F16": (Q8_MAX, Q8_RATIO)}
-# llama.cpp and pytrain on the *same* merged file: the same ggml kernels for F32 and Q8_0
-# (measured 2e-5 and exactly 0), but llama.cpp's CPU matmul rounds activations to BF16/F16
-# for BF16/F16 weights where pytrain's does not to the same extent; this is there without
-# any merge (unmerged gqa-bf16: 0.156).  Measured on merged files: BF16 0.21-0.27, F16 0.057-0.085.
-LLAMA_VS_PYTRAIN = {"F32": LLAMA_ATOL, "Q8_0": LLAMA_ATOL, "BF16": 0.6, "F16": 0.25}
+# llama.cpp and pytrain on the *same* merged file: F32 is one float32 function (the f32
+# cross-implementation bound); Q8_0 the same ggml kernels, so within Q8_0's own rounding
+# noise on these tokens (bounds.assert_same_rounding: llama.cpp's fused DeltaNet ops group
+# float32 sums otherwise upstream of each 8-bit activation rounding).  BF16/F16: llama.cpp's
+# CPU matmul rounds activations to BF16/F16 where pytrain's does not to the same extent;
+# this is there without any merge (unmerged gqa-bf16: 0.156).  Measured on merged files:
+# BF16 0.21-0.27, F16 0.057-0.085.
+LLAMA_VS_PYTRAIN = {"F32": LLAMA_ATOL, "BF16": 0.6, "F16": 0.25}
 
 
 @pytest.mark.parametrize("fixture, merged_type", [
@@ -528,7 +531,12 @@ def test_llama_cpp_loads_merged_model(llama_logits_exe, tmp_path, fixture, merge
     assert effect > 2.0
     max_lora, max_ratio = LLAMA_VS_LORA[out_type]
     assert d_lora < max_lora and ratio < max_ratio
-    assert d_ours < LLAMA_VS_PYTRAIN[out_type]
+    if out_type == "Q8_0":
+        from bounds import assert_same_rounding, log_softmax
+        assert_same_rounding(log_softmax(ours), log_softmax(cpp),
+                             log_softmax(logits(merged, toks, policy="f32")))
+    else:
+        assert d_ours < LLAMA_VS_PYTRAIN[out_type]
     if out_type == "F32":
         d_ref = float(np.abs(cpp - logits(base, toks, t)).max())
         print(f"  llama.cpp merged vs pytrain base + adapter: {d_ref:.3g}")
