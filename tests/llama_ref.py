@@ -25,8 +25,53 @@ def gguf_contents(path: Path) -> tuple[dict[str, np.ndarray], dict]:
     return tensors, fields
 
 
-def forward(W: dict[str, np.ndarray], F: dict, tokens) -> np.ndarray:
-    """log-probabilities [T, V] of one sequence."""
+def gguf_types(path: Path) -> dict[str, str]:
+    """Each tensor's type name in the file ("F32", "Q4_K", ...)."""
+    import gguf
+    return {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(path)).tensors}
+
+
+# ggml-cpu's MUL_MAT rounds its activations to the weight type's "vec_dot type" before the dot
+# products (``type_traits_cpu[type].vec_dot_type``, ggml-cpu.c): float32 weights use them as
+# they are, F16 weights round them to F16, the 32-blocks round them to Q8_0 (Q8_1 for the
+# types with a block minimum, the same values), the K-quants to Q8_K (blocks of 256).  That
+# rounding, and nothing else, is what keeping a weight type adds to the function.
+VEC_DOT = {"F32": None, "F16": "F16", "Q4_0": "Q8_0", "Q5_0": "Q8_0", "Q8_0": "Q8_0",
+           "Q4_1": "Q8_0", "Q5_1": "Q8_0", "Q2_K": "Q8_K", "Q3_K": "Q8_K", "Q4_K": "Q8_K",
+           "Q5_K": "Q8_K", "Q6_K": "Q8_K"}
+
+
+def round_activations(x: np.ndarray, vec_dot: str | None) -> np.ndarray:
+    """x [rows, n] as ggml-cpu's quantize_row_<vec_dot>_ref stores it, back in float64."""
+    if vec_dot is None:
+        return x
+    if vec_dot == "F16":
+        return x.astype(np.float32).astype(np.float16).astype(np.float64)
+    x32 = x.astype(np.float32)
+    if vec_dot == "Q8_0":                 # d = amax/127 (kept as F16); q = round(x / d)
+        b = x32.reshape(*x.shape[:-1], -1, 32)
+        d = np.abs(b).max(-1, keepdims=True) / np.float32(127)
+        inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d > 0)
+        q = np.round(b * inv)             # roundf: ties away from zero; ties have measure 0
+        return (q * d.astype(np.float16).astype(np.float64)).reshape(x.shape)
+    if vec_dot == "Q8_K":                 # iscale = -127 / (the value of largest |x|)
+        b = x32.reshape(*x.shape[:-1], -1, 256)
+        at = np.take_along_axis(b, np.abs(b).argmax(-1)[..., None], -1)
+        iscale = np.divide(np.float32(-127), at, out=np.zeros_like(at), where=at != 0)
+        q = np.minimum(127, np.round(iscale * b))
+        d = np.divide(np.float32(1), iscale, out=np.zeros_like(iscale), where=iscale != 0)
+        return (q.astype(np.float64) * d).reshape(x.shape)
+    raise ValueError(vec_dot)
+
+
+def forward(W: dict[str, np.ndarray], F: dict, tokens, types: dict[str, str] | None = None
+            ) -> np.ndarray:
+    """log-probabilities [T, V] of one sequence.  ``types`` (tensor name -> the type a
+    computation keeps it in): the activations of each matmul are rounded as ggml-cpu rounds
+    them for a weight of that type (``round_activations``); None: exact float64."""
+    def act(x, weight):
+        return round_activations(x, VEC_DOT[types[weight]]) if types else x
+
     key = lambda k, d=None: F.get("llama." + k, d)
     L, E = int(key("block_count")), int(key("embedding_length"))
     H = int(key("attention.head_count"))
@@ -52,7 +97,7 @@ def forward(W: dict[str, np.ndarray], F: dict, tokens) -> np.ndarray:
         return out
 
     def lin(x, name):
-        y = x @ W[name + ".weight"].T
+        y = act(x, name + ".weight") @ W[name + ".weight"].T
         return y + W[name + ".bias"] if name + ".bias" in W else y
 
     def rms(x, w):
@@ -77,7 +122,8 @@ def forward(W: dict[str, np.ndarray], F: dict, tokens) -> np.ndarray:
         g = lin(h, p + "ffn_gate")
         x = x + lin(g / (1 + np.exp(-g)) * lin(h, p + "ffn_up"), p + "ffn_down")
     x = rms(x, W["output_norm.weight"])
-    logits = x @ W["output.weight" if "output.weight" in W else "token_embd.weight"].T
+    head = "output.weight" if "output.weight" in W else "token_embd.weight"
+    logits = act(x, head) @ W[head].T
     logits -= logits.max(-1, keepdims=True)
     return logits - np.log(np.exp(logits).sum(-1, keepdims=True))
 
