@@ -313,6 +313,31 @@ def _encode_rows(values: np.ndarray, ggml_type: int, workers: int) -> np.ndarray
     return np.concatenate(parts)
 
 
+def retyped_copy(src: Path, out: Path, from_type: str, to_type: str) -> Path:
+    """``src`` with every ``from_type`` tensor re-encoded as ``to_type`` (keys and every other
+    tensor unchanged): e.g. a BF16 model as F16, the type pytrain keeps BF16 weights in on the
+    CPU, for llama.cpp to run with the same weights and activation rounding."""
+    import gguf
+    from gguf.quants import dequantize
+    r = gguf.GGUFReader(src)
+    w = _copy_keys(r, out)
+    for t in r.tensors:
+        if t.tensor_type.name != from_type.upper():
+            w.add_tensor(t.name, np.asarray(t.data), raw_shape=[int(n) for n in reversed(t.shape)],
+                         raw_dtype=t.tensor_type)
+            continue
+        values = np.asarray(dequantize(t.data, t.tensor_type), np.float32).reshape(
+            [int(n) for n in reversed(t.shape)])
+        if to_type.lower() in ("f16", "f32"):        # numpy has the dtype: the writer types it
+            w.add_tensor(t.name, values.astype(np.float16 if to_type.lower() == "f16"
+                                               else np.float32))
+            continue
+        raw = ggml.to_bytes(values, ggml.TYPES[to_type.lower()], row_len=values.shape[-1])
+        w.add_tensor(t.name, raw.reshape(*values.shape[:-1], -1),
+                     raw_dtype=gguf.GGMLQuantizationType[to_type.upper()])
+    return _finish(w, out)
+
+
 def renamed_arch_copy(src: Path, out: Path, arch: str) -> Path:
     """``src`` with ``general.architecture`` and every ``<old arch>.*`` key renamed to
     ``arch``: the same tensors under another architecture name."""

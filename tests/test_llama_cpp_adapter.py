@@ -165,3 +165,31 @@ def test_llama_cpp_keeps_weights_out_of_extra_buffer_types(llama_logits_exe, tmp
     for i in (0, 1):
         assert_same_rounding(log_softmax(logs["auto"][i]), log_softmax(theirs[i]),
                              log_softmax(logs["f32"][i]))
+
+
+@pytest.mark.parametrize("fixture", ["gqa-q8_0.gguf", "gqa-bf16.gguf"])
+def test_kept_weight_types_match_llama_cpp(llama_logits_exe, tmp_path, fixture):
+    """pytrain with the file's weights kept (Q8_0; BF16 as F16) computes what llama.cpp
+    computes with the same weights and the same activation rounding: llama.cpp runs the Q8_0
+    file itself, and for BF16 an F16 copy of it (pytrain's CPU type for BF16; the values are
+    exactly representable), within the kept type's own noise on the same tokens
+    (``bounds.assert_same_rounding``: pytrain kept against pytrain with the weights as F32)."""
+    from bounds import assert_same_rounding, log_softmax
+    from gguf_factory import retyped_copy
+    from llama_cpp_check import run_llama
+    path = llama_cpp_compatible(FIX / fixture, tmp_path)
+    theirs_path = (retyped_copy(path, tmp_path / "as-f16.gguf", "bf16", "f16")
+                   if "bf16" in fixture else path)
+    toks = tokens_for(480, 60)
+    got = {}
+    for policy in ("auto", "f32"):
+        m = pytrain.load_model(path, device="cpu", threads=2, type_policy=policy)
+        try:
+            got[policy] = log_softmax(m.logits(toks))
+        finally:
+            m.close()
+    theirs = log_softmax(run_llama(llama_logits_exe, theirs_path, None, toks, tmp_path / "l.f32",
+                                   got["auto"].shape[-1]))
+    print(f"\n{fixture}: pytrain kept vs llama.cpp {np.abs(got['auto'] - theirs).max():.3g}, "
+          f"kept vs F32 {np.abs(got['auto'] - got['f32']).max():.3g}")
+    assert_same_rounding(got["auto"], theirs, got["f32"])
