@@ -7,6 +7,7 @@ from pathlib import Path
 
 from setuptools import setup
 from setuptools.command.build_py import build_py
+from setuptools.dist import Distribution
 
 try:
     from setuptools.command.bdist_wheel import bdist_wheel
@@ -23,6 +24,14 @@ class BuildNative(build_py):
         super().run()
 
 
+class BinaryDistribution(Distribution):
+    """The package holds compiled libraries (built by native/build.py, not by setuptools), so
+    it is installed into platlib and its wheel is platform-specific."""
+
+    def has_ext_modules(self):
+        return True
+
+
 class PlatformWheel(bdist_wheel):
     """The wheel holds compiled libraries for one OS and CPU architecture (Linux x86-64: every
     x86-64 CPU level, chosen at run time) and a cffi extension built for CPython's limited
@@ -32,7 +41,7 @@ class PlatformWheel(bdist_wheel):
     def finalize_options(self):
         self.py_limited_api = "cp310"
         super().finalize_options()
-        self.root_is_pure = False
 
 
-setup(cmdclass={"build_py": BuildNative, "bdist_wheel": PlatformWheel})
+setup(distclass=BinaryDistribution,
+      cmdclass={"build_py": BuildNative, "bdist_wheel": PlatformWheel})
