@@ -290,7 +290,11 @@ def from_numpy(t, arr: np.ndarray) -> None:
     """Copy ``arr`` into a tensor's backend buffer, converting or quantizing to its type."""
     arr = np.asarray(arr)
     want = shape(t)
-    if arr.size != lib.ggml_nelements(t):
+    squeezed = tuple(d for d in arr.shape if d != 1)
+    if arr.size != lib.ggml_nelements(t) or (
+            arr.ndim > 1 and squeezed != tuple(d for d in want if d != 1)):
+        # a flat array is data in ggml's order; any other must have the tensor's shape (unit
+        # dims aside): a transposed array of the right size would be copied in scrambled
         raise ValueError(f"tensor {name(t)!r} has shape {want}, got array of shape {arr.shape}")
     raw = to_bytes(arr, t.type, row_len=int(t.ne[0]))
     if raw.nbytes != lib.ggml_nbytes(t):
@@ -611,13 +615,14 @@ class Runtime:
                 out.append(op_name(node))
         return out
 
-    def device_memory(self) -> int:
-        """Total memory of the device the step runs on (system memory for the CPU, whose
-        buffers the BLAS backend shares), in bytes."""
+    def device_memory_info(self) -> tuple[int, int]:
+        """(free, total) bytes of the device the step runs on, as ggml reports them (system
+        memory for the CPU, whose buffers the BLAS backend shares; ggml reads physical pages
+        there, so pytrain.train.memory also asks the container's cgroup)."""
         dev = lib.ggml_backend_get_device(self.gpu if self.gpu is not None else self.cpu)
         free, total = ffi.new("size_t *"), ffi.new("size_t *")
         lib.ggml_backend_dev_memory(dev, free, total)
-        return int(total[0])
+        return int(free[0]), int(total[0])
 
     def compute_buffer_types(self) -> list[str]:
         """The buffer type the scheduler allocates each backend's compute buffer in."""

@@ -350,13 +350,20 @@ def renamed_arch_copy(src: Path, out: Path, arch: str) -> Path:
 
 
 def with_keys(src: Path, out: Path, keys: dict) -> Path:
-    """``src`` with metadata ``keys`` added or replaced (values as Python str/int/float; floats
-    are written as F32, ints as U32), every tensor unchanged."""
+    """``src`` with metadata ``keys`` added or replaced (values as Python str/int/float, or
+    lists of them; floats are written as F32, ints as U32, list ints as I32), every tensor
+    unchanged."""
     r = gguf.GGUFReader(src)
     w = _copy_keys(r, out, rename=lambda name: None if name in keys else name)
+
+    def vtype(v, in_list=False):
+        return (gguf.GGUFValueType.STRING if isinstance(v, str) else gguf.GGUFValueType.FLOAT32
+                if isinstance(v, float) else gguf.GGUFValueType.INT32 if in_list
+                else gguf.GGUFValueType.UINT32)
     for k, v in keys.items():
-        vt = (gguf.GGUFValueType.STRING if isinstance(v, str) else gguf.GGUFValueType.FLOAT32
-              if isinstance(v, float) else gguf.GGUFValueType.UINT32)
-        w.add_key_value(k, v, vt)
+        if isinstance(v, list):
+            w.add_key_value(k, v, gguf.GGUFValueType.ARRAY, sub_type=vtype(v[0], True))
+        else:
+            w.add_key_value(k, v, vtype(v))
     _copy_tensors(r, w)
     return _finish(w, out)

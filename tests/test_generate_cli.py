@@ -103,3 +103,49 @@ def test_chat_prompt_greedy_equals_model_generate(capsys, seed):
         m.close()
     assert expected.strip()
     assert cli == expected + "\n"
+
+
+def test_an_adapter_with_a_rank_per_pair_runs_in_eval_and_generate(tmp_path, capsys):
+    """llama.cpp and `lora_pairs` accept an adapter whose pairs have different ranks (each
+    scaled by alpha over its own rank); eval and generate took the first pair's rank for all
+    and crashed.  The adapter (q at rank 2, v at rank 4) must give the logits of the base with
+    each pair merged in at its own scale (pytrain export's merge, in float64)."""
+    import json
+
+    import numpy as np
+
+    import pytrain
+    from pytrain.cli import _load_adapter
+    from pytrain.formats.adapter_gguf import write_lora_gguf
+    from pytrain.formats.merge import merge_adapter
+    m = pytrain.load_model(MODEL, device="cpu", threads=1)
+    try:
+        shapes = m.config.tensor_shapes()
+        rng = np.random.default_rng(0)
+        tensors = {}
+        for name, r in (("blk.3.attn_q.weight", 2), ("blk.3.attn_v.weight", 4)):
+            n_out, n_in = shapes[name]
+            tensors[name + ".lora_a"] = rng.normal(0, 0.3, (r, n_in)).astype(np.float32)
+            tensors[name + ".lora_b"] = rng.normal(0, 0.3, (n_out, r)).astype(np.float32)
+        adapter = write_lora_gguf(tmp_path / "mixed.gguf", m.arch.name, 8.0, tensors)
+        ad = _load_adapter(m, adapter)
+        assert ad.ranks == {"blk.3.attn_q.weight": 2, "blk.3.attn_v.weight": 4}
+        toks = np.arange(3, 40)
+        ours = m.logits(toks, lora=ad.hook)
+    finally:
+        m.close()
+    merged = merge_adapter(MODEL, tensors, 8.0, tmp_path / "merged.gguf", merged_type="f32")
+    assert len(merged.tensors) == 2
+    ref = pytrain.load_model(tmp_path / "merged.gguf", device="cpu", threads=1)
+    try:
+        want = ref.logits(toks)
+    finally:
+        ref.close()
+    assert np.abs(ours - want).max() < 1e-3 * np.abs(want).max()   # float32 rounding of B·A·x
+    assert generate(capsys, "--adapter", str(adapter), "--prompt", PROMPT, "--max-new-tokens", "4")
+    (tmp_path / "v.jsonl").write_text(json.dumps({"text": "the cow says moo"}) + "\n")
+    (tmp_path / "c.toml").write_text(f'[model]\npath = "{MODEL}"\ndevice = "cpu"\nthreads = 1\n'
+                                     f'[data]\ntrain = "v.jsonl"\nformat = "text"\n')
+    capsys.readouterr()
+    assert main(["eval", str(tmp_path / "c.toml"), "--adapter", str(adapter)]) == 0
+    assert "loss" in capsys.readouterr().out

@@ -113,15 +113,61 @@ def write_run(tmp_path: Path, out: str) -> Path:
     return cfg
 
 
-def test_unwritable_output_dir_is_reported_before_training(tmp_path, capsys):
+def test_unwritable_output_dir_is_reported_before_training(tmp_path, capsys, monkeypatch):
+    """Refused before the model or the data is read: loading either would raise here."""
+    from pytrain.train import run
+
+    def never(*a, **k):
+        raise AssertionError("the model or data was loaded before the output folder was checked")
+    monkeypatch.setattr(run, "load_model", never)
+    monkeypatch.setattr(run, "load_data", never)
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
     cfg = write_run(tmp_path, str(blocker / "run"))
-    t0 = time.perf_counter()
     assert main(["train", str(cfg), "--no-progress"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "output.dir" in err[0] and "not writable" in err[0]
-    assert time.perf_counter() - t0 < 5     # refused before loading the model or data
+
+
+def test_token_ids_outside_the_vocabulary_are_refused_not_aborted(tmp_path):
+    """ggml's GET_ROWS aborts the process (SIGABRT) on an id >= n_vocab: refused before any
+    graph runs, in a subprocess so that a regression kills only it."""
+    code = textwrap.dedent(f"""
+        import numpy as np, pytrain
+        from pytrain.models.model import TokenIdError
+        m = pytrain.load_model({str(FIX / "gqa-f32.gguf")!r}, device="cpu", threads=1)
+        V = m.config.n_vocab
+        for call in (lambda: m.logits(np.array([1, 2, V])),
+                     lambda: m.logits(np.array([[1, -1]])),
+                     lambda: m.generate([3, V + 7], 2)):
+            try:
+                call()
+            except TokenIdError as e:
+                print("refused:", e)
+        print("alive")
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    lines = r.stdout.splitlines()
+    assert lines[-1] == "alive" and len(lines) == 4, r.stdout
+    assert "token id 512 at index (0, 2) is outside the model's vocabulary (ids 0..511)" in lines[0]
+    assert "token id -1" in lines[1] and "prompt: token id 519" in lines[2]
+
+
+def test_a_tokenizer_larger_than_the_embedding_is_refused_at_load(tmp_path):
+    from gguf_factory import with_keys
+    from pytrain.formats.model_file import ModelFileError
+    import pytrain
+    import gguf
+    r = gguf.GGUFReader(str(FIX / "gqa-f32.gguf"))
+    tokens = list(r.fields["tokenizer.ggml.tokens"].contents())
+    bad = with_keys(FIX / "gqa-f32.gguf", tmp_path / "bad.gguf", {
+        "tokenizer.ggml.tokens": tokens + [f"extra{i}" for i in range(5)],
+        "tokenizer.ggml.token_type": [1] * (len(tokens) + 5)})
+    with pytest.raises(ModelFileError, match=r"bad.gguf: the tokenizer has \d+ tokens but "
+                                             r"token_embd.weight has \d+ rows"):
+        pytrain.load_model(bad, device="cpu")
 
 
 def test_adapter_for_another_base_is_refused(tmp_path, capsys):

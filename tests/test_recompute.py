@@ -157,8 +157,9 @@ def test_compute_bytes_counts_a_shared_buffer_once(monkeypatch):
 
 @pytest.mark.parametrize("factor, layer_wise", [(1.9, True), (2.1, False)])
 def test_auto_recomputes_only_when_one_graph_would_not_fit(factor, layer_wise, monkeypatch):
-    """``auto``: layer-wise when the one-graph step's buffer plus the weights exceed half of the
-    device memory, one graph when they fit (device memory set to ``factor`` x that need)."""
+    """``auto``: layer-wise when the one-graph step's buffer exceeds half of the memory left
+    for it, one graph when it fits (memory left set to ``factor`` x that buffer)."""
+    from pytrain.train import trainer as trainer_mod
     from pytrain.train.optimizer import AdamW
     from pytrain.train.planning import compute_bytes
     from pytrain.train.trainer import Trainer, bucket_length
@@ -166,11 +167,49 @@ def test_auto_recomputes_only_when_one_graph_would_not_fit(factor, layer_wise, m
     try:
         T = bucket_length(m, 40)                  # the length the trainer's graphs run at
         g = GradGraph(m, ad, 3, T, rows=L.rows_bucket(3 * T, 3 * T))
-        need = compute_bytes(m.runtime, g.graph) + m.weights.total_bytes
+        need = compute_bytes(m.runtime, g.graph)
         g.close()
-        monkeypatch.setattr(m.runtime, "device_memory", lambda: int(factor * need))
+        monkeypatch.setattr(trainer_mod, "available_bytes", lambda rt: int(factor * need))
         tr = Trainer(m, ad, AdamW(lr=1e-3), recompute="auto")
         assert isinstance(tr.graph(3, 40, n_targets=10), R.RecomputeGraph) == layer_wise
         tr.close()
+        # train.memory_gib overrides what the device reports (weights included)
+        tr = Trainer(m, ad, AdamW(lr=1e-3), recompute="auto",
+                     memory_bytes=m.weights.total_bytes + int(factor * need))
+        assert isinstance(tr.graph(3, 40, n_targets=10), R.RecomputeGraph) == layer_wise
+        tr.close()
+    finally:
+        m.close()
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_memory_left_follows_the_containers_cgroup(tmp_path, monkeypatch, version):
+    """On the CPU ggml reports physical pages, blind to a container's limit: the cgroup's
+    limit minus its usage bounds what a step may plan for (v2 memory.max / memory.current
+    under the process's unified path; v1 memory.limit_in_bytes / memory.usage_in_bytes)."""
+    from pytrain.train import memory
+    root = tmp_path / "cgroup"
+    if version == 2:
+        d = root / "job"
+        d.mkdir(parents=True)
+        (d / "memory.max").write_text(f"{3 * 2**30}\n")
+        (d / "memory.current").write_text(f"{2**30}\n")
+        (tmp_path / "self").write_text("0::/job\n")
+    else:
+        d = root / "memory" / "job"
+        d.mkdir(parents=True)
+        (d / "memory.limit_in_bytes").write_text(f"{3 * 2**30}\n")
+        (d / "memory.usage_in_bytes").write_text(f"{2**30}\n")
+        (tmp_path / "self").write_text("4:memory:/job\n0::/\n")
+    monkeypatch.setattr(memory, "CGROUP_ROOT", root)
+    monkeypatch.setattr(memory, "PROC_SELF_CGROUP", tmp_path / "self")
+    assert memory.cgroup_available() == 2 * 2**30
+    m, _ = adapted(FIX / "gqa-f32.gguf")
+    try:
+        assert memory.available_bytes(m.runtime) == min(2 * 2**30, memory.system_available())
+        (d / ("memory.max" if version == 2 else "memory.limit_in_bytes")).write_text(
+            "max\n" if version == 2 else f"{2**63 - 4096}\n")     # no limit
+        assert memory.cgroup_available() is None
+        assert memory.available_bytes(m.runtime) == memory.system_available()
     finally:
         m.close()

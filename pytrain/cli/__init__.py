@@ -26,7 +26,8 @@ def _train(args: argparse.Namespace) -> int:
     from pytrain.train import run
     cfg = _config(args)
     try:
-        res = run.train(cfg, progress=not args.no_progress, resume=args.resume)
+        res = run.train(cfg, progress=not args.no_progress, resume=args.resume,
+                        overwrite=args.overwrite)
     except run.Interrupted as e:
         print(f"error: {e}", file=sys.stderr)
         return 130
@@ -53,8 +54,8 @@ def _load_adapter(model, path):
     from pytrain.models import lora
     tensors, alpha = read_adapter(path, model.arch.name, model.config)
     names = sorted({k.rsplit(".", 1)[0] for k in tensors})
-    rank = tensors[names[0] + ".lora_a"].shape[0]
-    ad = lora.create(model.runtime, model.config, names, rank, alpha)
+    ranks = {n: tensors[n + ".lora_a"].shape[0] for n in names}   # a rank per pair is allowed
+    ad = lora.create(model.runtime, model.config, names, ranks, alpha)
     ad.set(tensors)
     return ad
 
@@ -140,6 +141,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", nargs="?", const=True, default=None, metavar="CHECKPOINT",
                    help="continue from the newest checkpoint of the run folder, or from "
                         "CHECKPOINT (a step-N folder or a checkpoints folder)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="start a new run in an output.dir that holds an earlier one, deleting "
+                        "the earlier run's checkpoints, metrics and adapter (without it such a "
+                        "folder is refused)")
     p.set_defaults(func=_train)
     p = sub.add_parser("eval", help="validation loss, token accuracy and perplexity over the "
                        "valid targets of the config's data")

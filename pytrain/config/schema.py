@@ -145,8 +145,14 @@ class TrainConfig:
     recompute: str = _opt("auto", "activation memory: off (one graph per step keeps every "
                           "activation), layers (keep each layer's input only and recompute the "
                           "layer in the backward: a second forward, a fraction of the memory), "
-                          "auto (layers when the one-graph step's compute buffer plus the "
-                          "weights would need over half of the device's memory)", choices=("auto", "off", "layers"))
+                          "auto (layers when the one-graph step's compute buffer would need "
+                          "over half of the memory left: the device's free memory, on CPU "
+                          "also the container's cgroup limit, or train.memory_gib)",
+                          choices=("auto", "off", "layers"))
+    memory_gib: float | None = _opt(None, "memory (GiB, weights included) recompute = auto "
+                                    "may plan a step for; unset: what the device has free "
+                                    "(on CPU the least of available memory and the "
+                                    "container's cgroup limit)", check=_positive)
     loss_bug_repro: bool = _opt(False, "reproduces the unfixed masking bug for the regression "
                                 "experiments ONLY: pad labels trained, division by all rows, "
                                 "prompt not masked; never for real training")

@@ -19,17 +19,18 @@ from pytrain.models.lora_targets import lora_shapes
 
 @dataclass
 class LoraAdapter:
-    rank: int
+    rank: int                                 # the training rank (the largest, if they differ)
     alpha: float
     names: list[str]                          # adapted base tensors
     a: dict[str, object] = field(default_factory=dict)
     b: dict[str, object] = field(default_factory=dict)
     ctx: object = None
     buffer: object = None
+    ranks: dict[str, int] = field(default_factory=dict)   # per pair, as llama.cpp reads them
 
-    @property
-    def scale(self) -> float:
-        return self.alpha / self.rank
+    def scale_of(self, name: str) -> float:
+        """alpha / r of that pair: llama.cpp scales each pair by its own rank (A's rows)."""
+        return self.alpha / self.ranks.get(name, self.rank)
 
     def params(self) -> list:
         return [t for n in self.names for t in (self.a[n], self.b[n])]
@@ -40,7 +41,7 @@ class LoraAdapter:
         if name not in self.a:
             return None
         ax = lib.ggml_mul_mat(ctx, self.a[name], x)                   # [r, N]
-        return lib.ggml_scale(ctx, lib.ggml_mul_mat(ctx, self.b[name], ax), self.scale)
+        return lib.ggml_scale(ctx, lib.ggml_mul_mat(ctx, self.b[name], ax), self.scale_of(name))
 
     def get(self) -> dict[str, np.ndarray]:
         out = {}
@@ -59,18 +60,21 @@ class LoraAdapter:
         total = 0.0
         for n in self.names:
             a, b = ggml.to_numpy(self.a[n]), ggml.to_numpy(self.b[n])
-            total += float(np.linalg.norm(b.astype(np.float64) @ a)) * self.scale
+            total += float(np.linalg.norm(b.astype(np.float64) @ a)) * self.scale_of(n)
         return total
 
 
-def create(runtime: ggml.Runtime, config, names: list[str], rank: int, alpha: float,
-           seed: int = 0, init: str = "peft") -> LoraAdapter:
+def create(runtime: ggml.Runtime, config, names: list[str], rank: int | dict[str, int],
+           alpha: float, seed: int = 0, init: str = "peft") -> LoraAdapter:
     """Allocate A and B (F32, trainable) for each target on the runtime's primary backend.
+    ``rank``: one for every target, or per target (an adapter file read for eval/generate).
     ``init``: "peft" (A Kaiming-uniform) or "gaussian" (A ~ N(0, 1/r), PEFT's gaussian)."""
     if init not in ("peft", "gaussian"):
         raise ValueError(f"lora init must be 'peft' or 'gaussian', got {init!r}")
     shapes = lora_shapes(config, names, rank)
-    ad = LoraAdapter(rank, float(alpha), list(names))
+    ranks = {n: shapes[n][0][0] for n in names}
+    ad = LoraAdapter(max(ranks.values(), default=0) if isinstance(rank, dict) else rank,
+                     float(alpha), list(names), ranks=ranks)
     ad.ctx = ggml.Context(n_tensors=2 * len(names))
     for n in names:
         (a_shape, b_shape) = shapes[n]
@@ -88,7 +92,7 @@ def create(runtime: ggml.Runtime, config, names: list[str], rank: int, alpha: fl
             bound = 1.0 / np.sqrt(a_shape[1])
             a = rng.uniform(-bound, bound, a_shape)
         else:
-            a = rng.normal(0.0, 1.0 / rank, a_shape)
+            a = rng.normal(0.0, 1.0 / a_shape[0], a_shape)
         ggml.from_numpy(ad.a[n], a.astype(np.float32))
         ggml.from_numpy(ad.b[n], np.zeros(b_shape, np.float32))
     return ad

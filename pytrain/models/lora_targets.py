@@ -67,15 +67,17 @@ def select_targets(config: ModelConfig, targets: Iterable[str] | str = DEFAULT_T
     return names
 
 
-def lora_shapes(config: ModelConfig, names: Iterable[str], rank: int
+def lora_shapes(config: ModelConfig, names: Iterable[str], rank: int | dict[str, int]
                 ) -> dict[str, tuple[tuple[int, int], tuple[int, int]]]:
     """Per target: numpy shapes of (A, B) with A = [rank, n_in], B = [n_out, rank]
-    (GGUF ``lora_a`` ne = [n_in, r], ``lora_b`` ne = [r, n_out])."""
+    (GGUF ``lora_a`` ne = [n_in, r], ``lora_b`` ne = [r, n_out]); ``rank`` one for all, or
+    per target (an adapter file may hold pairs of different ranks)."""
     shapes = config.tensor_shapes()
     out = {}
     for n in names:
         n_out, n_in = shapes[n]
-        out[n] = ((rank, n_in), (n_out, rank))
+        r = rank[n] if isinstance(rank, dict) else rank
+        out[n] = ((r, n_in), (n_out, r))
     return out
 
 

@@ -13,13 +13,29 @@ from functools import cached_property
 import numpy as np
 
 from pytrain import ggml
+from pytrain.errors import PytrainError
 from pytrain.ggml import lib
-from pytrain.formats.model_file import open_model
+from pytrain.formats.model_file import ModelFileError, open_model
 from pytrain import models
 from pytrain.models import Architecture
 from pytrain.data import pad_token_id
 from pytrain.data.tokenizer import Tokenizer
 from pytrain.models.weights import load_weights
+
+
+class TokenIdError(PytrainError, ValueError):
+    """A token id outside the model's vocabulary: ggml's GET_ROWS would abort the process
+    (``GGML_ASSERT(i01 >= 0 && i01 < ne01)``), so it is refused before any graph runs."""
+
+
+def check_token_ids(ids: np.ndarray, n_vocab: int, what: str = "input") -> None:
+    """Refuse ids outside [0, n_vocab), naming the first one and where it is."""
+    ids = np.asarray(ids)
+    bad = (ids < 0) | (ids >= n_vocab)
+    if bad.any():
+        where = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise TokenIdError(f"{what}: token id {int(ids[where])} at index {where} is outside the "
+                           f"model's vocabulary (ids 0..{n_vocab - 1})")
 
 
 @dataclass
@@ -48,6 +64,9 @@ class Model:
         return 2048 + self.config.n_layer * self.arch.layer_budget(self.config, T)
 
     def input_values(self, tokens: np.ndarray, seg: np.ndarray) -> dict:
+        """The graph inputs of a batch; every forward and training graph takes its tokens
+        from here, so an id outside the vocabulary is refused here."""
+        check_token_ids(tokens, self.config.n_vocab, "tokens")
         return self.arch.input_values(self.config, tokens, seg)
 
     def logits(self, tokens, seg: np.ndarray | None = None, lora=None,
@@ -110,6 +129,7 @@ class Model:
         out: list[int] = []
         if not toks:
             raise ValueError("generate needs a prompt of at least one token")
+        check_token_ids(np.array(toks), self.config.n_vocab, "prompt")
         steps = self._cached_steps(toks, max_new_tokens, lora) \
             if self.arch.decode_values is not None else None
         try:
@@ -162,7 +182,16 @@ class Model:
 def load_model(path: str | os.PathLike, device: str = "auto", threads: int | None = None,
                type_policy: str = "auto") -> Model:
     arch, meta, _infos, config = open_model(path)
+    tokenizer = Tokenizer.from_metadata(meta)
+    if tokenizer.vocab_size > config.n_vocab:     # llama.cpp refuses such a file too
+        raise ModelFileError(
+            f"{path}: the tokenizer has {tokenizer.vocab_size} tokens but token_embd.weight "
+            f"has {config.n_vocab} rows: ids {config.n_vocab}..{tokenizer.vocab_size - 1} "
+            f"would have no embedding")
     rt = ggml.Runtime(device, threads=threads)
-    weights = load_weights(path, rt, config.tensor_shapes(), type_policy)
-    return Model(str(path), config, meta, rt, weights, Tokenizer.from_metadata(meta),
-                 models.get(arch))
+    try:
+        weights = load_weights(path, rt, config.tensor_shapes(), type_policy)
+    except BaseException:
+        rt.close()
+        raise
+    return Model(str(path), config, meta, rt, weights, tokenizer, models.get(arch))

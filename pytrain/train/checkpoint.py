@@ -11,7 +11,9 @@ in place; a kill in between is repaired by the next ``latest`` or ``save``.
 
 ``state.json`` also records what the saved data position means (``resume_key``: the training
 examples' digest, batch size, accumulation, packing, seeds, adapter shapes), so a resume with
-other batches is refused instead of silently continuing somewhere else.
+other batches is refused instead of silently continuing somewhere else, and the run's id: a
+run prunes only its own checkpoints (``run_dir``).  Each checkpoint keeps the run's resolved
+``config.toml`` as well.
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ from pytrain.errors import PytrainError
 from pytrain.formats.adapter_gguf import read_lora_gguf, write_lora_gguf
 from pytrain.formats.atomic import fsync_dir
 
-FORMAT = 2          # 2: total_steps and resume_key; format 1 still loads (without checks)
+FORMAT = 3          # 3: run_id, config.toml; 2: total_steps and resume_key; 1 and 2 still load
 
 
 class CheckpointError(PytrainError, RuntimeError):
@@ -45,6 +47,7 @@ class TrainState:
     base_fingerprint: dict
     total_steps: int | None = None   # the run's length when saved (the LR schedule's horizon)
     resume_key: dict | None = None   # what the position means (see pytrain.train.run.Session)
+    run_id: str | None = None        # the run the checkpoint belongs to (run_dir)
     format: int = FORMAT
 
 
@@ -60,9 +63,11 @@ def base_fingerprint(path: str | os.PathLike) -> dict:
 
 
 def save(folder: Path, step: int, adapter, moments: dict[str, np.ndarray], state: TrainState,
-         keep: int = 3, *, arch: str) -> Path:
-    """Write checkpoint ``step`` under ``folder`` atomically; keep the newest ``keep`` (0: all).
-    ``arch``: the base model's architecture, written into the adapter GGUF."""
+         keep: int = 3, *, arch: str, config_toml: str | None = None) -> Path:
+    """Write checkpoint ``step`` under ``folder`` atomically; keep the newest ``keep`` (0: all)
+    of this run's (``state.run_id``) checkpoints, never another run's.  ``arch``: the base
+    model's architecture, written into the adapter GGUF; ``config_toml``: the run's resolved
+    config, kept beside it."""
     folder.mkdir(parents=True, exist_ok=True)
     recover(folder)
     final = folder / f"step-{step:07d}"
@@ -74,10 +79,14 @@ def save(folder: Path, step: int, adapter, moments: dict[str, np.ndarray], state
             np.savez(f, **moments)
             f.flush()
             os.fsync(f.fileno())
-        with open(tmp / "state.json", "w") as f:
-            json.dump(asdict(state), f, indent=2)
-            f.flush()
-            os.fsync(f.fileno())
+        files = {"state.json": json.dumps(asdict(state), indent=2)}
+        if config_toml is not None:
+            files["config.toml"] = config_toml
+        for name, text in files.items():
+            with open(tmp / name, "w") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
         fsync_dir(tmp)
         if final.exists():
             os.replace(final, aside)       # kept until the new one is in place
@@ -89,9 +98,18 @@ def save(folder: Path, step: int, adapter, moments: dict[str, np.ndarray], state
         recover(folder)
         raise
     if keep:
-        for old in sorted(folder.glob("step-*"))[:-keep]:
+        own = [p for p in sorted(folder.glob("step-*")) if run_id_of(p) == state.run_id]
+        for old in own[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def run_id_of(path: Path) -> str | None:
+    """The run id a checkpoint records (None for one that predates run ids, or unreadable)."""
+    try:
+        return json.loads((path / "state.json").read_text()).get("run_id")
+    except (OSError, ValueError):
+        return None
 
 
 def recover(folder: Path) -> None:
@@ -124,7 +142,7 @@ def load(path: Path, model_path: str) -> tuple[TrainState, dict, dict]:
         state = TrainState(**json.loads((path / "state.json").read_text()))
     except (OSError, ValueError, TypeError) as e:
         raise CheckpointError(f"{path}: not a usable checkpoint ({e})") from e
-    if state.format not in (1, FORMAT):
+    if state.format not in (1, 2, FORMAT):
         raise CheckpointError(f"{path}: checkpoint format {state.format}, expected {FORMAT}")
     now = base_fingerprint(model_path)
     if now != state.base_fingerprint:

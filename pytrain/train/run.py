@@ -22,6 +22,7 @@ from typing import Callable, Iterator
 from pytrain.errors import PytrainError
 from pytrain.formats import atomic
 from pytrain.train import checkpoint as ckpt
+from pytrain.train.run_dir import RunDir, RunDirError, new_run_id
 from pytrain.models import lora as lora_mod
 from pytrain.formats.adapter_gguf import write_lora_gguf
 from pytrain.config import Config
@@ -231,7 +232,8 @@ def open_session(cfg: Config, out: Path, log: Callable[[str], None]) -> Session:
         t = cfg.train
         hp = AdamW(lr=t.lr, beta1=t.adam_beta1, beta2=t.adam_beta2, eps=t.adam_eps,
                    weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm)
-        trainer = Trainer(model, adapter, hp, buggy_loss=t.loss_bug_repro, recompute=t.recompute)
+        trainer = Trainer(model, adapter, hp, buggy_loss=t.loss_bug_repro, recompute=t.recompute,
+                          memory_bytes=int(t.memory_gib * 2**30) if t.memory_gib else None)
     except BaseException:
         model.close()
         raise
@@ -297,8 +299,8 @@ def _short(v) -> str:
 class Loop:
     """The step loop's state and the things it writes: metrics, checkpoints, validation."""
 
-    def __init__(self, s: Session, total: int, step: int, bar):
-        self.s, self.total, self.step, self.bar = s, total, step, bar
+    def __init__(self, s: Session, total: int, step: int, bar, run_id: str | None):
+        self.s, self.total, self.step, self.bar, self.run_id = s, total, step, bar, run_id
         self.metrics = open(s.out / "metrics.jsonl", "a")
         self.ckpt_dir = s.out / "checkpoints"
         self.adapter_path = s.out / "adapter.gguf"
@@ -333,9 +335,11 @@ class Loop:
         save_adapter(s.model, s.adapter, self.adapter_path, s.cfg.output.formats)
         epoch, index = self.position
         state = ckpt.TrainState(self.step, epoch, index, s.trainer.opt.t, self.fingerprint,
-                                total_steps=self.total, resume_key=s.resume_key())
+                                total_steps=self.total, resume_key=s.resume_key(),
+                                run_id=self.run_id)
         where = ckpt.save(self.ckpt_dir, self.step, s.adapter, s.trainer.acc.moments(), state,
-                          keep=s.cfg.output.keep_checkpoints, arch=s.model.arch.name)
+                          keep=s.cfg.output.keep_checkpoints, arch=s.model.arch.name,
+                          config_toml=s.cfg.to_toml())
         self.saved_step = self.step
         return where
 
@@ -385,38 +389,48 @@ class Loop:
 
 # --------------------------------------------------------------------------- train
 
-def train(cfg: Config, progress: bool = True, log=print, resume: str | bool | None = None
-          ) -> RunResult:
-    """``resume``: True for the newest checkpoint of the run folder, or a checkpoint path."""
+def train(cfg: Config, progress: bool = True, log=print, resume: str | bool | None = None,
+          overwrite: bool = False) -> RunResult:
+    """``resume``: True for the newest checkpoint of the run folder, or a checkpoint path.
+    ``overwrite``: a fresh run may delete an earlier run left in ``output.dir`` (run_dir)."""
     if cfg.lora.dropout > 0:
         raise RunError("lora.dropout > 0 is not supported yet (ggml has no random op to draw "
                        "dropout masks inside the graph); set lora.dropout = 0")
+    if resume and overwrite:
+        raise RunError("--overwrite starts a new run and --resume continues one: pass one")
     out = output_dir(cfg)
-    atomic.write_bytes(out / "config.toml", cfg.to_toml().encode())
-    s = open_session(cfg, out, log)
     try:
-        return _train(s, progress, resume)
-    finally:
-        s.close()
+        with RunDir(out) as run_dir:
+            if not resume:
+                run_dir.check_fresh(overwrite, log)
+            s = open_session(cfg, out, log)
+            try:
+                return _train(s, progress, resume)
+            finally:
+                s.close()
+    except RunDirError as e:
+        raise RunError(str(e)) from None
 
 
 def _train(s: Session, progress: bool, resume: str | bool | None) -> RunResult:
     total = s.total_steps()
-    atomic.write_bytes(s.out / "data_stats.json", (json.dumps(s.stats, indent=2) + "\n").encode())
     step, start = 0, (0, 0)
-    if resume:
+    if resume:       # checked against the checkpoint before anything of the run is rewritten
         state = resume_from(s, find_checkpoint(s.out / "checkpoints", resume), total)
-        step, start = state.step, (state.epoch, state.position)
+        step, start, run_id = state.step, (state.epoch, state.position), state.run_id
         if step >= total:
             s.log(f"the run is already at step {step} of {total}: nothing to train (raise "
                   f"train.max_steps or train.epochs to continue it)")
     else:
+        run_id = new_run_id()
         atomic.write_bytes(s.out / "metrics.jsonl", b"")
+    atomic.write_bytes(s.out / "config.toml", s.cfg.to_toml().encode())
+    atomic.write_bytes(s.out / "data_stats.json", (json.dumps(s.stats, indent=2) + "\n").encode())
     bar = None
     if progress:
         from tqdm import tqdm
         bar = tqdm(total=total, initial=step, unit="step", dynamic_ncols=True, file=sys.stderr)
-    loop = Loop(s, total, step, bar)
+    loop = Loop(s, total, step, bar, run_id)
     if resume:
         loop.saved_step = step                 # that checkpoint exists: not written again
     else:

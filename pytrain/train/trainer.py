@@ -13,6 +13,7 @@ from pytrain.train.graphs import EvalGraph, GradGraph
 from pytrain.models.lora import LoraAdapter
 from pytrain.models.model import Model
 from pytrain.train.optimizer import OptimizerState, AdamW, Optimizer
+from pytrain.train.memory import available_bytes
 from pytrain.train.planning import compute_bytes
 from pytrain.train.recompute import RecomputeGraph
 
@@ -40,12 +41,15 @@ class StepResult:
 
 class Trainer:
     def __init__(self, model: Model, adapter: LoraAdapter, hp: AdamW, buggy_loss: bool = False,
-                 max_graphs: int = 12, recompute: str = "auto"):
+                 max_graphs: int = 12, recompute: str = "auto", memory_bytes: int | None = None):
+        """``memory_bytes``: what ``recompute="auto"`` may plan a step for, weights included
+        (``train.memory_gib``); None: what the device has free (pytrain.train.memory)."""
         self.model, self.adapter, self.hp = model, adapter, hp
         self.buggy = buggy_loss
         if recompute not in ("auto", "off", "layers"):
             raise ValueError(f"recompute must be auto, off or layers, got {recompute!r}")
         self.recompute = recompute
+        self.memory_bytes = memory_bytes
         self.acc = OptimizerState(model.runtime, adapter.params())
         self.opt = Optimizer(model.runtime, self.acc, hp)
         self.graphs: dict[tuple[int, int, int | None], GradGraph] = {}   # (B, T, rows)
@@ -74,17 +78,21 @@ class Trainer:
 
     def _recompute(self, B: int, T: int) -> bool:
         """``auto``: recompute only when one graph would not fit comfortably: its compute buffer
-        (measured by the scheduler without allocating) plus the frozen weights over half of
-        the device's memory.  Recompute costs a second forward of most layers (a third more
-        compute), so it is kept for the steps that need it."""
+        (measured by the scheduler without allocating) over half of the memory left for it
+        (what the device has free now, the weights being loaded, and on the CPU what the
+        container's cgroup allows; or ``memory_bytes`` less the weights).  Recompute costs a
+        second forward of most layers (a third more compute), so it is kept for the steps
+        that need it."""
         if self.recompute != "auto":
             return self.recompute == "layers"
         if (B, T) not in self._auto:
             g = GradGraph(self.model, self.adapter, B, T, acc=self.acc,
                           rows=loss_mod.rows_bucket(B * T, B * T))
-            need = compute_bytes(self.model.runtime, g.graph) + self.model.weights.total_bytes
+            need = compute_bytes(self.model.runtime, g.graph)
             g.close()
-            self._auto[(B, T)] = need > self.model.runtime.device_memory() / 2
+            left = (self.memory_bytes - self.model.weights.total_bytes
+                    if self.memory_bytes is not None else available_bytes(self.model.runtime))
+            self._auto[(B, T)] = need > left / 2
         return self._auto[(B, T)]
 
     def _drop(self, key) -> None:

@@ -1,0 +1,138 @@
+"""Re-running a config never loses a run (pytrain/train/run_dir.py): a fresh run into a folder
+that holds an earlier run is refused unless resumed or explicitly replaced, two runs cannot
+share a folder, a run prunes only its own checkpoints, and a refused resume rewrites nothing."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pytrain.cli import main
+from pytrain.train import checkpoint as ckpt
+from pytrain.train.run_dir import RunDir
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL = ROOT / "tests" / "fixtures" / "qwen35" / "gqa-f32.gguf"
+
+
+def write_run(folder: Path, **train) -> Path:
+    rec = {"messages": [{"role": "user", "content": "What does the cow say?"},
+                        {"role": "assistant", "content": "The cow says moo."}]}
+    (folder / "train.jsonl").write_text((json.dumps(rec) + "\n") * 8)
+    t = {"max_steps": 4, "batch_size": 4, "lr": 1e-3, "eval_every": 0, "save_every": 2, **train}
+    cfg = folder / "run.toml"
+    cfg.write_text(f'[model]\npath = "{MODEL}"\ndevice = "cpu"\nthreads = 1\n'
+                   f'[data]\ntrain = "train.jsonl"\n[lora]\nrank = 4\nalpha = 8.0\n[train]\n'
+                   + "".join(f"{k} = {json.dumps(v)}\n" for k, v in t.items())
+                   + '[output]\ndir = "out"\n')
+    return cfg
+
+
+def steps_of(out: Path) -> list[str]:
+    return sorted(p.name for p in (out / "checkpoints").glob("step-*"))
+
+
+def test_a_fresh_run_into_an_earlier_runs_folder_is_refused(tmp_path, capsys):
+    cfg = write_run(tmp_path)
+    assert main(["train", str(cfg), "--no-progress"]) == 0
+    out = tmp_path / "out"
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file() and p.name != ".pytrain.lock"}
+    capsys.readouterr()
+    assert main(["train", str(cfg), "--no-progress", "--set", "train.max_steps=2"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "holds an earlier run (checkpoints up to step-0000004" in err[0]
+    assert "--resume" in err[0] and "--overwrite" in err[0]
+    after = {p: p.read_bytes() for p in out.rglob("*") if p.is_file() and p.name != ".pytrain.lock"}
+    assert after == before                                    # nothing of it touched
+
+
+def test_overwrite_replaces_the_earlier_run_and_says_so(tmp_path, capsys):
+    cfg = write_run(tmp_path)
+    assert main(["train", str(cfg), "--no-progress"]) == 0
+    out = tmp_path / "out"
+    old_id = ckpt.run_id_of(out / "checkpoints" / "step-0000004")
+    capsys.readouterr()
+    assert main(["train", str(cfg), "--no-progress", "--overwrite", "--set",
+                 "train.max_steps=2"]) == 0
+    said = capsys.readouterr().out
+    assert "--overwrite: deleted the earlier run" in said and "checkpoints" in said
+    assert steps_of(out) == ["step-0000002"]                  # the old step 4 is gone
+    new_id = ckpt.run_id_of(out / "checkpoints" / "step-0000002")
+    assert new_id and old_id and new_id != old_id
+    steps = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()
+             if "loss" in json.loads(x)]
+    assert steps == [1, 2]
+    assert main(["train", str(cfg), "--no-progress", "--overwrite", "--resume"]) == 1
+
+
+def test_a_run_prunes_only_its_own_checkpoints(tmp_path):
+    """The reproduced defect: an old run's steps 280/290/300 and a new run's step 10 in one
+    folder; with keep = 3, saving step 10 deleted step 10 itself (pruning sorted by step across
+    both runs).  Now each run prunes only checkpoints with its own id."""
+    from pytrain.models import lora
+    import pytrain
+    m = pytrain.load_model(MODEL, device="cpu", threads=1)
+    try:
+        ad = lora.create(m.runtime, m.config, ["blk.1.attn_q.weight"], 2, 4.0)
+        fp = ckpt.base_fingerprint(MODEL)
+        folder = tmp_path / "checkpoints"
+
+        def save(step, run_id):
+            st = ckpt.TrainState(step, 0, step, step, fp, total_steps=300, run_id=run_id)
+            return ckpt.save(folder, step, ad, {}, st, keep=3, arch="qwen35")
+        for step in (280, 290, 300):
+            save(step, "old")
+        save(10, "new")
+        assert steps_of(tmp_path) == ["step-0000010", "step-0000280", "step-0000290",
+                                      "step-0000300"]
+        for step in (20, 30, 40):
+            save(step, "new")
+        assert steps_of(tmp_path) == ["step-0000020", "step-0000030", "step-0000040",
+                                      "step-0000280", "step-0000290", "step-0000300"]
+    finally:
+        m.close()
+
+
+def test_two_runs_cannot_share_a_folder(tmp_path, capsys):
+    cfg = write_run(tmp_path)
+    (tmp_path / "out").mkdir()
+    with RunDir(tmp_path / "out"):                            # a run holding the folder
+        assert main(["train", str(cfg), "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert f"is in use by another pytrain run (pid {os.getpid()})" in err
+    assert not (tmp_path / "out" / "checkpoints").exists()
+    assert main(["train", str(cfg), "--no-progress"]) == 0   # free again once it ended
+
+
+def test_the_lock_is_held_across_processes(tmp_path):
+    """flock is per open file: a second process sees the first one's lock."""
+    out = tmp_path / "out"
+    out.mkdir()
+    code = ("import sys; sys.path.insert(0, %r); from pytrain.train.run_dir import RunDir, "
+            "RunDirError\ntry:\n    RunDir(%r).__enter__()\nexcept RunDirError as e:\n"
+            "    print(e)\n" % (str(ROOT), str(out)))
+    with RunDir(out):
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           timeout=60)
+    assert "in use by another pytrain run" in r.stdout, r.stdout + r.stderr
+
+
+def test_a_refused_resume_rewrites_nothing_and_checkpoints_keep_the_config(tmp_path, capsys):
+    """A resume refused for a changed setting left config.toml and data_stats.json of the run
+    it told you to restore from overwritten with the new settings.  Now the checks come
+    first; and each checkpoint holds the resolved config it was made with."""
+    cfg = write_run(tmp_path)
+    assert main(["train", str(cfg), "--no-progress"]) == 0
+    out = tmp_path / "out"
+    config, stats = (out / "config.toml").read_bytes(), (out / "data_stats.json").read_bytes()
+    assert (out / "checkpoints" / "step-0000004" / "config.toml").read_bytes() == config
+    capsys.readouterr()
+    assert main(["train", str(cfg), "--no-progress", "--resume", "--set",
+                 "train.batch_size=2"]) == 1
+    assert "cannot resume" in capsys.readouterr().err
+    assert (out / "config.toml").read_bytes() == config
+    assert (out / "data_stats.json").read_bytes() == stats
+    assert b"batch_size = 4" in config
