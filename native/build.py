@@ -134,6 +134,12 @@ def patches_digest() -> str:
     return h.hexdigest()
 
 
+def ffi_digest() -> str:
+    """The bindings' generator (native/ffi.py, with pytrain's own C in it): a change rebuilds
+    the extension."""
+    return sha256_of(Path(__file__).resolve().parent / "ffi.py")
+
+
 def _apply_patch(patch: Path, llama_dir: Path) -> None:
     git = shutil.which("git")
     cmd = ([git, "apply", "-p1", str(patch)] if git else ["patch", "-p1", "-i", str(patch)])
@@ -475,6 +481,7 @@ def build(cuda: bool = False, jobs: int | None = None, force: bool = False,
         info = json.loads(stamp.read_text())
         if (info.get("cuda") == cuda and info.get("archive_sha256") == ARCHIVE_SHA256
                 and info.get("patches_sha256") == patches_digest()
+                and info.get("ffi_sha256") == ffi_digest()
                 and info.get("options") == options):
             log(f"ggml already built ({'cuda' if cuda else 'cpu'}); --force rebuilds")
             return info
@@ -495,6 +502,7 @@ def build(cuda: bool = False, jobs: int | None = None, force: bool = False,
         "archive_sha256": ARCHIVE_SHA256,
         "patches": [p.name for p in patches()],
         "patches_sha256": patches_digest(),
+        "ffi_sha256": ffi_digest(),
         "source": str(source_root()),
         "cuda": cuda,
         "blas": f"{OPENBLAS_PROJECT}=={OPENBLAS_VERSION}" if "-DGGML_BLAS=ON" in options else None,

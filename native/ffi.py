@@ -28,6 +28,31 @@ LINKED = ["ggml", "ggml-base"]
 _STUB_HEADERS = {"stdbool.h": "", "stddef.h": "", "stdint.h": "", "stdio.h": "",
                  "stdarg.h": ""}
 
+# pytrain's own C, compiled into the extension: a process-wide "stop now" flag that ggml's
+# compute checks between nodes (ggml-cpu's abort callback; the scheduler's eval callback for
+# backends without one, such as CUDA), set by run.Interrupt from a thread when a second Ctrl-C
+# arrives while the main thread is inside a graph compute.  The callbacks run per node on
+# ggml's compute threads, so they must be C: a Python callback would take the GIL every node.
+_ABORT_SOURCE = """
+#include <signal.h>
+static volatile sig_atomic_t pytrain_abort_requested = 0;
+static bool pytrain_abort_cb(void * data) { (void) data; return pytrain_abort_requested != 0; }
+static bool pytrain_eval_cb(struct ggml_tensor * t, bool ask, void * data) {
+    (void) t; (void) data;
+    return ask ? pytrain_abort_requested != 0 : pytrain_abort_requested == 0;
+}
+void pytrain_request_abort(int on) { pytrain_abort_requested = on; }
+int pytrain_abort_is_requested(void) { return pytrain_abort_requested; }
+ggml_abort_callback pytrain_abort_callback(void) { return pytrain_abort_cb; }
+ggml_backend_sched_eval_callback pytrain_eval_callback(void) { return pytrain_eval_cb; }
+"""
+_ABORT_CDEF = """
+void pytrain_request_abort(int on);
+int pytrain_abort_is_requested(void);
+ggml_abort_callback pytrain_abort_callback(void);
+ggml_backend_sched_eval_callback pytrain_eval_callback(void);
+"""
+
 # Constants the preprocessor would erase but callers need.
 _EXTRA_CDEF = """
 #define GGML_MAX_DIMS 4
@@ -113,10 +138,10 @@ def make_builder(include_dir: Path, lib_dir: Path):
     import cffi
 
     ffibuilder = cffi.FFI()
-    ffibuilder.cdef(cdef_source(include_dir, exported_symbols(lib_dir)))
+    ffibuilder.cdef(cdef_source(include_dir, exported_symbols(lib_dir)) + _ABORT_CDEF)
     includes = "".join(f'#include "{h}"\n' for h in HEADERS)
     ffibuilder.set_source(
-        MODULE, includes,
+        MODULE, includes + _ABORT_SOURCE,
         include_dirs=[str(include_dir)],
         library_dirs=[str(lib_dir)],
         libraries=LINKED,

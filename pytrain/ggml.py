@@ -431,6 +431,29 @@ def _init_blas(threads: int):
     return backend
 
 
+def _set_abort_callback(backend) -> None:
+    """ggml-cpu checks pytrain's abort flag after every node (``request_abort``)."""
+    reg = lib.ggml_backend_dev_backend_reg(lib.ggml_backend_get_device(backend))
+    fn = lib.ggml_backend_reg_get_proc_address(reg, b"ggml_backend_set_abort_callback")
+    if fn != ffi.NULL:
+        ffi.cast("ggml_backend_set_abort_callback_t", fn)(backend, lib.pytrain_abort_callback(),
+                                                          ffi.NULL)
+
+
+def request_abort(on: bool = True) -> None:
+    """Make every graph compute in this process stop at its next node (a second Ctrl-C); safe
+    to call from any thread while the main thread is inside a compute."""
+    lib.pytrain_request_abort(1 if on else 0)
+
+
+def _check(status) -> None:
+    if status == lib.GGML_STATUS_ABORTED or (status == lib.GGML_STATUS_SUCCESS
+                                             and lib.pytrain_abort_is_requested()):
+        raise KeyboardInterrupt("graph compute stopped by request")
+    if status != lib.GGML_STATUS_SUCCESS:
+        raise RuntimeError(f"graph compute failed with ggml status {status}")
+
+
 class DeviceError(PytrainError, ValueError):
     """A device that is not there or not known."""
 
@@ -464,6 +487,7 @@ class Runtime:
                                    "(build with PYTRAIN_CUDA=1 on a machine with CUDA)")
         self.cpu = lib.ggml_backend_init_by_type(lib.GGML_BACKEND_DEVICE_TYPE_CPU, ffi.NULL)
         _set_threads(self.cpu, self.threads)
+        _set_abort_callback(self.cpu)
         self.gpu = gpu
         # ggml's BLAS backend (OpenBLAS) takes the large matmuls and OUT_PRODs off the CPU
         # backend when the build has it; listed before the CPU so the scheduler gives it those
@@ -495,6 +519,9 @@ class Runtime:
         self.graph_size = max(graph_size, 2 * self.graph_size)
         self.sched = lib.ggml_backend_sched_new(self._backend_arr, ffi.NULL, len(self.backends),
                                                 self.graph_size, False, True)
+        if self.gpu is not None:   # ggml-cuda has no abort callback: the scheduler asks per node
+            lib.ggml_backend_sched_set_eval_callback(self.sched, lib.pytrain_eval_callback(),
+                                                     ffi.NULL)
 
     def close(self) -> None:
         if getattr(self, "sched", None) is not None:
@@ -585,9 +612,7 @@ class Runtime:
         self._gallocs.append(galloc)
 
     def compute_kept(self, graph) -> None:
-        status = lib.ggml_backend_graph_compute(self.compute_backend, graph)
-        if status != lib.GGML_STATUS_SUCCESS:
-            raise RuntimeError(f"graph compute failed with ggml status {status}")
+        _check(lib.ggml_backend_graph_compute(self.compute_backend, graph))
 
     def forget_graph(self) -> None:
         """Call before freeing the context of the allocated graph."""
@@ -635,14 +660,10 @@ class Runtime:
         allocated graph as it is)."""
         host = lib.ggml_backend_buft_is_host(lib.ggml_backend_buffer_get_type(tensor.buffer))
         backend = self.cpu if host else self.primary
-        status = lib.ggml_backend_graph_compute(backend, graph)
-        if status != lib.GGML_STATUS_SUCCESS:
-            raise RuntimeError(f"graph compute failed with ggml status {status}")
+        _check(lib.ggml_backend_graph_compute(backend, graph))
 
     def compute(self, graph) -> None:
-        status = lib.ggml_backend_sched_graph_compute(self.sched, graph)
-        if status != lib.GGML_STATUS_SUCCESS:
-            raise RuntimeError(f"graph compute failed with ggml status {status}")
+        _check(lib.ggml_backend_sched_graph_compute(self.sched, graph))
 
 
 def sched_size(graph) -> int:

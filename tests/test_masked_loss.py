@@ -348,10 +348,10 @@ def test_labels_are_built_on_the_device_from_o_rows_uploads(setup, monkeypatch):
         g.close()
 
 
-def test_a_stray_pad_label_in_the_built_tensor_is_found_and_removed(setup):
+def test_a_stray_pad_label_in_the_built_tensor_stops_the_step(setup):
     """What the ONE read of the pad-token column is for: a row labelled with the pad token
-    that is not a real target (planted here after the labels were built) is zeroed, masked
-    and not counted."""
+    that is not a real target (planted here after the labels were built) cannot come from the
+    targets, so it is a bug: the step is refused with the row named, not silently repaired."""
     from pytrain import ggml
     from pytrain.ggml import ffi, lib
     m, ad = setup
@@ -368,9 +368,11 @@ def test_a_stray_pad_label_in_the_built_tensor_is_found_and_removed(setup):
         one = np.ones(1, np.float32)
         lib.ggml_backend_tensor_set(g.ce.inputs.labels, ffi.from_buffer(one),
                                     stray_row * V * 4 + pad * 4, 4)
-        n = g.ce.check_labels(tgt, pad)
-        assert n == int((tgt >= 0).sum())
-        col = L.read_column(g.ce.inputs.labels, pad)
-        assert col[stray_row] == 0 and ggml.to_numpy(g.ce.inputs.row_mask).reshape(-1)[stray_row] == 0
+        with pytest.raises(L.LabelIntegrityError, match=f"first: row {stray_row}"):
+            g.ce.check_labels(tgt, pad)
+        zero = np.zeros(1, np.float32)                      # without it, the same check passes
+        lib.ggml_backend_tensor_set(g.ce.inputs.labels, ffi.from_buffer(zero),
+                                    stray_row * V * 4 + pad * 4, 4)
+        assert g.ce.check_labels(tgt, pad) == int((tgt >= 0).sum())
     finally:
         g.close()

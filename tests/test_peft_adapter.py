@@ -343,26 +343,31 @@ def test_failed_write_leaves_previous_adapter(tmp_path, rng, monkeypatch):
     bad["blk.1.attn_q.weight.lora_a"] = np.full((2, 64), np.nan, np.float32)
     with pytest.raises(PeftAdapterError, match="NaN"):
         write_peft_adapter(folder, bad, 8, 2)
-    # a crash while writing the second file: the first was replaced whole, the second is the
-    # old one, and no temporary file is left behind
-    import pytrain.formats.adapter_peft as ap
+    # a crash while writing the second file (its fsync fails: a full disk): the folder is
+    # replaced as a unit, so both files are still the previous adapter's, and no temporary
+    # folder is left behind.  (It replaced the weights alone and kept the old config.)
+    import pytrain.formats.atomic as at
     real = os.fsync
     calls = []
 
-    def flaky(fd):   # fsyncs: weights file, its folder, then the config file (fails)
+    def flaky(fd):   # fsyncs: the weights file, then the config file (fails)
         calls.append(fd)
-        if len(calls) == 3:
+        if len(calls) == 2:
             raise OSError(28, "No space left on device")
         return real(fd)
-    monkeypatch.setattr(ap.os, "fsync", flaky)
+    monkeypatch.setattr(at.os, "fsync", flaky)
     t2 = small_tensors(np.random.default_rng(99))
     with pytest.raises(OSError):
         write_peft_adapter(folder, t2, 8, 2, metadata={"run": "2"})
-    monkeypatch.setattr(ap.os, "fsync", real)
+    monkeypatch.setattr(at.os, "fsync", real)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ad"]
     assert sorted(p.name for p in folder.iterdir()) == [CONFIG_NAME, WEIGHTS_NAME]
-    assert (folder / CONFIG_NAME).read_bytes() == before[CONFIG_NAME]
-    back, _, _, _ = read_peft_adapter(folder)       # complete files under the final names
+    assert {f: (folder / f).read_bytes() for f in before} == before
+    # and a write that succeeds replaces both
+    write_peft_adapter(folder, t2, 8, 2, metadata={"run": "2"})
+    back, _, _, _ = read_peft_adapter(folder)
     assert all(np.array_equal(back[k], t2[k]) for k in t2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ad"]
 
 
 def test_write_keeps_umask_permissions(tmp_path, rng):

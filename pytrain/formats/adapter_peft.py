@@ -43,7 +43,7 @@ from pytrain import models
 from pytrain.errors import PytrainError
 from pytrain.formats.adapter_gguf import AdapterError, check_alpha, lora_pairs
 
-from pytrain.formats.atomic import fsync_dir, write_bytes
+from pytrain.formats.atomic import replacing_folder
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
@@ -462,10 +462,9 @@ def write_peft_adapter(folder: str | os.PathLike[str], tensors: Mapping[str, Any
 
     if folder.exists() and not folder.is_dir():
         raise PeftAdapterError(f"{where}: exists and is not a folder")
-    folder.mkdir(parents=True, exist_ok=True)
-    write_bytes(folder / WEIGHTS_NAME, blob)
-    write_bytes(folder / CONFIG_NAME, text.encode())
-    fsync_dir(folder)
+    with replacing_folder(folder) as tmp:       # weights and config replaced as one unit
+        (tmp / WEIGHTS_NAME).write_bytes(blob)
+        (tmp / CONFIG_NAME).write_bytes(text.encode())
     return folder
 
 

@@ -59,3 +59,58 @@ def replacing(path: str | os.PathLike) -> Iterator[Path]:
 def write_bytes(path: str | os.PathLike, data: bytes) -> None:
     with replacing(path) as tmp:
         tmp.write_bytes(data)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths in one step (Linux renameat2 RENAME_EXCHANGE); False where the system
+    or filesystem cannot."""
+    import ctypes
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    return fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
+
+
+@contextmanager
+def replacing_folder(path: str | os.PathLike) -> Iterator[Path]:
+    """``with replacing_folder(p) as tmp: write files into tmp`` — on success every file is
+    fsync'ed and the folder takes ``p``'s place as a unit: swapped with the old one in one
+    rename where Linux allows it (a reader sees the old folder or the new one, never a mix of
+    their files), else the old one moved aside and then the new one renamed in.  On any
+    exception ``p`` is untouched."""
+    import shutil
+    import tempfile
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise NotADirectoryError(f"{p}: exists and is not a folder")
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp"))
+    try:
+        tmp.chmod(0o777 & ~_umask())
+        yield tmp
+        for f in tmp.iterdir():
+            with open(f, "rb+") as fh:
+                os.fsync(fh.fileno())
+        fsync_dir(tmp)
+        if not p.exists():
+            os.replace(tmp, p)
+        elif _exchange(tmp, p):          # tmp now holds the old folder
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            aside = p.parent / f".{p.name}.{secrets.token_hex(4)}.old"
+            os.replace(p, aside)
+            os.replace(tmp, p)
+            shutil.rmtree(aside, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    fsync_dir(p.parent)
+
+
+def _umask() -> int:
+    old = os.umask(0)
+    os.umask(old)
+    return old

@@ -75,6 +75,10 @@ def select_rows(targets: np.ndarray, n_sel: int) -> tuple[np.ndarray, np.ndarray
     return rows, sel
 
 
+class LabelIntegrityError(RuntimeError):
+    """The label tensor the CE op would consume holds a label no target asked for: a bug."""
+
+
 @dataclass
 class LossInputs:
     labels: object      # F32 [V, N]  one-hot rows, built on the device (``MaskedCE.build_labels``)
@@ -135,12 +139,15 @@ class MaskedCE:
 
     def check_labels(self, targets: np.ndarray, pad_id: int | None,
                      n_valid_step: int | None = None, buggy: bool = False) -> int:
-        """ONE bulk strided read of the built label tensor's pad-token column finds any row
-        labelled with the pad token that is not a real target (a stray pad label, the bug
-        class this guards against); such rows are zeroed and masked, and the valid-row count
-        comes from the same read.  Then the runtime ``loss_scale``; ``n_valid_step`` is the
-        valid count of the whole optimizer step (defaults to this micro-batch's).  Returns
-        this micro-batch's valid count."""
+        """Where it costs nothing (labels in host memory: the CPU), ONE bulk strided read of the
+        built label tensor's pad-token column checks that no row is labelled with the pad
+        token unless it is a real target: such a row cannot come from IGNORE targets, so it
+        means a bug in the label construction, and the step is refused
+        (``LabelIntegrityError``), not repaired.  On a GPU the read would add a device-to-host
+        sync to every micro-batch; the labels there are built by the same graph the CPU tests
+        check.  Then the runtime ``loss_scale``; ``n_valid_step`` is the valid count of the
+        whole optimizer step (defaults to this micro-batch's).  Returns this micro-batch's
+        valid count."""
         flat = targets.reshape(-1)
         n = flat.size
         inp = self.inputs
@@ -148,17 +155,16 @@ class MaskedCE:
             ggml.from_numpy(inp.loss_scale, np.array([1.0 / (n_valid_step or 1)], np.float32))
             return n
         real = flat >= 0
-        if pad_id is not None:
+        if pad_id is not None and lib.ggml_backend_buft_is_host(
+                lib.ggml_backend_buffer_get_type(inp.labels.buffer)):
             col = read_column(inp.labels, pad_id)
-            stray = (col != 0) & ~real                    # cannot happen with IGNORE targets
-            has_label = (col != 0) | (real & (flat != pad_id))
-            if stray.any():
-                zero_column_rows(inp.labels, pad_id, np.nonzero(stray)[0])
-                has_label &= ~stray
-                ggml.from_numpy(inp.row_mask, has_label.astype(np.float32).reshape(n, 1))
-        else:
-            has_label = real
-        n_valid = int(has_label.sum())
+            stray = np.nonzero((col != 0) & ~real)[0]
+            if stray.size:
+                raise LabelIntegrityError(
+                    f"{stray.size} label rows (first: row {int(stray[0])}) carry the pad token "
+                    f"{pad_id} without being targets: the device-built labels disagree with the "
+                    f"targets, a bug in pytrain; the step was not computed")
+        n_valid = int(real.sum())
         step = n_valid if n_valid_step is None else n_valid_step
         ggml.from_numpy(inp.loss_scale, np.array([n / step if step > 0 else 0.0], np.float32))
         return n_valid
@@ -199,9 +205,3 @@ def read_column(labels, col: int) -> np.ndarray:
     lib.ggml_backend_tensor_get_2d(labels, ffi.from_buffer(out), col * 4, 4, n_rows,
                                    labels.nb[1], 4)
     return out
-
-
-def zero_column_rows(labels, col: int, rows: np.ndarray) -> None:
-    zero = np.zeros(1, np.float32)
-    for r in rows:   # only stray rows: normally none
-        lib.ggml_backend_tensor_set(labels, ffi.from_buffer(zero), int(r) * labels.nb[1] + col * 4, 4)

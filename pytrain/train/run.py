@@ -118,15 +118,47 @@ def plot_losses(metrics_path: Path, png: Path) -> None:
 class Interrupt:
     """First Ctrl-C / SIGTERM: finish the current step, write a checkpoint, stop.  Second:
     stop at once (KeyboardInterrupt; the previous checkpoint is intact, checkpoints are
-    written atomically)."""
+    written atomically).
+
+    "At once" includes a graph compute in progress: Python runs a signal handler only when
+    the main thread is back in the interpreter, which a training step's compute (tens of
+    seconds at the 2B shape) is not.  So the signals are also counted by a thread woken
+    through Python's wakeup fd, and at the second it sets the flag ggml checks after every
+    node (``ggml.request_abort``: ggml-cpu's abort callback, the scheduler's eval callback on
+    a GPU); the compute returns at its next node and the handler raises."""
 
     def __init__(self):
         self.requested: str | None = None
         self.old: dict = {}
+        self._wakeup: tuple[int, int] | None = None
+        self._old_wakeup = -1
+        self._thread = None
 
     def __enter__(self) -> "Interrupt":
+        import os
+        import threading
+        from pytrain import ggml
         for sig in (signal.SIGINT, signal.SIGTERM):
             self.old[sig] = signal.signal(sig, self.handle)
+        r, w = os.pipe()
+        os.set_blocking(w, False)
+        self._wakeup = (r, w)
+        self._old_wakeup = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+
+        def watch():
+            seen = 0
+            while True:
+                try:
+                    data = os.read(r, 64)
+                except OSError:
+                    return
+                seen += sum(b in (signal.SIGINT, signal.SIGTERM) for b in data)
+                if seen >= 2:
+                    ggml.request_abort()
+                if not data or 0xff in data:              # closed, or told to stop
+                    return
+        self._thread = threading.Thread(target=watch, name="pytrain-interrupt", daemon=True)
+        self._thread.start()
         return self
 
     def handle(self, signum, frame) -> None:
@@ -136,9 +168,24 @@ class Interrupt:
         self.requested = signal.Signals(signum).name
 
     def restore(self) -> None:
+        import os
+        from pytrain import ggml
         for sig, h in self.old.items():
             signal.signal(sig, h)
         self.old = {}
+        if self._wakeup is not None:
+            signal.set_wakeup_fd(self._old_wakeup)
+            r, w = self._wakeup
+            self._wakeup = None
+            try:
+                os.write(w, b"\xff")
+            except OSError:
+                pass
+            if self._thread is not None:
+                self._thread.join(timeout=5)
+            os.close(r)
+            os.close(w)
+        ggml.request_abort(False)
 
     def __exit__(self, *exc) -> None:
         self.restore()
