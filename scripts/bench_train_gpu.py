@@ -74,8 +74,19 @@ sys.path.insert(0, str(SCRIPTS))
 import bench_forward as bf  # noqa: E402
 import bench_train as bt  # noqa: E402
 
-ANCHOR = dict(tokens_per_s=6909, peak_gib=32.9, batch=(4, 1024),
-              stack="HF transformers 5.17 + PEFT 0.21, torch 2.11, bf16, torch DeltaNet fallback")
+def _anchor() -> dict:
+    """The earlier HF + PEFT measurement on an H200 (bench_results/anchor_hf_peft_h200.json,
+    which says how it was made)."""
+    import json
+    a = json.loads((REPO / "bench_results" / "anchor_hf_peft_h200.json").read_text())
+    st = a["stack"]
+    return dict(tokens_per_s=a["tokens_per_s"], peak_gib=a["peak_gib"],
+                batch=tuple(a["setup"]["batch"]),
+                stack=f"HF transformers {st['transformers']} + PEFT {st['peft']}, torch "
+                      f"{st['torch'].split()[0]}, {a['setup']['dtype']}, torch DeltaNet fallback")
+
+
+ANCHOR = _anchor()
 TYPES = ("bf16", "f16", "q8_0", "q4_k")
 CONVERTED = ("bf16", "f16", "q8_0")       # written by convert_hf_to_gguf.py
 TIMEOUT_S = 900                            # one worker, load to last step
