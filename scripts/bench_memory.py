@@ -55,6 +55,25 @@ def weight_bytes(file_type: str) -> int:
     return n
 
 
+def acc_traffic(graph) -> dict:
+    """Elements the one-graph step's ACC nodes write (the backward adds each view's gradient
+    into its source's with an ACC; patch 0010 makes most of them in place, writing only the
+    view's region), and what the same nodes would write if each copied its whole gradient,
+    as an ACC does without the patch."""
+    lib, ffi = ggml.lib, ggml.ffi
+    n = in_place = written = whole = 0
+    for i in range(lib.ggml_graph_n_nodes(graph)):
+        t = lib.ggml_graph_node(graph, i)
+        if t.op != lib.GGML_OP_ACC:
+            continue
+        ip = bool(ffi.cast("int32_t *", t.op_params)[4])
+        n += 1
+        in_place += ip
+        written += int(lib.ggml_nelements(t.src[1] if ip else t))
+        whole += int(lib.ggml_nelements(t))
+    return {"nodes": n, "in_place": in_place, "written": written, "if_copied": whole}
+
+
 def step_memory(B: int, T: int) -> dict:
     """Compute buffers of the one-graph step and of the layer-wise step (largest graph), plus
     the layer-wise step's persistent tensors and the adapter with its AdamW state."""
@@ -65,6 +84,7 @@ def step_memory(B: int, T: int) -> dict:
         t0 = time.perf_counter()
         g = GradGraph(m, ad, B, T, rows=B * T // 2)
         one = compute_bytes(m.runtime, g.graph)
+        acc = acc_traffic(g.graph)
         g.close()
         r = RecomputeGraph(m, ad, B, T)
         per_graph = {"pre": compute_bytes(m.runtime, r.pre.graph),
@@ -77,7 +97,7 @@ def step_memory(B: int, T: int) -> dict:
         r.close()
         return {"B": B, "T": T, "one_graph": one, "layerwise_peak": max(per_graph.values()),
                 "layerwise_graphs": per_graph, "layerwise_persistent": persistent,
-                "head_chunk_rows": rows, "adapter_and_adamw": adapter,
+                "head_chunk_rows": rows, "adapter_and_adamw": adapter, "acc": acc,
                 "seconds": round(time.perf_counter() - t0, 1)}
     finally:
         m.close()
@@ -137,6 +157,19 @@ def main() -> int:
             f"({r['head_chunk_rows']} rows) / {g(pg['layer backward'])} | "
             f"{g(r['layerwise_persistent'])} | {g(base + weights['bf16'])} | "
             f"{g(base + weights['q4_K'])} |")
+    lines += ["", f"## ACC traffic of the one-graph step, batch {a.batch}", "",
+              "The backward adds each view's gradient into its source's gradient with an ACC; "
+              "the chunked DeltaNet reads six tensors per layer through one view per chunk. "
+              "`written`: elements the ACC nodes write (patch 0010: in place, only the view's "
+              "region, where the gradient is the chain's own); `if copied`: what the same "
+              "nodes would write if each copied its whole gradient, as ggml's ACC does "
+              "without the patch.", "",
+              "| T | ACC nodes | in place | written (G elements) | if copied (G elements) |",
+              "|---|---|---|---|---|"]
+    for r in rows:
+        c = r["acc"]
+        lines.append(f"| {r['T']} | {c['nodes']} | {c['in_place']} | {c['written'] / 1e9:.2f} | "
+                     f"{c['if_copied'] / 1e9:.2f} |")
     (a.out / "memory.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
