@@ -127,3 +127,28 @@ def test_the_check_knows_the_out_prod_and_repeat_back_limits():
     assert not supported(lib.ggml_repeat_back(c, big, lib.ggml_new_tensor_4d(
         c, lib.GGML_TYPE_F32, 1, 2, 128, 257)))
     ctx.close()
+
+
+@pytest.mark.parametrize("file_type", ["bf16", "q4_K"])
+def test_layer_wise_recompute_graphs_run_entirely_on_cuda(file_type):
+    """Every graph of a layer-wise step (recompute = "layers", what auto picks when one graph
+    does not fit): the frozen layers below the first adapter, each layer's forward, the head
+    and loss on a chunk of rows with its label graph, each layer's recomputing backward; at
+    the 2B shape and the largest micro-batch."""
+    from pytrain.train.recompute import RecomputeGraph
+    m = shape_model("qwen35", QWEN35_2B, file_type, device="cuda")
+    try:
+        ad = lora.create(m.runtime, m.config, select_targets(m.config), 16, 32.0)
+        r = RecomputeGraph(m, ad, 4, 16384)
+        try:
+            graphs = r.graphs() + [r.ce.label_graph]
+            assert len(graphs) == 3 + len(r.fwd) + len(r.bwd)   # + pre, head, labels
+            for graph in graphs:
+                bad = unsupported_nodes(graph)
+                assert not bad, f"{len(bad)} nodes, e.g.:\n" + "\n".join(bad[:12])
+            assert any(ggml.lib.ggml_graph_node(b.graph, i).op == ggml.lib.GGML_OP_OUT_PROD
+                       for b in r.bwd.values() for i in range(ggml.lib.ggml_graph_n_nodes(b.graph)))
+        finally:
+            r.close()
+    finally:
+        m.close()
