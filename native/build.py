@@ -448,6 +448,11 @@ def install_libs(prefix: Path, out_dir: Path, options: list[str]) -> list[str]:
     for opt in options:
         if opt.startswith("-DGGML_BLAS_LIBRARIES="):
             blas_lib = Path(opt.split("=", 1)[1])
+            if not blas_lib.exists():     # a prefix built elsewhere with BLAS on
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise BuildError(f"the BLAS library {blas_lib} this prefix was built with is not "
+                                 f"on this machine; build the prefix with PYTRAIN_BLAS=0 (a "
+                                 f"GPU run does not use BLAS)")
             shutil.copy2(blas_lib, tmp / blas_lib.name)
             names.append(blas_lib.name)
     if lib_dir.exists():

@@ -88,6 +88,9 @@ def build_prefix(nb, jobs: int | None) -> Path:
     """A portable CUDA ggml install prefix, built in the cache (the cffi module the build also
     makes goes to a temporary folder: the GPU machine compiles its own for its Python)."""
     os.environ.pop("PYTRAIN_GGML_NATIVE", None)        # portable: every CPU variant
+    # no BLAS backend: a GPU run never uses it (Runtime leaves it out beside a GPU), and its
+    # OpenBLAS library would be one more file to carry and find on the GPU machine
+    os.environ["PYTRAIN_BLAS"] = "0"
     with tempfile.TemporaryDirectory() as tmp:
         nb.build(cuda=True, jobs=jobs, out_dir=Path(tmp))
     return nb.cache_dir() / "install" / f"{nb.SRC_DIRNAME}-cuda"

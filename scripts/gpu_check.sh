@@ -87,7 +87,7 @@ build() {
       $PY native/build.py --cuda --prebuilt /tmp/pytrain-prefix/prefix --force || return 1
   else
     step "ggml with CUDA, $JOBS jobs" build.log \
-      env PYTRAIN_CUDA_ARCH=${PYTRAIN_CUDA_ARCH:-90} $PY native/build.py --cuda --jobs "$JOBS" || return 1
+      env PYTRAIN_BLAS=0 PYTRAIN_CUDA_ARCH=${PYTRAIN_CUDA_ARCH:-90} $PY native/build.py --cuda --jobs "$JOBS" || return 1
   fi
   touch /tmp/pytrain-cuda-built
 }
