@@ -73,10 +73,13 @@ def sha256_of(path: Path) -> str:
 
 
 def _pip_command() -> list[str]:
-    try:
-        import pip  # noqa: F401
+    # found, not imported: importing pip makes setuptools' distutils shim step aside for the
+    # rest of the process (_distutils_hack), and cffi then builds the extension with the
+    # stdlib distutils, which cannot name it for the limited API (_ggml.abi3.so)
+    import importlib.util
+    if importlib.util.find_spec("pip") is not None:
         return [sys.executable, "-m", "pip"]
-    except ImportError:
+    else:
         exe = shutil.which("pip3") or shutil.which("pip")
         if exe is None:
             raise BuildError("pip is needed to fetch the pinned ggml source: install pip "

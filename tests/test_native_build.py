@@ -214,3 +214,16 @@ def test_the_build_installs_every_x86_cpu_variant_and_one_abi3_module():
     assert not any(p.is_symlink() for p in lib.iterdir())
     assert info["module"] == "_ggml.abi3.so"
     assert [p.name for p in Path(native_build.PKG_NATIVE).glob("_ggml*.so")] == ["_ggml.abi3.so"]
+
+
+def test_finding_pip_does_not_import_it():
+    """Importing pip makes setuptools' distutils shim step aside for the rest of the process,
+    and cffi then built the extension with the stdlib distutils, which cannot name it for the
+    limited API: a fresh clone's first build failed that way (later builds, with the archive
+    cached, never asked for pip)."""
+    import subprocess
+    code = ("import sys; sys.path.insert(0, 'native'); import build; build._pip_command(); "
+            "import distutils; print('pip' in sys.modules, 'setuptools' in distutils.__file__)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       cwd=Path(native_build.__file__).resolve().parent.parent, timeout=60)
+    assert r.stdout.split() == ["False", "True"], r.stdout + r.stderr
