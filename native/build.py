@@ -73,18 +73,18 @@ def sha256_of(path: Path) -> str:
 
 
 def _pip_command() -> list[str]:
-    # found, not imported: importing pip makes setuptools' distutils shim step aside for the
-    # rest of the process (_distutils_hack), and cffi then builds the extension with the
-    # stdlib distutils, which cannot name it for the limited API (_ggml.abi3.so)
-    import importlib.util
-    if importlib.util.find_spec("pip") is not None:
-        return [sys.executable, "-m", "pip"]
-    else:
-        exe = shutil.which("pip3") or shutil.which("pip")
-        if exe is None:
-            raise BuildError("pip is needed to fetch the pinned ggml source: install pip "
-                             "(apt-get install python3-pip) and retry")
-        return [exe]
+    # asked in a subprocess, never imported (nor looked up with importlib) here: setuptools'
+    # distutils shim steps aside for the rest of a process that touches pip (_distutils_hack),
+    # and cffi then builds the extension with the stdlib distutils, which cannot name it for
+    # the limited API (_ggml.abi3.so)
+    here = [sys.executable, "-m", "pip"]
+    if subprocess.run(here + ["--version"], capture_output=True).returncode == 0:
+        return here
+    exe = shutil.which("pip3") or shutil.which("pip")
+    if exe is None:
+        raise BuildError("pip is needed to fetch the pinned ggml source: install pip "
+                         "(apt-get install python3-pip) and retry")
+    return [exe]
 
 
 def fetch_pinned(project: str, version: str, filename: str, sha256: str,

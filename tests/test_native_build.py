@@ -223,7 +223,8 @@ def test_finding_pip_does_not_import_it():
     cached, never asked for pip)."""
     import subprocess
     code = ("import sys; sys.path.insert(0, 'native'); import build; build._pip_command(); "
-            "import distutils; print('pip' in sys.modules, 'setuptools' in distutils.__file__)")
+            "import setuptools, distutils; "        # as cffi's compile imports them
+            "print('pip' in sys.modules, 'setuptools' in distutils.__file__)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                        cwd=Path(native_build.__file__).resolve().parent.parent, timeout=60)
     assert r.stdout.split() == ["False", "True"], r.stdout + r.stderr
