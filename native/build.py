@@ -334,9 +334,15 @@ def blas_options() -> list[str]:
 # icelake, zen4, sapphirerapids, ...).  pytrain loads the best variant the CPU it runs on can
 # execute (pytrain/ggml.py), so a build, or a wheel, copied to another x86-64 CPU runs there
 # instead of dying with SIGILL, and one build can run the tests under several variants.
+#
+# ggml's RPC backend (one small module, no dependency: RDMA off) serves a device over TCP: a
+# device that is not host memory on any machine, so the scheduler's copies between backends,
+# as a GPU run makes them, are exercised here on CPU machines (tests/test_rpc_device.py), and
+# a trainer can use another machine's device (``device = "rpc:HOST:PORT"``).
 GGML_OPTIONS = ["-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=ON",
                 "-DGGML_BACKEND_DL=ON", "-DGGML_NATIVE=OFF", "-DGGML_CPU_ALL_VARIANTS=ON",
-                "-DGGML_LLAMAFILE=ON", "-DGGML_BUILD_TESTS=OFF", "-DGGML_BUILD_EXAMPLES=OFF",
+                "-DGGML_LLAMAFILE=ON", "-DGGML_RPC=ON", "-DGGML_RPC_RDMA=OFF",
+                "-DGGML_BUILD_TESTS=OFF", "-DGGML_BUILD_EXAMPLES=OFF",
                 "-DGGML_CCACHE=OFF", "-DCMAKE_INSTALL_RPATH=$ORIGIN"]
 
 

@@ -122,7 +122,8 @@ def _load_backends() -> CpuVariant:
     """Register the backend modules of the build with ggml: CUDA and BLAS when built, and the
     ggml-cpu variant for this CPU (ggml's registry lists devices in this order)."""
     variant = choose_cpu_variant(cpu_variant_scores(), os.environ.get("PYTRAIN_CPU_VARIANT"))
-    for path in (LIB_DIR / "libggml-cuda.so", LIB_DIR / "libggml-blas.so", variant.path):
+    for path in (LIB_DIR / "libggml-cuda.so", LIB_DIR / "libggml-blas.so",
+                 LIB_DIR / "libggml-rpc.so", variant.path):
         if path.exists() and lib.ggml_backend_load(str(path).encode()) == ffi.NULL:
             raise ImportError(f"ggml could not load its backend module {path}")
     return variant
@@ -458,6 +459,34 @@ class DeviceError(PytrainError, ValueError):
     """A device that is not there or not known."""
 
 
+def _cuda_device():
+    """The first GPU device of a CUDA build (not one an RPC server serves), or None."""
+    for i in range(lib.ggml_backend_dev_count()):
+        d = lib.ggml_backend_dev_get(i)
+        reg = lib.ggml_backend_dev_backend_reg(d)
+        if (lib.ggml_backend_dev_type(d) == lib.GGML_BACKEND_DEVICE_TYPE_GPU
+                and ffi.string(lib.ggml_backend_reg_name(reg)).decode() != "RPC"):
+            return d
+    return None
+
+
+def _rpc_backend(endpoint: str):
+    """A backend on the first device the rpc-server at ``endpoint`` (HOST:PORT) serves."""
+    reg = lib.ggml_backend_reg_by_name(b"RPC")
+    if reg == ffi.NULL:
+        raise DeviceError("this build has no RPC backend (libggml-rpc.so): rebuild with "
+                          "`make build`")
+    add = lib.ggml_backend_reg_get_proc_address(reg, b"ggml_backend_rpc_add_server")
+    server = ffi.cast("ggml_backend_reg_t (*)(const char *)", add)(endpoint.encode())
+    if server == ffi.NULL or lib.ggml_backend_reg_dev_count(server) == 0:
+        raise DeviceError(f"no RPC server answers at {endpoint} (start one with `python -m "
+                          f"pytrain.rpc_server --endpoint {endpoint}`)")
+    backend = lib.ggml_backend_dev_init(lib.ggml_backend_reg_dev_get(server, 0), ffi.NULL)
+    if backend == ffi.NULL:
+        raise DeviceError(f"the RPC device at {endpoint} could not be opened")
+    return backend
+
+
 class CPUFallbackError(PytrainError, RuntimeError):
     """A GPU run would execute some ops on the CPU, copying their inputs every step."""
 
@@ -465,22 +494,28 @@ class CPUFallbackError(PytrainError, RuntimeError):
 class Runtime:
     """Backends plus a scheduler: the primary backend (GPU when chosen) first, CPU last.
 
-    ``device``: ``cpu``, ``cuda`` (fails if there is none) or ``auto`` (GPU when present).
+    ``device``: ``cpu``, ``cuda`` (fails if there is none), ``auto`` (a CUDA GPU when
+    present), or ``rpc:HOST:PORT``: the device an ``rpc-server`` (``python -m
+    pytrain.rpc_server``) serves there, used as a GPU is: weights, adapter and optimizer state
+    in its memory, the scheduler copying inputs and results across, CPU fallbacks refused.
     """
 
     def __init__(self, device: str = "auto", threads: int | None = None,
                  graph_size: int = 8192, allow_cpu_fallback: bool = False, blas: bool = True):
-        if device not in ("cpu", "cuda", "auto"):
-            raise DeviceError(f"device must be 'cpu', 'cuda' or 'auto', got {device!r}")
+        if device not in ("cpu", "cuda", "auto") and not device.startswith("rpc:"):
+            raise DeviceError(f"device must be 'cpu', 'cuda', 'auto' or 'rpc:HOST:PORT', got "
+                              f"{device!r}")
         # PYTRAIN_THREADS overrides every runtime's thread count, configs and callers
         # included: for running a whole test suite or benchmark at another count
         forced = os.environ.get("PYTRAIN_THREADS", "")
         self.threads = int(forced) if forced else (threads or default_threads())
         self.allow_cpu_fallback = allow_cpu_fallback
         gpu = None
-        if device in ("cuda", "auto"):
-            dev = lib.ggml_backend_dev_by_type(lib.GGML_BACKEND_DEVICE_TYPE_GPU)
-            if dev != ffi.NULL:
+        if device.startswith("rpc:"):
+            gpu = _rpc_backend(device[len("rpc:"):])
+        elif device in ("cuda", "auto"):
+            dev = _cuda_device()
+            if dev is not None:
                 gpu = lib.ggml_backend_dev_init(dev, ffi.NULL)
             elif device == "cuda":
                 raise DeviceError("device 'cuda' requested but ggml reports no GPU device "
@@ -498,7 +533,7 @@ class Runtime:
             self.blas = _init_blas(self.threads)
         self.backends = [b for b in (gpu, self.blas, self.cpu) if b is not None]
         self.primary = self.backends[0]
-        self.device = "cuda" if gpu is not None else "cpu"
+        self.device = ("rpc" if device.startswith("rpc:") else "cuda") if gpu is not None else "cpu"
         self._backend_arr = ffi.new("ggml_backend_t[]", self.backends)
         self.graph_size = 0
         self.sched = None
@@ -580,6 +615,16 @@ class Runtime:
         self._ensure_sched(sched_size(graph))
         lib.ggml_backend_sched_reset(self.sched)
         self._current = None
+        if self.gpu is not None:
+            # the scheduler puts every input on its last backend, the CPU (ggml-backend.cpp,
+            # "graph input"), and copies it across at every compute: the [V, rows] label rows
+            # among them, and a graph built on the device (labels from O(rows) indices) would
+            # read device memory from the CPU.  Inputs live on the device instead, so a graph
+            # the device runs whole has no split and no copy (no node's src rewritten by the
+            # scheduler to a copy in a context it frees at the next allocation).
+            for t in ctx.compute_tensors():
+                if t.flags & lib.GGML_TENSOR_FLAG_INPUT:
+                    lib.ggml_backend_sched_set_tensor_backend(self.sched, t, self.primary)
         if not lib.ggml_backend_sched_alloc_graph(self.sched, graph):
             raise MemoryError("ggml_backend_sched_alloc_graph failed")
         self._current = address(graph)

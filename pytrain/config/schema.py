@@ -44,6 +44,15 @@ def _non_negative(v: Any) -> str | None:
     return None if v is None or v >= 0 else "must be >= 0"
 
 
+def _device(v: str) -> str | None:
+    if v in ("cpu", "cuda", "auto"):
+        return None
+    host, _, port = v[len("rpc:"):].rpartition(":") if v.startswith("rpc:") else ("", "", "")
+    if host and port.isdigit():
+        return None
+    return "must be 'cpu', 'cuda', 'auto' or 'rpc:HOST:PORT'"
+
+
 def _unit_interval(v: float) -> str | None:
     return None if 0.0 <= v < 1.0 else "must be in [0, 1)"
 
@@ -54,8 +63,9 @@ class ModelConfig:
     """The frozen base model."""
 
     path: str | None = _opt(None, "GGUF model file (required)", path=True)
-    device: str = _opt("auto", "compute device: cpu, cuda, or auto (cuda when available)",
-                       choices=("cpu", "cuda", "auto"))
+    device: str = _opt("auto", "compute device: cpu, cuda, auto (cuda when available), or "
+                       "rpc:HOST:PORT (the device a `python -m pytrain.rpc_server` serves)",
+                       check=_device)
     threads: int | None = _opt(None, "CPU threads (unset: ggml's default)", check=_positive)
     type_policy: str = _opt("auto", "types the frozen weights are loaded as: auto (what every "
                             "op of the training graph supports on the device), f32, or keep "
