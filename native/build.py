@@ -250,8 +250,10 @@ def cuda_options(tk: CudaToolkit) -> list[str]:
     arch = os.environ.get("PYTRAIN_CUDA_ARCH", CUDA_ARCH_DEFAULT)
     args = ["-DGGML_CUDA=ON", "-DGGML_CUDA_FA=OFF", "-DGGML_CUDA_NCCL=OFF",
             f"-DCMAKE_CUDA_ARCHITECTURES={arch}", f"-DCMAKE_CUDA_COMPILER={tk.root / 'bin' / 'nvcc'}",
-            f"-DCUDAToolkit_ROOT={tk.root}",
-            f"-DCMAKE_INSTALL_RPATH=$ORIGIN;{tk.cublas_lib}"]   # replaces the plain $ORIGIN
+            f"-DCUDAToolkit_ROOT={tk.root}"]
+    # no absolute RUNPATH to this machine's cuBLAS: on another machine it names nothing.
+    # pytrain/ggml.py preloads the CUDA libraries from the running Python's nvidia-* wheels,
+    # the folders this build recorded, or the system's loader path, before libggml-cuda.
     if not tk.has_driver:          # no libcuda to link the VMM pool against (a build machine)
         args.append("-DGGML_CUDA_NO_VMM=ON")
     if tk.cublas_include is not None:
@@ -470,6 +472,13 @@ def install_libs(prefix: Path, out_dir: Path, options: list[str]) -> list[str]:
     return names
 
 
+def cuda_library_dirs(options: list[str]) -> list[str]:
+    """Where this build found cuBLAS (the pinned wheel's folder, or the toolkit's): a place
+    pytrain looks for it at run time on this machine."""
+    return sorted({str(Path(o.split("=", 1)[1]).parent) for o in options
+                   if o.startswith("-DCUDA_cublas_LIBRARY=")})
+
+
 def cpu_variants(libs: list[str]) -> list[str]:
     """The ggml-cpu modules of a build by variant name (``native`` for a -march=native one)."""
     out = []
@@ -519,6 +528,7 @@ def build(cuda: bool = False, jobs: int | None = None, force: bool = False,
         "ffi_sha256": ffi_digest(),
         "source": str(source_root()),
         "cuda": cuda,
+        "cuda_library_dirs": cuda_library_dirs(options),
         "blas": f"{OPENBLAS_PROJECT}=={OPENBLAS_VERSION}" if "-DGGML_BLAS=ON" in options else None,
         "options": options,
         "libs": libs,

@@ -118,12 +118,56 @@ def _install_log_filter():
     return cb                    # kept alive for the life of the process
 
 
+CUDA_LIBRARIES = ("libcudart.so.13", "libcublasLt.so.13", "libcublas.so.13")
+
+
+def cuda_library_dirs() -> list[Path]:
+    """Where the CUDA libraries libggml-cuda needs may be, first to last: the nvidia-* wheels
+    of the running Python (``nvidia/cu13/lib``: torch's environment on a GPU machine has
+    them), then the folders the build found cuBLAS in.  The system's loader path comes last,
+    by soname."""
+    import sys
+    out = [Path(p) / "nvidia" / "cu13" / "lib" for p in sys.path if p]
+    out += [Path(d) for d in json.loads((NATIVE_DIR / "build_info.json").read_text())
+            .get("cuda_library_dirs", [])]
+    return [d for d in dict.fromkeys(out) if d.is_dir()]
+
+
+def _preload_cuda() -> list[str]:
+    """Load the CUDA runtime and cuBLAS globally before libggml-cuda, whose RUNPATH is only
+    its own folder, so that it finds them by soname.  Returns what was loaded from where."""
+    import ctypes
+    loaded = []
+    for name in CUDA_LIBRARIES:
+        for d in cuda_library_dirs():
+            if (d / name).exists():
+                ctypes.CDLL(str(d / name), mode=ctypes.RTLD_GLOBAL)
+                loaded.append(str(d / name))
+                break
+        else:
+            try:
+                ctypes.CDLL(name, mode=ctypes.RTLD_GLOBAL)     # the loader's own path
+                loaded.append(name)
+            except OSError:
+                pass
+    return loaded
+
+
 def _load_backends() -> CpuVariant:
     """Register the backend modules of the build with ggml: CUDA and BLAS when built, and the
     ggml-cpu variant for this CPU (ggml's registry lists devices in this order)."""
+    import ctypes
     variant = choose_cpu_variant(cpu_variant_scores(), os.environ.get("PYTRAIN_CPU_VARIANT"))
-    for path in (LIB_DIR / "libggml-cuda.so", LIB_DIR / "libggml-blas.so",
-                 LIB_DIR / "libggml-rpc.so", variant.path):
+    cuda = LIB_DIR / "libggml-cuda.so"
+    if cuda.exists():
+        _preload_cuda()
+        try:            # ggml's loader only logs why a module failed: ask the system first
+            ctypes.CDLL(str(cuda))
+        except OSError as e:
+            raise ImportError(f"the CUDA backend {cuda} cannot be loaded ({e}); install the "
+                              f"CUDA 13 runtime and cuBLAS (pip install nvidia-cublas "
+                              f"nvidia-cuda-runtime) or build without PYTRAIN_CUDA") from e
+    for path in (cuda, LIB_DIR / "libggml-blas.so", LIB_DIR / "libggml-rpc.so", variant.path):
         if path.exists() and lib.ggml_backend_load(str(path).encode()) == ffi.NULL:
             raise ImportError(f"ggml could not load its backend module {path}")
     return variant
