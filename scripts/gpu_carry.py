@@ -38,7 +38,7 @@ OUT = ROOT / ".gpu"
 WHEELS = ["cffi==2.1.1", "pycparser==3.12", "gguf==0.19.0"]   # PyYAML, requests: in the image
 # ggml backends the CUDA build does not configure (kept out to stay under the carry limit)
 SKIP = ("ggml-vulkan", "ggml-sycl", "ggml-metal", "ggml-opencl", "ggml-cann", "ggml-webgpu",
-        "ggml-zdnn", "ggml-hexagon", "ggml-musa", "ggml-rpc", "ggml-blas", "ggml-zendnn",
+        "ggml-zdnn", "ggml-hexagon", "ggml-musa", "ggml-blas", "ggml-zendnn",
         "ggml-virtgpu", "ggml-openvino")
 
 
