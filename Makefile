@@ -16,7 +16,7 @@ $(VENV)/.deps: pyproject.toml
 
 build: $(VENV)/.deps
 	PYTRAIN_CUDA=$(CUDA) $(PY) native/build.py
-	$(PY) -m pip install -q --no-build-isolation -e '.[test]'
+	$(PY) -m pip install -q --no-build-isolation -e '.[test,mpi]'
 
 # llama.cpp's libllama from the same pinned source (cached; ~2 min once): the adapter and
 # merge cross-check tests run llama.cpp itself and skip without it

@@ -503,15 +503,17 @@ class DeviceError(PytrainError, ValueError):
     """A device that is not there or not known."""
 
 
-def _cuda_device():
-    """The first GPU device of a CUDA build (not one an RPC server serves), or None."""
+def _cuda_device(index: int = 0):
+    """The ``index``-th GPU device (modulo their count) of a CUDA build (not one an RPC
+    server serves), or None."""
+    found = []
     for i in range(lib.ggml_backend_dev_count()):
         d = lib.ggml_backend_dev_get(i)
         reg = lib.ggml_backend_dev_backend_reg(d)
         if (lib.ggml_backend_dev_type(d) == lib.GGML_BACKEND_DEVICE_TYPE_GPU
                 and ffi.string(lib.ggml_backend_reg_name(reg)).decode() != "RPC"):
-            return d
-    return None
+            found.append(d)
+    return found[index % len(found)] if found else None
 
 
 def _rpc_backend(endpoint: str):
@@ -545,7 +547,8 @@ class Runtime:
     """
 
     def __init__(self, device: str = "auto", threads: int | None = None,
-                 graph_size: int = 8192, allow_cpu_fallback: bool = False, blas: bool = True):
+                 graph_size: int = 8192, allow_cpu_fallback: bool = False, blas: bool = True,
+                 device_index: int = 0):
         if device not in ("cpu", "cuda", "auto") and not device.startswith("rpc:"):
             raise DeviceError(f"device must be 'cpu', 'cuda', 'auto' or 'rpc:HOST:PORT', got "
                               f"{device!r}")
@@ -558,7 +561,7 @@ class Runtime:
         if device.startswith("rpc:"):
             gpu = _rpc_backend(device[len("rpc:"):])
         elif device in ("cuda", "auto"):
-            dev = _cuda_device()
+            dev = _cuda_device(device_index)
             if dev is not None:
                 gpu = lib.ggml_backend_dev_init(dev, ffi.NULL)
             elif device == "cuda":

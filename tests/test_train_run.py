@@ -268,7 +268,7 @@ def _examples(cfg: Path):
 @pytest.mark.parametrize("change, named", [
     (["--set", "train.batch_size=2"], "train.batch_size: 4 -> 2"),
     (["--set", "data.packing=true"], "data.packing: False -> True"),
-    (["--set", "train.grad_accum=2"], "train.grad_accum: 1 -> 2"),
+    (["--set", "train.grad_accum=2"], "micro-batches per step (train.grad_accum x ranks): 1 -> 2"),
     (["--set", "data.train={tmp}/other.jsonl"], "training examples"),
 ])
 def test_resume_refuses_other_batches(tmp_path, capsys, change, named):

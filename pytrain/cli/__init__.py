@@ -24,20 +24,33 @@ def _config(args: argparse.Namespace):
 
 def _train(args: argparse.Namespace) -> int:
     from pytrain.train import run
+    from pytrain.train.distributed import world
     cfg = _config(args)
+    w = world()
     try:
         res = run.train(cfg, progress=not args.no_progress, resume=args.resume,
                         overwrite=args.overwrite)
-    except run.Interrupted as e:
-        print(f"error: {e}", file=sys.stderr)
+    except run.Interrupted as e:           # every rank stopped after the same step
+        if w.is_main:
+            print(f"error: {e}", file=sys.stderr)
         return 130
-    except run.RunError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("error: stopped at once by a second interrupt; the newest checkpoint in "
-              "checkpoints/ is intact (resume with --resume)", file=sys.stderr)
-        return 130
+    except BaseException as e:
+        if w.size > 1:    # one rank's failure ends the job: no rank may wait for it forever
+            import traceback
+            what = (f"error: {e}" if isinstance(e, PytrainError) else
+                    "stopped at once by a second interrupt" if isinstance(e, KeyboardInterrupt)
+                    else "".join(traceback.format_exception(e)).rstrip())
+            w.abort(what, 130 if isinstance(e, KeyboardInterrupt) else 1)
+        if isinstance(e, run.RunError):
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        if isinstance(e, KeyboardInterrupt):
+            print("error: stopped at once by a second interrupt; the newest checkpoint in "
+                  "checkpoints/ is intact (resume with --resume)", file=sys.stderr)
+            return 130
+        raise
+    if not w.is_main:
+        return 0
     print(f"adapter:  {res.adapter}")
     print(f"metrics:  {res.out_dir / 'metrics.jsonl'}")
     print(f"plot:     {res.out_dir / 'loss.png'}")

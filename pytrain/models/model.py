@@ -180,7 +180,9 @@ class Model:
 
 
 def load_model(path: str | os.PathLike, device: str = "auto", threads: int | None = None,
-               type_policy: str = "auto") -> Model:
+               type_policy: str = "auto", device_index: int = 0) -> Model:
+    """``device_index``: which CUDA device (modulo their count): a data-parallel rank's
+    place on its host, one GPU per rank."""
     arch, meta, _infos, config = open_model(path)
     tokenizer = Tokenizer.from_metadata(meta)
     if tokenizer.vocab_size > config.n_vocab:     # llama.cpp refuses such a file too
@@ -188,7 +190,7 @@ def load_model(path: str | os.PathLike, device: str = "auto", threads: int | Non
             f"{path}: the tokenizer has {tokenizer.vocab_size} tokens but token_embd.weight "
             f"has {config.n_vocab} rows: ids {config.n_vocab}..{tokenizer.vocab_size - 1} "
             f"would have no embedding")
-    rt = ggml.Runtime(device, threads=threads)
+    rt = ggml.Runtime(device, threads=threads, device_index=device_index)
     try:
         weights = load_weights(path, rt, config.tensor_shapes(), type_policy)
     except BaseException:

@@ -104,8 +104,7 @@ class GradGraph:
         self.model.runtime.free(self.seed_buf)
         self.seed_ctx.close()
         if self.own_acc:
-            self.model.runtime.free(self.acc.buffer)
-            self.acc.ctx.close()
+            self.acc.close()
         self.ctx.close()
 
 

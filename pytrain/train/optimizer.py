@@ -13,27 +13,62 @@ from dataclasses import dataclass
 import numpy as np
 
 from pytrain import ggml
-from pytrain.ggml import lib
+from pytrain.ggml import ffi, lib
 
 
 class OptimizerState:
     """Per trainable tensor: an F32 gradient accumulator (the step graphs add into it) and the
-    two AdamW moments."""
+    two AdamW moments.  The accumulators have a buffer of their own, so that summing them
+    across data-parallel ranks is one message (``allreduce_grads``)."""
 
     def __init__(self, runtime: ggml.Runtime, params: list):
         self.runtime = runtime
         self.params = list(params)
         n = len(self.params)
-        self.ctx = ggml.Context(n_tensors=3 * n)
+        self.grad_ctx = ggml.Context(n_tensors=n)
+        self.ctx = ggml.Context(n_tensors=2 * n)
         self.grad, self.m, self.v = {}, {}, {}
         for p in self.params:
             nm = ggml.name(p)
-            for store, tag in ((self.grad, "grad"), (self.m, "adam_m"), (self.v, "adam_v")):
-                t = lib.ggml_dup_tensor(self.ctx.ptr, p)
+            for store, tag, ctx in ((self.grad, "grad", self.grad_ctx), (self.m, "adam_m", self.ctx),
+                                    (self.v, "adam_v", self.ctx)):
+                t = lib.ggml_dup_tensor(ctx.ptr, p)
                 ggml.set_name(t, f"{tag}.{nm}"[:63])
                 store[nm] = t
+        self.grad_buffer = runtime.alloc(self.grad_ctx)
         self.buffer = runtime.alloc(self.ctx)
-        lib.ggml_backend_buffer_clear(self.buffer, 0)
+        for b in (self.grad_buffer, self.buffer):
+            lib.ggml_backend_buffer_clear(b, 0)
+
+    def allreduce_grads(self, world) -> None:
+        """Sum the accumulators across the ranks of ``world``, in one message: over the
+        buffer's own memory where it is host memory (the CPU), else through one host copy."""
+        if world.size == 1:
+            return
+        buf = self.grad_buffer
+        if lib.ggml_backend_buffer_is_host(buf):
+            base = lib.ggml_backend_buffer_get_base(buf)
+            size = int(lib.ggml_backend_buffer_get_size(buf)) // 4
+            world.allreduce_sum(np.frombuffer(ffi.buffer(ffi.cast("float *", base), size * 4),
+                                              dtype=np.float32))
+            return
+        parts = [(t, int(lib.ggml_nelements(t))) for t in self.grad.values()]
+        flat = np.empty(sum(n for _, n in parts), np.float32)
+        at = 0
+        for t, n in parts:
+            lib.ggml_backend_tensor_get(t, ffi.from_buffer(flat[at:at + n]), 0, n * 4)
+            at += n
+        world.allreduce_sum(flat)
+        at = 0
+        for t, n in parts:
+            lib.ggml_backend_tensor_set(t, ffi.from_buffer(flat[at:at + n]), 0, n * 4)
+            at += n
+
+    def close(self) -> None:
+        for buf in (self.grad_buffer, self.buffer):
+            self.runtime.free(buf)
+        self.grad_ctx.close()
+        self.ctx.close()
 
     def zero_grads(self) -> None:
         for t in self.grad.values():

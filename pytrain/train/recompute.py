@@ -194,5 +194,4 @@ class RecomputeGraph:
         rt.free(self.pbuf)
         self.pctx.close()
         if self.own_acc:
-            rt.free(self.acc.buffer)
-            self.acc.ctx.close()
+            self.acc.close()

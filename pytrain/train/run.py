@@ -22,6 +22,7 @@ from typing import Callable, Iterator
 from pytrain.errors import PytrainError
 from pytrain.formats import atomic
 from pytrain.train import checkpoint as ckpt
+from pytrain.train.distributed import World, check_agreement, world as get_world
 from pytrain.train.run_dir import RunDir, RunDirError, new_run_id
 from pytrain.models import lora as lora_mod
 from pytrain.formats.adapter_gguf import write_lora_gguf
@@ -205,6 +206,7 @@ class Session:
     stats: dict
     valid_batches: list
     log: Callable[[str], None]
+    world: World = field(default_factory=World)
     _epochs: dict = field(default_factory=dict)
 
     @property
@@ -213,7 +215,8 @@ class Session:
 
     def epoch_steps(self, epoch: int) -> list[list]:
         """The optimizer steps of ``epoch``: its batch order (seeded by the epoch) in groups of
-        ``grad_accum`` micro-batches."""
+        ``grad_accum`` x ranks micro-batches (every rank builds the same list; each takes its
+        share of a step, ``Loop.run``)."""
         if epoch not in self._epochs:
             t, d = self.cfg.train, self.cfg.data
             b = make_batches(self.splits.train, t.batch_size, d.packing, self.seed + epoch,
@@ -221,7 +224,8 @@ class Session:
             if epoch == 0:
                 self.splits.train_stats.record_batches(b)
                 self.stats["train"] = self.splits.train_stats.to_dict()
-            self._epochs = {epoch: step_batches(b, t.grad_accum)}   # one epoch held at a time
+            # one epoch held at a time
+            self._epochs = {epoch: step_batches(b, t.grad_accum * self.world.size)}
         return self._epochs[epoch]
 
     def steps_from(self, epoch: int, index: int) -> Iterator[tuple[int, int, list]]:
@@ -245,7 +249,8 @@ class Session:
             h.update(e.train_mask.tobytes())
         c = self.cfg
         return {"training examples": h.hexdigest(),
-                "train.batch_size": c.train.batch_size, "train.grad_accum": c.train.grad_accum,
+                "train.batch_size": c.train.batch_size,
+                MICRO_BATCHES: c.train.grad_accum * self.world.size,
                 "data.packing": c.data.packing, "data.max_seq_len": c.data.max_seq_len,
                 "batch order seed": self.seed, "lora.rank": c.lora.rank,
                 "lora.alpha": c.lora.alpha, "adapted tensors": sorted(self.adapter.names),
@@ -254,6 +259,11 @@ class Session:
     def close(self) -> None:
         self.trainer.close()
         self.model.close()
+
+
+# the resume key's name for the micro-batches of one step (a single process's train.grad_accum
+# before data-parallel runs): a run may resume with other ranks if the product is the same
+MICRO_BATCHES = "micro-batches per step (train.grad_accum x ranks)"
 
 
 def runtime_summary(model: Model) -> str:
@@ -265,10 +275,17 @@ def runtime_summary(model: Model) -> str:
             f"threads{', BLAS backend' if rt.blas is not None else ''}")
 
 
-def open_session(cfg: Config, out: Path, log: Callable[[str], None]) -> Session:
-    model = load_model(cfg.model.path, cfg.model.device, cfg.model.threads, cfg.model.type_policy)
+def open_session(cfg: Config, out: Path, log: Callable[[str], None],
+                 world: World | None = None) -> Session:
+    w = world or World()
+    threads = cfg.model.threads
+    if threads is None and w.local_size > 1:      # the CPUs of this host, shared by its ranks
+        from pytrain.ggml import default_threads
+        threads = max(1, default_threads() // w.local_size)
+    model = load_model(cfg.model.path, cfg.model.device, threads, cfg.model.type_policy,
+                       device_index=w.local_rank)
     try:
-        log(runtime_summary(model))
+        log(runtime_summary(model) + (f"; {w.size} data-parallel ranks" if w.size > 1 else ""))
         splits = load_data(cfg.data, model.tokenizer)
         log(splits.train_stats.summary())
         names = select_targets(model.config, cfg.lora.targets, cfg.lora.skip_ssm)
@@ -280,7 +297,8 @@ def open_session(cfg: Config, out: Path, log: Callable[[str], None]) -> Session:
         hp = AdamW(lr=t.lr, beta1=t.adam_beta1, beta2=t.adam_beta2, eps=t.adam_eps,
                    weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm)
         trainer = Trainer(model, adapter, hp, buggy_loss=t.loss_bug_repro, recompute=t.recompute,
-                          memory_bytes=int(t.memory_gib * 2**30) if t.memory_gib else None)
+                          memory_bytes=int(t.memory_gib * 2**30) if t.memory_gib else None,
+                          world=w)
     except BaseException:
         model.close()
         raise
@@ -289,7 +307,7 @@ def open_session(cfg: Config, out: Path, log: Callable[[str], None]) -> Session:
              if splits.valid else [])
     stats = {"train": splits.train_stats.to_dict(),
              "valid": splits.valid_stats.to_dict() if splits.valid_stats else None}
-    return Session(cfg, out, model, splits, adapter, trainer, stats, valid, log)
+    return Session(cfg, out, model, splits, adapter, trainer, stats, valid, log, w)
 
 
 # --------------------------------------------------------------------------- resume
@@ -306,7 +324,11 @@ def find_checkpoint(ckpt_dir: Path, resume: str | bool) -> Path:
 def resume_from(s: Session, where: Path, total: int) -> ckpt.TrainState:
     """Load checkpoint ``where`` into the session; refuse one whose data position would mean
     other batches; drop metrics past its step."""
-    state, tensors, moments = ckpt.load(where, s.cfg.model.path)
+    state, tensors, moments = on_main(s.world, lambda: ckpt.load(where, s.cfg.model.path))
+    if state.resume_key is not None and "train.grad_accum" in state.resume_key:
+        key = dict(state.resume_key)          # saved by a single process before ranks existed
+        key[MICRO_BATCHES] = key.pop("train.grad_accum")
+        state.resume_key = key
     if state.resume_key is None:
         s.log(f"warning: {where} predates resume checks; the data and batch settings cannot "
               f"be compared with the checkpoint's")
@@ -330,11 +352,30 @@ def resume_from(s: Session, where: Path, total: int) -> ckpt.TrainState:
     s.adapter.set(tensors)
     s.trainer.acc.set_moments(moments)
     s.trainer.opt.t = state.adam_t
-    metrics = s.out / "metrics.jsonl"
-    kept = [r for r in read_metrics(metrics) if r.get("step", 0) <= state.step]
-    atomic.write_bytes(metrics, "".join(json.dumps(r) + "\n" for r in kept).encode())
+    if s.world.is_main:
+        metrics = s.out / "metrics.jsonl"
+        kept = [r for r in read_metrics(metrics) if r.get("step", 0) <= state.step]
+        atomic.write_bytes(metrics, "".join(json.dumps(r) + "\n" for r in kept).encode())
     s.log(f"resuming from {where} at step {state.step}")
     return state
+
+
+def on_main(w: World, fn):
+    """``fn()`` on rank 0 (what reads or writes the run folder, which may exist there only),
+    its result broadcast to every rank; a failure there is raised on every rank, so that no
+    rank waits in a collective for one that has stopped."""
+    if w.size == 1:
+        return fn()
+    got = None
+    if w.is_main:
+        try:
+            got = ("ok", fn())
+        except (PytrainError, OSError) as e:
+            got = ("error", str(e))
+    got = w.bcast(got)
+    if got[0] == "error":
+        raise RunError(got[1])
+    return got[1]
 
 
 def _short(v) -> str:
@@ -348,7 +389,8 @@ class Loop:
 
     def __init__(self, s: Session, total: int, step: int, bar, run_id: str | None):
         self.s, self.total, self.step, self.bar, self.run_id = s, total, step, bar, run_id
-        self.metrics = open(s.out / "metrics.jsonl", "a")
+        self.main = s.world.is_main                # one writer: rank 0
+        self.metrics = open(s.out / "metrics.jsonl", "a") if self.main else None
         self.ckpt_dir = s.out / "checkpoints"
         self.adapter_path = s.out / "adapter.gguf"
         self.fingerprint = ckpt.base_fingerprint(s.cfg.model.path)
@@ -359,8 +401,9 @@ class Loop:
         self.t_start = time.perf_counter()
 
     def record(self, rec: dict) -> None:
-        self.metrics.write(json.dumps(rec) + "\n")
-        self.metrics.flush()
+        if self.metrics is not None:
+            self.metrics.write(json.dumps(rec) + "\n")
+            self.metrics.flush()
 
     def validate(self) -> dict | None:
         s = self.s
@@ -377,31 +420,44 @@ class Loop:
         return ev
 
     def checkpoint(self) -> Path:
-        """Adapter files of the run plus checkpoint ``step-N`` recording the next position."""
+        """Adapter files of the run plus checkpoint ``step-N`` recording the next position.
+        With several ranks, every rank's adapter must be the same (AdamW runs identically
+        everywhere on the summed gradients): compared by digest, then rank 0 writes."""
         s = self.s
+        where = self.ckpt_dir / f"step-{self.step:07d}"
+        if s.world.size > 1:
+            digest = hashlib.sha256(b"".join(v.tobytes() for _, v in sorted(
+                s.adapter.get().items()))).hexdigest()
+            digests = s.world.allgather((s.world.name, digest))
+            differ = [n for n, d in digests if d != digests[0][1]]
+            if differ:
+                raise RunError(f"the adapter of {', '.join(differ)} differs from rank 0's at "
+                               f"step {self.step}: the ranks went apart (a bug); not saved")
+        self.saved_step = self.step
+        if not self.main:
+            return where
         save_adapter(s.model, s.adapter, self.adapter_path, s.cfg.output.formats)
         epoch, index = self.position
         state = ckpt.TrainState(self.step, epoch, index, s.trainer.opt.t, self.fingerprint,
                                 total_steps=self.total, resume_key=s.resume_key(),
                                 run_id=self.run_id)
-        where = ckpt.save(self.ckpt_dir, self.step, s.adapter, s.trainer.acc.moments(), state,
-                          keep=s.cfg.output.keep_checkpoints, arch=s.model.arch.name,
-                          config_toml=s.cfg.to_toml())
-        self.saved_step = self.step
-        return where
+        return ckpt.save(self.ckpt_dir, self.step, s.adapter, s.trainer.acc.moments(), state,
+                         keep=s.cfg.output.keep_checkpoints, arch=s.model.arch.name,
+                         config_toml=s.cfg.to_toml())
 
     def done(self, epoch: int) -> bool:
         t = self.s.cfg.train
         return self.step >= self.total or (not t.max_steps and epoch >= t.epochs)
 
     def run(self, start: tuple[int, int], interrupt: Interrupt) -> None:
-        s, t = self.s, self.s.cfg.train
+        s, t, w = self.s, self.s.cfg.train, self.s.world
         self.position = start
         for epoch, index, micro in s.steps_from(*start):
             if self.done(epoch):
                 return
             lr = schedule(t.schedule, self.step, self.total, t.lr, t.warmup)
-            r = s.trainer.step(micro, lr)              # NonFiniteLoss: nothing was changed
+            # this rank's share of the step (possibly none: it still joins the collectives)
+            r = s.trainer.step(micro[w.rank::w.size], lr)   # NonFiniteLoss: nothing changed
             self.position = (epoch, index + 1)
             if r is None:                              # no valid target: skipped, counted
                 self.record({"step": self.step + 1, "skipped": "no valid targets"})
@@ -421,17 +477,19 @@ class Loop:
                 self.validate()
             if t.save_every and self.step % t.save_every == 0:
                 self.checkpoint()
-            if interrupt.requested:
+            if w.any(interrupt.requested is not None):      # every rank stops after this step
                 where = self.checkpoint() if self.saved_step != self.step else \
                     self.ckpt_dir / f"step-{self.step:07d}"
-                raise Interrupted(f"interrupted by {interrupt.requested} after step {self.step}; "
+                raise Interrupted(f"interrupted by {interrupt.requested or 'a signal to another rank'} "
+                                  f"after step {self.step}; "
                                   f"checkpoint {where} (resume with --resume)")
 
     def close(self) -> None:
-        self.metrics.close()
         if self.bar is not None:
             self.bar.close()
-        plot_losses(self.s.out / "metrics.jsonl", self.s.out / "loss.png")
+        if self.metrics is not None:
+            self.metrics.close()
+            plot_losses(self.s.out / "metrics.jsonl", self.s.out / "loss.png")
 
 
 # --------------------------------------------------------------------------- train
@@ -439,40 +497,75 @@ class Loop:
 def train(cfg: Config, progress: bool = True, log=print, resume: str | bool | None = None,
           overwrite: bool = False) -> RunResult:
     """``resume``: True for the newest checkpoint of the run folder, or a checkpoint path.
-    ``overwrite``: a fresh run may delete an earlier run left in ``output.dir`` (run_dir)."""
+    ``overwrite``: a fresh run may delete an earlier run left in ``output.dir`` (run_dir).
+    Under an MPI launcher every rank calls this; rank 0 alone writes (distributed)."""
     if cfg.lora.dropout > 0:
         raise RunError("lora.dropout > 0 is not supported yet (ggml has no random op to draw "
                        "dropout masks inside the graph); set lora.dropout = 0")
     if resume and overwrite:
         raise RunError("--overwrite starts a new run and --resume continues one: pass one")
-    out = output_dir(cfg)
-    try:
-        with RunDir(out) as run_dir:
+    w = get_world()
+    if not w.is_main:
+        log, progress = (lambda *a, **k: None), False
+
+    def claim():            # rank 0: the folder, its lock, and what an earlier run left
+        out = output_dir(cfg)
+        run_dir = RunDir(out).__enter__()
+        try:
             if not resume:
                 run_dir.check_fresh(overwrite, log)
-            s = open_session(cfg, out, log)
-            try:
-                return _train(s, progress, resume)
-            finally:
-                s.close()
+        except BaseException:
+            run_dir.__exit__()
+            raise
+        return out, run_dir
+    try:
+        claimed = on_main(w, claim)
     except RunDirError as e:
         raise RunError(str(e)) from None
+    out, run_dir = claimed if w.is_main else (Path(cfg.output.dir or Path("runs") / "run"), None)
+    try:
+        s = open_session(cfg, out, log, w)
+        try:
+            if w.size > 1:
+                check_agreement(w, _run_facts(s))
+            return _train(s, progress, resume)
+        finally:
+            s.close()
+    finally:
+        if run_dir is not None:
+            run_dir.__exit__()
+
+
+def _run_facts(s: Session) -> dict[str, str]:
+    """What every rank of a run must agree on: config, training data, base model, build."""
+    from pytrain import ggml
+    info = ggml.build_info()
+    return {"config": hashlib.sha256(s.cfg.to_toml().encode()).hexdigest()[:16],
+            "training data": s.resume_key()["training examples"][:16],
+            "base model": ckpt.base_fingerprint(s.cfg.model.path)["header_sha256"][:16],
+            "build": hashlib.sha256(json.dumps([info["archive_sha256"], info["patches_sha256"],
+                                               info.get("ffi_sha256")]).encode()).hexdigest()[:16]}
 
 
 def _train(s: Session, progress: bool, resume: str | bool | None) -> RunResult:
     total = s.total_steps()
     step, start = 0, (0, 0)
+    main = s.world.is_main
     if resume:       # checked against the checkpoint before anything of the run is rewritten
-        state = resume_from(s, find_checkpoint(s.out / "checkpoints", resume), total)
+        where = on_main(s.world, lambda: find_checkpoint(s.out / "checkpoints", resume))
+        state = resume_from(s, where, total)
         step, start, run_id = state.step, (state.epoch, state.position), state.run_id
         if step >= total:
             s.log(f"the run is already at step {step} of {total}: nothing to train (raise "
                   f"train.max_steps or train.epochs to continue it)")
     else:
-        run_id = new_run_id()
-        atomic.write_bytes(s.out / "metrics.jsonl", b"")
-    atomic.write_bytes(s.out / "config.toml", s.cfg.to_toml().encode())
-    atomic.write_bytes(s.out / "data_stats.json", (json.dumps(s.stats, indent=2) + "\n").encode())
+        run_id = s.world.bcast(new_run_id() if main else None)
+        if main:
+            atomic.write_bytes(s.out / "metrics.jsonl", b"")
+    if main:
+        atomic.write_bytes(s.out / "config.toml", s.cfg.to_toml().encode())
+        atomic.write_bytes(s.out / "data_stats.json",
+                           (json.dumps(s.stats, indent=2) + "\n").encode())
     bar = None
     if progress:
         from tqdm import tqdm
@@ -488,7 +581,8 @@ def _train(s: Session, progress: bool, resume: str | bool | None) -> RunResult:
     except NonFiniteLoss as e:
         stopped = (f"stopped at step {loop.step + 1}: {e}; kept the adapter from step "
                    f"{loop.step}")
-        save_adapter(s.model, s.adapter, loop.adapter_path, s.cfg.output.formats)
+        if main:
+            save_adapter(s.model, s.adapter, loop.adapter_path, s.cfg.output.formats)
         loop.record({"step": loop.step + 1, "stopped": stopped})
         loop.close()
         raise RunError(f"{stopped}: {loop.adapter_path}") from None
@@ -499,7 +593,7 @@ def _train(s: Session, progress: bool, resume: str | bool | None) -> RunResult:
         loop.validate()                        # writes nothing new
     if loop.saved_step != loop.step:
         loop.checkpoint()
-    elif not loop.adapter_path.exists():
+    elif main and not loop.adapter_path.exists():
         save_adapter(s.model, s.adapter, loop.adapter_path, s.cfg.output.formats)
     loop.close()
     return RunResult(s.out, loop.adapter_path, loop.step, loop.last_eval)

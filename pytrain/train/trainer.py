@@ -41,9 +41,14 @@ class StepResult:
 
 class Trainer:
     def __init__(self, model: Model, adapter: LoraAdapter, hp: AdamW, buggy_loss: bool = False,
-                 max_graphs: int = 12, recompute: str = "auto", memory_bytes: int | None = None):
+                 max_graphs: int = 12, recompute: str = "auto", memory_bytes: int | None = None,
+                 world=None):
         """``memory_bytes``: what ``recompute="auto"`` may plan a step for, weights included
-        (``train.memory_gib``); None: what the device has free (pytrain.train.memory)."""
+        (``train.memory_gib``); None: what the device has free (pytrain.train.memory).
+        ``world``: the data-parallel ranks a step is shared by (pytrain.train.distributed;
+        None: this process alone)."""
+        from pytrain.train.distributed import World
+        self.world = world or World()
         self.model, self.adapter, self.hp = model, adapter, hp
         self.buggy = buggy_loss
         if recompute not in ("auto", "off", "layers"):
@@ -105,14 +110,17 @@ class Trainer:
         return loss_mod.shift_targets(batch.tokens, batch.train_mask, batch.seg)
 
     def step(self, micro_batches: list, lr: float) -> StepResult | None:
-        """One optimizer step over ``micro_batches`` (gradient accumulation).  Returns None
-        when the step has no valid target (skipped, nothing divided by zero)."""
+        """One optimizer step over ``micro_batches`` (gradient accumulation; with several
+        data-parallel ranks, this rank's share of the step's micro-batches, possibly none).
+        Returns None when the whole step has no valid target (skipped, nothing divided by
+        zero)."""
         t0 = time.perf_counter()
+        w = self.world
         tgts = [self.targets(b) for b in micro_batches]
         counts = [int((t >= 0).sum()) for t in tgts]
-        n_step = sum(counts)
+        n_step = w.sum(sum(counts))       # baked into every micro-batch's loss_scale
         if self.buggy:   # the unfixed loss: each micro-batch's mean over ALL its rows,
-            n_step = len(micro_batches)   # averaged over micro-batches as ggml-opt does
+            n_step = w.sum(len(micro_batches))   # averaged over micro-batches as ggml-opt does
         if n_step == 0:
             return None
         self.acc.zero_grads()
@@ -122,6 +130,9 @@ class Trainer:
             part, _ = g.accumulate(b.tokens, b.seg, tg, n_step, self.buggy)
             total += part
             tokens += int((b.seg >= 0).sum())
+        if w.size > 1:
+            total, tokens = w.sum(total), w.sum(tokens)
+            self.acc.allreduce_grads(w)    # before the NaN check, the norm and AdamW
         if not math.isfinite(total):
             raise NonFiniteLoss(f"loss is {total}")
         norm = self.opt.grad_norm()
@@ -131,9 +142,11 @@ class Trainer:
         return StepResult(total, n_step, norm, clip, lr, tokens, time.perf_counter() - t0)
 
     def evaluate(self, batches: list) -> dict:
-        """Loss, token accuracy and perplexity over valid targets only."""
+        """Loss, token accuracy and perplexity over valid targets only; with several
+        data-parallel ranks each evaluates a share of ``batches`` and the sums are combined."""
         nll, correct, n = 0.0, 0, 0
-        for b in batches:
+        w = self.world
+        for b in batches[w.rank::w.size]:
             tg = loss_mod.shift_targets(b.tokens, b.train_mask, b.seg)
             k = int((tg >= 0).sum())
             if k == 0:
@@ -146,6 +159,9 @@ class Trainer:
             nll += s
             correct += c
             n += k
+        if w.size > 1:
+            sums = w.allreduce_sum(np.array([nll, correct, n], np.float64))
+            nll, correct, n = float(sums[0]), int(sums[1]), int(sums[2])
         if n == 0:
             return {"loss": float("nan"), "accuracy": float("nan"), "perplexity": float("nan"),
                     "n_valid": 0}
