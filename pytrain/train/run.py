@@ -467,6 +467,7 @@ class Loop:
             self.record({"step": self.step, "epoch": epoch, "loss": r.loss, "n_valid": r.n_valid,
                          "lr": lr, "grad_norm": r.grad_norm, "clip": r.clip, "tokens": r.tokens,
                          "tokens_per_s": r.tokens / r.seconds if r.seconds > 0 else None,
+                         **({"allreduce_s": r.allreduce_seconds} if w.size > 1 else {}),
                          "drift": s.adapter.drift()})
             if self.bar is not None:
                 el = time.perf_counter() - self.t_start

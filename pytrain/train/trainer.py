@@ -37,6 +37,7 @@ class StepResult:
     lr: float
     tokens: int
     seconds: float
+    allreduce_seconds: float = 0.0      # data-parallel: summing the step across ranks
 
 
 class Trainer:
@@ -130,16 +131,20 @@ class Trainer:
             part, _ = g.accumulate(b.tokens, b.seg, tg, n_step, self.buggy)
             total += part
             tokens += int((b.seg >= 0).sum())
+        t_comm = 0.0
         if w.size > 1:
+            t1 = time.perf_counter()
             total, tokens = w.sum(total), w.sum(tokens)
             self.acc.allreduce_grads(w)    # before the NaN check, the norm and AdamW
+            t_comm = time.perf_counter() - t1
         if not math.isfinite(total):
             raise NonFiniteLoss(f"loss is {total}")
         norm = self.opt.grad_norm()
         if not math.isfinite(norm):
             raise NonFiniteLoss(f"gradient norm is {norm}")
         clip = self.opt.step(lr, norm)
-        return StepResult(total, n_step, norm, clip, lr, tokens, time.perf_counter() - t0)
+        return StepResult(total, n_step, norm, clip, lr, tokens, time.perf_counter() - t0,
+                          t_comm)
 
     def evaluate(self, batches: list) -> dict:
         """Loss, token accuracy and perplexity over valid targets only; with several
