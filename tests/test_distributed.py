@@ -91,8 +91,10 @@ def write_run(folder: Path, name: str, **train) -> Path:
     return cfg
 
 
-def run(folder: Path, n: int, *args, env=None, timeout=300, check=True):
-    cmd = ([str(MPIEXEC), "-n", str(n)] if n > 1 else []) + [
+def run(folder: Path, n: int, *args, env=None, timeout=300, check=True, hosts=None):
+    """``hosts``: the README's several-hosts launch, ``mpiexec -f HOSTFILE -n N``."""
+    cmd = ([str(MPIEXEC)] + (["-f", str(hosts)] if hosts else []) + ["-n", str(n)]
+           if n > 1 else []) + [
         sys.executable, "-c", WRAPPER, "train", *map(str, args), "--no-progress"]
     r = subprocess.run(cmd, cwd=folder, capture_output=True, text=True, timeout=timeout,
                        env={**os.environ, **(env or {})})
@@ -118,11 +120,13 @@ def adapter(out: Path) -> dict:
 def test_two_ranks_equal_one_process_accumulating_two(tmp_path):
     """grad_accum 1 on 2 ranks and grad_accum 2 in one process: every step's loss, target
     count and gradient norm, the evaluations and the adapter, bit for bit (each step's
-    gradient is the sum of the same two micro-batch gradients, in either order)."""
+    gradient is the sum of the same two micro-batch gradients, in either order).  Launched
+    as across hosts, with a hostfile (naming this one)."""
     write_run(tmp_path, "one", grad_accum=2, eval_every=2)
     write_run(tmp_path, "two", grad_accum=1, eval_every=2)
+    (tmp_path / "hosts").write_text("localhost:2\n")
     run(tmp_path, 1, "one.toml")
-    run(tmp_path, 2, "two.toml")
+    run(tmp_path, 2, "two.toml", hosts=tmp_path / "hosts")
     a, b = steps(tmp_path / "one"), steps(tmp_path / "two")
     assert len(a) == len(b) == 5
     for x, y in zip(a, b):
