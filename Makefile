@@ -57,11 +57,11 @@ demo-real: build llama-cpp real-model
 experiments: build
 	$(PY) scripts/masking_experiments.py --out experiments --results experiments_results
 
-# what scripts/gpu_check.sh needs on a GPU machine without a package index, into .gpu/ (the
-# device tool's carry): the source subset, wheels, and a CUDA ggml prefix built here for any
-# AVX2 CPU (about 20 minutes on 2 cores once; saves ~6 device minutes)
+# what scripts/gpu_check.sh needs on a GPU machine without a package index or compiler, into
+# .gpu/ (the device tool's carry): a finished CUDA pytrain/_native built here for any x86-64
+# CPU (about 20 minutes on 2 cores once; saves ~6 device minutes), wheels, the converter
 gpu-carry: build
-	$(PY) scripts/gpu_carry.py --build-prefix
+	$(PY) scripts/gpu_carry.py --build-native
 
 doctor: build
 	$(PY) -m pytrain doctor

@@ -479,6 +479,49 @@ def cuda_library_dirs(options: list[str]) -> list[str]:
                    if o.startswith("-DCUDA_cublas_LIBRARY=")})
 
 
+# What a library of pytrain/_native may ask the dynamic loader for beyond the libraries
+# shipped beside it: the system's C and C++ runtime and OpenMP, and for the CUDA backend the
+# CUDA runtime, cuBLAS and the driver (pytrain preloads those from the Python environment's
+# nvidia-* wheels or the system; ggml.py's _preload_cuda).
+SYSTEM_LIBS = {"libc.so.6", "libm.so.6", "libstdc++.so.6", "libgcc_s.so.1", "libgomp.so.1",
+               "ld-linux-x86-64.so.2", "libpthread.so.0", "libdl.so.2", "librt.so.1"}
+CUDA_LIBS = {"libcudart.so.13", "libcublas.so.13", "libcublasLt.so.13", "libcuda.so.1"}
+
+
+def dynamic_section(path: Path) -> tuple[list[str], list[str]]:
+    """(NEEDED sonames, RUNPATH/RPATH entries) of an ELF file, as readelf prints them."""
+    out = subprocess.run(["readelf", "-d", str(path)], capture_output=True, text=True,
+                         check=True).stdout
+    needed, runpath = [], []
+    for line in out.splitlines():
+        if "(NEEDED)" in line:
+            needed.append(line.split("[", 1)[1].rstrip("]"))
+        elif "(RUNPATH)" in line or "(RPATH)" in line:
+            runpath += line.split("[", 1)[1].rstrip("]").split(":")
+    return needed, runpath
+
+
+def portability_problems(native_dir: Path = PKG_NATIVE) -> list[str]:
+    """Why this build would not load on a machine that has none of this one's folders: a
+    library needing something neither shipped in ``lib/`` nor a system or CUDA library, or a
+    RUNPATH other than ``$ORIGIN`` (for the cffi extension: ``$ORIGIN/lib`` and the building
+    interpreter's own library folder, which its link flags add and which only helps it find
+    nothing it needs).  A CUDA build once carried its build machine's cuBLAS folder in
+    libggml-cuda's RUNPATH, and the BLAS module found OpenBLAS only at an absolute path."""
+    import sysconfig
+    lib_dir = native_dir / "lib"
+    shipped = {p.name for p in lib_dir.iterdir()} if lib_dir.is_dir() else set()
+    bad = []
+    for lib in sorted(lib_dir.glob("*.so*")) + sorted(native_dir.glob("_ggml*.so")):
+        needed, runpath = dynamic_section(lib)
+        allowed = ({"$ORIGIN/lib", sysconfig.get_config_var("LIBDIR")}
+                   if lib.parent == native_dir else {"$ORIGIN"})
+        bad += [f"{lib.name} needs {n}" for n in needed
+                if n not in shipped | SYSTEM_LIBS | CUDA_LIBS]
+        bad += [f"{lib.name} has RUNPATH {r}" for r in runpath if r not in allowed]
+    return bad
+
+
 def cpu_variants(libs: list[str]) -> list[str]:
     """The ggml-cpu modules of a build by variant name (``native`` for a -march=native one)."""
     out = []

@@ -44,9 +44,12 @@ by node through a ggml scheduler eval callback (the scheduler synchronises after
 bench_train.py's ``profile_pytrain``), summed by op and by part of the model; one HF step under
 torch.profiler, top ops by self GPU time.
 
-Results go to ``--json`` (default ``bench_results/train-cuda.json``) after every worker, so a run
-stopped at a time limit keeps what it measured, and the markdown (``--out``, default
-``bench_results/train-cuda.md``) is rendered from it (``--report-from FILE`` re-renders).
+Results go to ``--json`` (default ``bench_results/train-cuda.json``) and the markdown rendered
+from it (``--out``, default ``bench_results/train-cuda.md``; ``--report-from FILE`` re-renders)
+after every worker, so a run stopped at a time limit keeps what it measured.  ``--plan`` names
+the workers in order (``hf,bf16:auto,bf16:layers,q4_k:layers``: HF first, then weight type :
+recompute policy) and ``--deadline`` (epoch seconds) starts none after that time and cuts each
+one's ``--timeout`` to it: scripts/gpu_check.sh fits the whole benchmark in one device call.
 
     python3 scripts/bench_train.py --device cuda                        # everything, ~8 minutes on an H200
     python3 scripts/bench_train.py --device cuda --make-only            # only the GGUFs (CPU work)
@@ -90,6 +93,7 @@ ANCHOR = _anchor()
 TYPES = ("bf16", "f16", "q8_0", "q4_k")
 CONVERTED = ("bf16", "f16", "q8_0")       # written by convert_hf_to_gguf.py
 TIMEOUT_S = 900                            # one worker, load to last step
+MIN_WORKER_S = 45                          # a worker given less cannot load the 2B model
 
 
 # --------------------------------------------------------------------------------------------
@@ -314,8 +318,10 @@ def hf_worker(a) -> dict:
                 tokens_per_s=B * T / r["median_s"], **mem)
 
 
-def run_worker(side: str, a, extra: list[str], profile: bool = False) -> dict:
+def run_worker(side: str, a, extra: list[str], profile: bool = False,
+               timeout: int | None = None) -> dict:
     """One worker process; its RESULT line, its GPU memory, or the error it ended with."""
+    timeout = timeout or a.timeout
     cmd = [a.python if side == "pytrain" else a.ref_python, str(Path(__file__).resolve()), "--worker", side, "--device", a.device,
            "--batch", *map(str, a.batch), "--warmup", str(a.warmup), "--steps", str(a.steps),
            "--hf-attn", a.hf_attn, "--seed", str(a.seed), *extra]
@@ -324,11 +330,11 @@ def run_worker(side: str, a, extra: list[str], profile: bool = False) -> dict:
     t0 = time.time()
     with GpuMemory() as mem:
         try:
-            p = subprocess.run(cmd, cwd=str(REPO), capture_output=True, text=True, timeout=a.timeout)
+            p = subprocess.run(cmd, cwd=str(REPO), capture_output=True, text=True, timeout=timeout)
             out, err, rc = p.stdout, p.stderr, p.returncode
         except subprocess.TimeoutExpired as e:
             out, err, rc = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) \
-                else (e.stdout or ""), f"timed out after {a.timeout} s", -9
+                else (e.stdout or ""), f"timed out after {timeout} s", -9
     lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
     res = json.loads(lines[-1][7:]) if lines else dict(error=f"exit {rc}: " + (err or out)[-3000:])
     res.update(wall_s=time.time() - t0, gpu_memory=mem.result())
@@ -354,11 +360,41 @@ def machine() -> dict:
     return info
 
 
+def plan(a, types: list[str]) -> list[tuple[str, str | None]]:
+    """The workers in the order they run: ("hf", None) and (weight type, recompute policy)."""
+    if a.plan:
+        out = []
+        for item in (x.strip() for x in a.plan.split(",") if x.strip()):
+            if item == "hf":
+                out.append(("hf", None))
+                continue
+            t, _, pol = item.partition(":")
+            if t not in TYPES or pol not in ("auto", "off", "layers"):
+                raise SystemExit(f"--plan: {item!r} is neither hf nor TYPE:POLICY (types "
+                                 f"{', '.join(TYPES)}; policies auto, off, layers)")
+            out.append((t, pol))
+        return out
+    policies = [r.strip() for r in a.recompute.split(",") if r.strip()]
+    return ([("hf", None)] if a.do_hf else []) + [(t, p) for t in types for p in policies]
+
+
+def worker_timeout(a) -> int | None:
+    """Seconds the next worker may take: ``--timeout``, cut to what is left before
+    ``--deadline`` (None: too little is left to start one)."""
+    if a.deadline is None:
+        return a.timeout
+    left = int(a.deadline - time.time())
+    return min(a.timeout, left) if left >= MIN_WORKER_S else None
+
+
 def run(a) -> dict:
     types = [t.strip() for t in a.types.split(",") if t.strip()]
     bad = [t for t in types if t not in TYPES]
     if bad:
         raise SystemExit(f"--types: {', '.join(bad)} not among {', '.join(TYPES)}")
+    work = plan(a, types)
+    types = sorted({t for t, _ in work if t != "hf"} | (set() if a.plan else set(types)),
+                   key=TYPES.index)
     t0 = time.time()
     mod = make_models(a.shape, a.cache, types, a.ref_python, a.python)
     j = dict(kind="train-gpu", device=a.device, shape=a.shape, desc=mod["desc"],
@@ -370,34 +406,47 @@ def run(a) -> dict:
         return j
 
     def save():
+        """After every worker: a run stopped at a time limit keeps what it measured."""
         a.json.parent.mkdir(parents=True, exist_ok=True)
         a.json.write_text(json.dumps(j, indent=1, default=str))
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(report(j))
 
-    if a.do_hf:
-        j["hf"] = run_worker("hf", a, ["--hf", str(mod["dir"] / "hf")])
-        print(f"[hf] {_summary(j['hf'])}", flush=True)
+    def one(side: str, extra: list[str], profile: bool = False) -> dict | None:
+        timeout = worker_timeout(a)
+        if timeout is None:
+            print(f"[{side} {' '.join(extra[-2:])}] not started: under {MIN_WORKER_S} s left "
+                  f"before the deadline", flush=True)
+            return None
+        return run_worker(side, a, extra, profile=profile, timeout=timeout)
+
+    kinds: dict[str, set] = {}
+    for t, pol in work:
+        if t == "hf":
+            r = one("hf", ["--hf", str(mod["dir"] / "hf")])
+            if r is not None:
+                j["hf"] = r
+                print(f"[hf] {_summary(r)}", flush=True)
+        else:
+            r = one("pytrain", ["--gguf", str(mod["files"][t]), "--policy", pol])
+            if r is not None and r.get("step_graph") not in kinds.setdefault(t, set()):
+                kinds[t].add(r.get("step_graph"))     # else: a policy chose a step measured
+                r["policy"] = pol
+                j["pytrain"][f"{t} {pol}"] = r
+                print(f"[pytrain {t}, recompute={pol}] {_summary(r)}", flush=True)
         save()
-    policies = [r.strip() for r in a.recompute.split(",") if r.strip()]
-    for t in types:
-        kinds = set()
-        for pol in policies:
-            r = run_worker("pytrain", a, ["--gguf", str(mod["files"][t]), "--policy", pol])
-            if r.get("step_graph") in kinds:
-                continue        # this policy chose a step already measured
-            kinds.add(r.get("step_graph"))
-            r["policy"] = pol
-            j["pytrain"][f"{t} {pol}"] = r
-            print(f"[pytrain {t}, recompute={pol}] {_summary(r)}", flush=True)
-            save()
     if a.do_profile:
-        for t in [t.strip() for t in a.profile_types.split(",") if t.strip() in types]:
-            for pol in policies:
-                j["profile"][f"{t} {pol}"] = run_worker(
-                    "pytrain", a, ["--gguf", str(mod["files"][t]), "--policy", pol], profile=True)
+        for t, pol in work:
+            if t != "hf" and t in a.profile_types.split(","):
+                r = one("pytrain", ["--gguf", str(mod["files"][t]), "--policy", pol], profile=True)
+                if r is not None:
+                    j["profile"][f"{t} {pol}"] = r
+                    save()
+        if any(t == "hf" for t, _ in work):
+            r = one("hf", ["--hf", str(mod["dir"] / "hf")], profile=True)
+            if r is not None:
+                j["profile"]["hf"] = r
                 save()
-        if a.do_hf:
-            j["profile"]["hf"] = run_worker("hf", a, ["--hf", str(mod["dir"] / "hf")], profile=True)
-            save()
     j["total_s"] = time.time() - t0
     save()
     return j
@@ -513,6 +562,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--ref-python", default=None, help="interpreter for the HF side and the "
                     "models (default: --python; on a CPU machine the reference venv)")
     ap.add_argument("--timeout", type=int, default=TIMEOUT_S, help="seconds per worker")
+    ap.add_argument("--plan", default=None, metavar="hf,TYPE:POLICY,...",
+                    help="the workers, in order (default: hf, then every type x --recompute)")
+    ap.add_argument("--deadline", type=float, default=None, metavar="EPOCH_SECONDS",
+                    help="start no worker after this time, and cut each one's timeout to it")
     ap.add_argument("--out", type=Path, default=REPO / "bench_results" / "train-cuda.md")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--report-from", type=Path, default=None)
