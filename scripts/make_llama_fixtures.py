@@ -1,6 +1,7 @@
-"""Make the Llama fixtures in tests/fixtures/llama/: small random HF ``LlamaForCausalLM`` models
-converted by the pinned llama.cpp converter, with HF's log-probabilities, a float64 reference of
-every GGUF, and PEFT's LoRA gradients.
+"""Make the Llama-family fixtures in tests/fixtures/{llama,qwen2,qwen3}/: small random HF
+``LlamaForCausalLM``, ``Qwen2ForCausalLM`` and ``Qwen3ForCausalLM`` models converted by the
+pinned llama.cpp converter, with HF's log-probabilities, a float64 reference of every GGUF, and
+PEFT's LoRA gradients.
 
 Why: pytrain's ``llama`` graph (GGUF loading, the converter's q/k row permutation under NORM
 rope, rope scaling, biases, tied/untied heads) is checked against HF transformers, and its LoRA
@@ -13,8 +14,13 @@ checked against llama.cpp's own ``convert_lora_to_gguf.py``.
             linear rope scaling x2; F32
     llama3  hidden 64, 2 layers, 4 q / 4 kv heads x 16, tied, FFN biases, Llama 3 rope
             (factor 8, original context 32: the converter writes rope_freqs.weight); F32
+    qwen2   (tests/fixtures/qwen2) Qwen2ForCausalLM: hidden 64, 2 layers, 4 q / 2 kv heads x
+            16, tied, q/k/v biases (every Qwen2 has them), rope base 1e6; F32, F16, Q8_0
+    qwen3   (tests/fixtures/qwen3) Qwen3ForCausalLM: hidden 64, 2 layers, 4 q / 2 kv heads x
+            32 (wider than hidden / heads, as on the small Qwen3s), per-head q/k norms,
+            untied, rope base 1e6; F32, Q8_0
 
-Outputs (tests/fixtures/llama/):
+Outputs (tests/fixtures/FAMILY/):
     NAME-TYPE.gguf          the converter's files
     NAME.npz                tokens int32 [N, T] right-padded with the pad id, lengths int32 [N],
                             logprobs float32 [N, T, V]: log_softmax of HF float32 logits (each
@@ -30,17 +36,18 @@ Outputs (tests/fixtures/llama/):
                             ``.grad64`` (float64 run), all in llama.cpp's layout as
                             ``convert_lora_to_gguf.py`` wrote them (the gradients converted as an
                             adapter of their own: the converter's q/k permutation is linear in B)
-    peft_gqa/               the PEFT adapter folder itself (adapter_config.json,
+    peft_NAME/              PEFT's own folder (adapter_config.json,
                             adapter_model.safetensors), for the PEFT reader/writer tests
 
 Checks made here: HF runs are deterministic; every tensor of each F32 GGUF equals the HF tensor
-under our own statement of the converter transforms (q/k rows permuted per head); the numpy
+under our own statement of the converter transforms (llama: q/k rows permuted per head; qwen2
+and qwen3: none); the numpy
 float64 forward of each F32 GGUF matches HF's float32 golden to < 1e-4; PEFT's loss equals a
 float64 CE of its logits; the float64 PEFT run computes in float64 only.
 
 How (repo root, with the reference stack of scripts/requirements-reference.txt):
 
-    /opt/refenv/bin/python scripts/make_llama_fixtures.py       # ~30 s on 2 cores
+    /opt/refenv/bin/python scripts/make_llama_fixtures.py [--family qwen2,qwen3]   # ~30 s each
 
 Deterministic: fixed seeds, one thread.
 """
@@ -62,7 +69,13 @@ import make_qwen35_fixtures as fx  # noqa: E402
 import qwen35_reference as ref  # noqa: E402
 
 VOCAB = 512
-OUT = ref.REPO / "tests" / "fixtures" / "llama"
+FIXTURES = ref.REPO / "tests" / "fixtures"
+# family -> (transformers config class, model class, modeling module, converter permutes q/k)
+FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", "llama", True),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", "qwen2", False),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", "qwen3", False),
+}
 TOKENIZER = ref.REPO / "tests" / "fixtures" / "qwen35" / "tokenizer"
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, rms_norm_eps=1e-5,
               max_position_embeddings=4096, hidden_act="silu", bos_token_id=None,
@@ -87,7 +100,24 @@ MODELS = {
                    seed=103, outtypes=["f32"],
                    lora=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                          "down_proj"]),
+    "qwen2": dict(family="qwen2",
+                  config=dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                              tie_word_embeddings=True,
+                              rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+                  seed=111, outtypes=["f32", "f16", "q8_0"],
+                  lora=["q_proj", "k_proj", "v_proj", "o_proj"]),
+    "qwen3": dict(family="qwen3",
+                  config=dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                              head_dim=32, tie_word_embeddings=False,
+                              rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+                  seed=112, outtypes=["f32", "q8_0"],
+                  lora=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                        "down_proj"]),
 }
+
+
+def family(name: str) -> str:
+    return MODELS[name].get("family", "llama")
 HF_TO_GGUF = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
               "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
 RANK, ALPHA = 4, 8
@@ -98,12 +128,13 @@ LENGTHS, PROMPTS, STARTS = [20, 13, 7], [5, 3, 2], [0, 37, 81]
 
 def build(name: str, dtype):
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import transformers
     spec = MODELS[name]
-    cfg = LlamaConfig(eos_token_id=482, **COMMON, **spec["config"])
+    config_class, model_class, _, _ = FAMILIES[family(name)]
+    cfg = getattr(transformers, config_class)(eos_token_id=482, **COMMON, **spec["config"])
     cfg._attn_implementation = "eager"
     torch.manual_seed(spec["seed"])
-    model = LlamaForCausalLM(cfg)
+    model = getattr(transformers, model_class)(cfg)
     model.config._attn_implementation = "eager"
     g = torch.Generator().manual_seed(spec["seed"])
     with torch.no_grad():
@@ -121,11 +152,12 @@ def build(name: str, dtype):
     return model.to(dtype).eval()
 
 
-def true_float64():
-    """HF Llama entirely in float64 (``qwen35_reference.true_float64``: its RMSNorm, softmax
-    and rotary embedding are float32 islands otherwise)."""
-    import transformers.models.llama.modeling_llama as ml
-    return ref.true_float64(ml)
+def true_float64(name: str):
+    """The HF model entirely in float64 (``qwen35_reference.true_float64``: its RMSNorm,
+    softmax and rotary embedding are float32 islands otherwise)."""
+    import importlib
+    mod = FAMILIES[family(name)][2]
+    return ref.true_float64(importlib.import_module(f"transformers.models.{mod}.modeling_{mod}"))
 
 
 # --------------------------------------------------------------------------- GGUF side
@@ -163,7 +195,7 @@ def permute_rows(w, n_heads: int):
                                 .reshape(w.shape))
 
 
-def check_layout(model, path: Path) -> None:
+def check_layout(name: str, model, path: Path) -> None:
     """Every tensor of an F32 GGUF is the HF tensor under the documented transforms."""
     import numpy as np
     G = ref.gguf_tensors_f32(path)
@@ -174,7 +206,9 @@ def check_layout(model, path: Path) -> None:
     exp["output_norm.weight"] = sd["model.norm.weight"]
     if not cfg.tie_word_embeddings:
         exp["output.weight"] = sd["lm_head.weight"]
+    permutes = FAMILIES[family(name)][3]
     names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+             "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
              **{f"self_attn.{k}": v for k, v in HF_TO_GGUF.items() if k[0] in "qkvo"},
              **{f"mlp.{k}": v for k, v in HF_TO_GGUF.items() if k[0] not in "qkvo"}}
     for k, v in sd.items():
@@ -183,9 +217,9 @@ def check_layout(model, path: Path) -> None:
         parts = k.split(".")
         mod, kind = ".".join(parts[3:-1]), parts[-1]
         g = f"blk.{parts[2]}.{names[mod]}.{kind}"
-        if mod == "self_attn.q_proj":
+        if permutes and mod == "self_attn.q_proj":
             v = permute_rows(v, cfg.num_attention_heads)
-        elif mod == "self_attn.k_proj":
+        elif permutes and mod == "self_attn.k_proj":
             v = permute_rows(v, cfg.num_key_value_heads)
         exp[g] = v
     extra = set(G) - set(exp)
@@ -258,7 +292,7 @@ def peft_gradients(name: str, hf_dir: Path, seqs: list[list[int]], pad_id: int, 
     loss32, g32 = run(pm, mods, torch.float32)
     pm64, mods64 = wrapped(torch.float64)        # (PEFT initialises A, B in float32 first)
     assert {p.dtype for p in pm64.parameters()} == {torch.float64}
-    with true_float64() as seen:
+    with true_float64(name) as seen:
         loss64, g64 = run(pm64, mods64, torch.float64)
     assert seen == {torch.float64}, seen
     print(f"[peft {name}] loss {loss32:.9f} (float64 {loss64:.9f}) over {n_valid} targets")
@@ -282,7 +316,7 @@ def peft_gradients(name: str, hf_dir: Path, seqs: list[list[int]], pad_id: int, 
     res = {"input_ids": input_ids, "attention_mask": attn, "labels": labels,
            "n_valid": np.int64(n_valid), "loss": np.float64(loss32), "loss64": np.float64(loss64)}
     conv, fields = folders["values"][1], folders["values"][2]
-    assert fields["adapter.lora.alpha"] == ALPHA and fields["general.architecture"] == "llama"
+    assert fields["adapter.lora.alpha"] == ALPHA and fields["general.architecture"] == family(name)
     for k, v in conv.items():
         res[k] = v.astype(np.float32)
         res[k + ".grad"] = folders["grad"][1][k].astype(np.float32)
@@ -295,8 +329,14 @@ def peft_gradients(name: str, hf_dir: Path, seqs: list[list[int]], pad_id: int, 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, default=OUT)
+    ap.add_argument("--out", type=Path, default=FIXTURES, help="the fixtures folder (a "
+                    "subfolder per family)")
+    ap.add_argument("--family", default=",".join(FAMILIES), help="comma-separated families")
     a = ap.parse_args()
+    families = [f for f in a.family.split(",") if f]
+    unknown = set(families) - set(FAMILIES)
+    if unknown:
+        ap.error(f"--family: unknown {sorted(unknown)}; known {sorted(FAMILIES)}")
     if os.environ.get("PYTHONHASHSEED") != "0":
         # PEFT writes target_modules in set order: fixed string hashes make the folder's
         # adapter_config.json the same bytes on every run
@@ -309,8 +349,6 @@ def main() -> int:
     torch.set_default_dtype(torch.float32)
     torch.use_deterministic_algorithms(True)
 
-    out = a.out
-    out.mkdir(parents=True, exist_ok=True)
     hf_tok = ref.load_hf_tokenizer(TOKENIZER)
     pad_id = hf_tok.convert_tokens_to_ids(ref.PAD_TOKEN)
     seqs = fx.make_sequences(hf_tok, VOCAB)
@@ -319,6 +357,10 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="llama-fixtures-") as tmp:
         tmp = Path(tmp)
         for name, spec in MODELS.items():
+            if family(name) not in families:
+                continue
+            out = a.out / family(name)
+            out.mkdir(parents=True, exist_ok=True)
             model = build(name, torch.float32)
             tokens = np.full((len(seqs), T), pad_id, dtype=np.int32)
             lengths = np.array([len(s) for s in seqs], dtype=np.int32)
@@ -340,7 +382,7 @@ def main() -> int:
                                                         "--outtype", ot])
                 assert path.stat().st_size < 1_000_000, path
                 if ot == "f32":
-                    check_layout(model, path)
+                    check_layout(name, model, path)
                 f64 = np.zeros_like(logprobs)
                 ref.use_pinned_gguf()
                 contents = llama_ref.gguf_contents(path)
@@ -356,8 +398,8 @@ def main() -> int:
             if spec["lora"]:
                 res, folder = peft_gradients(name, hf_dir, seqs, pad_id, tmp)
                 np.savez_compressed(out / f"peft_{name}.npz", **res)
-                if name == "gqa":
-                    dest = out / "peft_gqa"
+                if name in ("gqa", "qwen2", "qwen3"):     # PEFT's own folder, for the reader
+                    dest = out / f"peft_{name}"
                     if dest.exists():
                         shutil.rmtree(dest)
                     shutil.copytree(folder, dest)

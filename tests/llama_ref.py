@@ -1,9 +1,12 @@
-"""A float64 numpy forward of llama.cpp's ``llama`` graph, from a GGUF file alone.
+"""A float64 numpy forward of llama.cpp's ``llama``, ``qwen2`` and ``qwen3`` graphs, from a GGUF
+file alone.
 
-Why: an independent reference for pytrain's ``models/llama.py`` on any weight type: it reads
-the GGUF keys and tensors with the ``gguf`` package (its own dequantizers), and computes what
-llama.cpp's src/models/llama.cpp computes, in float64: NORM rope (adjacent pairs) with the
-frequency scale and ``rope_freqs.weight`` factors, grouped-query attention, SwiGLU, optional
+Why: an independent reference for pytrain's ``models/llama.py`` (and the Qwen2 / Qwen3 entries
+built on it) on any weight type: it reads the GGUF keys and tensors with the ``gguf`` package
+(its own dequantizers), and computes what llama.cpp's src/models/llama.cpp, qwen2.cpp and
+qwen3.cpp compute, in float64: rope with the frequency scale and ``rope_freqs.weight``
+factors, NORM (adjacent pairs) for llama and NEOX (the two halves of a head) for qwen2 and
+qwen3, Qwen3's per-head q/k RMS norms before it, grouped-query attention, SwiGLU, optional
 biases, tied or untied head.  No pytrain code is used.  scripts/make_llama_fixtures.py uses it
 for the fixtures' float64 goldens.
 """
@@ -72,7 +75,10 @@ def forward(W: dict[str, np.ndarray], F: dict, tokens, types: dict[str, str] | N
     def act(x, weight):
         return round_activations(x, VEC_DOT[types[weight]]) if types else x
 
-    key = lambda k, d=None: F.get("llama." + k, d)
+    arch = F.get("general.architecture", "llama")
+    if arch not in ("llama", "qwen2", "qwen3"):
+        raise NotImplementedError(f"architecture {arch!r}")
+    key = lambda k, d=None: F.get(f"{arch}.{k}", d)
     L, E = int(key("block_count")), int(key("embedding_length"))
     H = int(key("attention.head_count"))
     Hkv = int(key("attention.head_count_kv", H))
@@ -92,8 +98,12 @@ def forward(W: dict[str, np.ndarray], F: dict, tokens, types: dict[str, str] | N
     def rope(x):                                        # x [T, heads, hd]
         c, s = np.cos(theta)[:, None], np.sin(theta)[:, None]
         out = np.empty_like(x)
-        out[..., 0::2] = x[..., 0::2] * c - x[..., 1::2] * s
-        out[..., 1::2] = x[..., 0::2] * s + x[..., 1::2] * c
+        if arch == "llama":                             # pairs (x_2i, x_2i+1)
+            a, b = x[..., 0::2], x[..., 1::2]
+            out[..., 0::2], out[..., 1::2] = a * c - b * s, a * s + b * c
+        else:                                           # pairs (x_i, x_i+hd/2)
+            a, b = x[..., :hd // 2], x[..., hd // 2:]
+            out[..., :hd // 2], out[..., hd // 2:] = a * c - b * s, a * s + b * c
         return out
 
     def lin(x, name):
@@ -108,8 +118,11 @@ def forward(W: dict[str, np.ndarray], F: dict, tokens, types: dict[str, str] | N
     for i in range(L):
         p = f"blk.{i}."
         h = rms(x, W[p + "attn_norm.weight"])
-        q = rope(lin(h, p + "attn_q").reshape(T, H, hd))
-        k = rope(lin(h, p + "attn_k").reshape(T, Hkv, hd))
+        q = lin(h, p + "attn_q").reshape(T, H, hd)
+        k = lin(h, p + "attn_k").reshape(T, Hkv, hd)
+        if p + "attn_q_norm.weight" in W:               # per head, over hd
+            q, k = rms(q, W[p + "attn_q_norm.weight"]), rms(k, W[p + "attn_k_norm.weight"])
+        q, k = rope(q), rope(k)
         v = lin(h, p + "attn_v").reshape(T, Hkv, hd)
         o = np.empty((T, H, hd))
         for j in range(H):

@@ -28,27 +28,15 @@ import numpy as np
 import pytest
 
 import pytrain
+from llama_family import (ALPHA, FIXTURES, RANK, log_softmax, max_error, peft_step,
+                          worst_gradient_error)
 from pytrain.models import lora
 from pytrain.models.lora_targets import select_targets
 from pytrain.train import loss as L
 from pytrain.train.graphs import GradGraph
 
-FIX = Path(__file__).resolve().parent / "fixtures" / "llama"
+FIX = FIXTURES / "llama"
 FILES = ["gqa-f32", "gqa-f16", "gqa-q8_0", "untied-f32", "llama3-f32"]
-
-
-def log_softmax(x):
-    x = x.astype(np.float64)
-    x = x - x.max(-1, keepdims=True)
-    return x - np.log(np.exp(x).sum(-1, keepdims=True))
-
-
-def max_error(model, gold, want):
-    """max |Δ log-softmax| over the real positions of every golden sequence (one padded batch)."""
-    tokens, lengths = gold["tokens"], gold["lengths"]
-    seg = np.where(np.arange(tokens.shape[1])[None] < lengths[:, None], 0, -1)
-    got = log_softmax(model.logits(tokens, seg=seg))
-    return max(float(np.abs(got[i, :n] - want[i, :n]).max()) for i, n in enumerate(lengths))
 
 
 @pytest.mark.parametrize("name", ["gqa-f32", "untied-f32", "llama3-f32"])
@@ -99,19 +87,15 @@ def test_kept_weights_round_activations_as_ggml_does(name):
         assert_same_rounding(got["auto"][i, :n], emulated, got["f32"][i, :n])
 
 
-def test_converter_layout_is_norm_rope():
+def test_converter_layout_is_norm_rope(monkeypatch):
     """The converter's q/k permutation makes NORM rope (adjacent pairs) the right one: the same
     file run with NEOX rope is far from HF (so the parity above is not a coincidence)."""
     from pytrain.models import llama
     gold = np.load(FIX / "gqa.npz")
     m = pytrain.load_model(FIX / "gqa-f32.gguf", device="cpu", threads=2)
     try:
-        old = llama.ROPE_NORM
-        llama.ROPE_NORM = pytrain.ggml.lib.GGML_ROPE_TYPE_NEOX
-        try:
-            err = max_error(m, gold, gold["logprobs"])
-        finally:
-            llama.ROPE_NORM = old
+        monkeypatch.setattr(llama.LlamaGraph, "rope_mode", pytrain.ggml.lib.GGML_ROPE_TYPE_NEOX)
+        err = max_error(m, gold, gold["logprobs"])
     finally:
         m.close()
     assert err > 0.1, err
@@ -148,7 +132,6 @@ def test_packed_rows_equal_rows_alone():
 
 # --------------------------------------------------------------------------- PEFT gradients
 
-RANK, ALPHA = 4, 8
 # (|loss error|, per-tensor max |grad error| / max |reference grad|); measured on an Intel Xeon
 # (AVX-512), 2 threads: loss 0 / 9.5e-7 (f32), 3.0e-7 / 9.3e-8 (f64); gradients 1.9e-6 / 1.4e-6
 # (f32), 2.1e-6 / 1.8e-6 (f64) for gqa / llama3: a tenth of the bounds
@@ -159,19 +142,9 @@ PEFT_TOL = {"f32": (1e-5, 2e-5), "f64": (5e-6, 2e-5)}
 def peft_result(request):
     name = request.param
     gold = dict(np.load(FIX / f"peft_{name}.npz"))
-    m = pytrain.load_model(FIX / f"{name}-f32.gguf", device="cpu", threads=2)
     targets = ("attn_q", "attn_k", "attn_v", "attn_output") + \
         (("ffn_gate", "ffn_up", "ffn_down") if name == "llama3" else ())
-    names = select_targets(m.config, targets)
-    ad = lora.create(m.runtime, m.config, names, rank=RANK, alpha=ALPHA, seed=0)
-    ad.set({k: gold[k] for n in names for k in (n + ".lora_a", n + ".lora_b")})
-    tokens, labels = gold["input_ids"], gold["labels"]
-    seg = np.where(gold["attention_mask"] > 0, 0, -1)
-    tgt = L.shift_targets(tokens, labels != L.IGNORE, seg)
-    g = GradGraph(m, ad, B=tokens.shape[0], T=tokens.shape[1])
-    out = g.run(tokens, seg, tgt)
-    g.close()
-    m.close()
+    names, out = peft_step(FIX / f"{name}-f32.gguf", gold, targets)
     yield name, gold, names, out
 
 
@@ -189,16 +162,7 @@ def test_llama_lora_gradients_match_peft(peft_result, ref):
     name, gold, names, out = peft_result
     want_loss = float(gold["loss" if ref == "f32" else "loss64"])
     assert abs(out["loss"] - want_loss) < PEFT_TOL[ref][0], (out["loss"], want_loss)
-    suffix = ".grad" if ref == "f32" else ".grad64"
-    worst = (0.0, "")
-    for n in names:
-        for s in (".lora_a", ".lora_b"):
-            want = gold[n + s + suffix].astype(np.float64)
-            got = out["grads"][n + s].astype(np.float64)
-            scale = np.abs(want).max()
-            assert scale > 1e-3, (n + s, scale)
-            err = np.abs(got - want).max() / scale
-            worst = max(worst, (err, n + s))
+    worst = worst_gradient_error(gold, names, out, ".grad" if ref == "f32" else ".grad64")
     print(f"{name} vs PEFT {ref}: loss {out['loss'] - want_loss:+.2e}, worst gradient error "
           f"{worst[0]:.2e} of max ({worst[1]})")
     assert worst[0] <= PEFT_TOL[ref][1], worst

@@ -32,6 +32,7 @@ from pytrain.models.transformer import (DecoderGraph, LoraFn, attention_input_va
                                        softmax_attention, upload_inputs)
 
 ROPE_NORM = 0          # ggml's default rope mode: rotate (x_2i, x_2i+1) pairs
+ROPE_NEOX = 2          # rotate (x_i, x_i+hd/2): HF's rotate_half, for unpermuted q/k rows
 
 
 @dataclass
@@ -45,23 +46,28 @@ class GraphInputs:
 
 class LlamaGraph(DecoderGraph):
     """Builds the forward graph from loaded weights (name → ggml tensor)."""
+    rope_mode = ROPE_NORM
 
     def rope(self, ctx, t, inp: GraphInputs):
         """Rotary embedding with the model's scaling (Llama 3's per-frequency factors come
         from ``rope_freqs.weight``)."""
         r = self.c.rope
         freqs = self.w.get("rope_freqs.weight", ggml.ffi.NULL)
-        return lib.ggml_rope_ext(ctx, t, inp.pos, freqs, self.c.n_rot, ROPE_NORM, r.n_ctx_orig,
+        return lib.ggml_rope_ext(ctx, t, inp.pos, freqs, self.c.n_rot, self.rope_mode, r.n_ctx_orig,
                                  r.base, r.freq_scale, r.ext_factor, r.attn_factor,
                                  r.beta_fast, r.beta_slow)
 
     def qkv(self, ctx, il: int, x, inp: GraphInputs, N: int, lora):
-        """q [hd, H, N], k and v [hd, Hkv, N] of N = T·B tokens, q and k rotated."""
+        """q [hd, H, N], k and v [hd, Hkv, N] of N = T·B tokens, q and k rotated (after
+        their per-head RMS norms, where the model has them: Qwen3)."""
         c, p = self.c, f"blk.{il}."
         hd, H, Hkv = c.head_dim, c.n_head, c.n_head_kv
         q = lib.ggml_reshape_3d(ctx, self.mm(ctx, p + "attn_q.weight", x, lora), hd, H, N)
         k = lib.ggml_reshape_3d(ctx, self.mm(ctx, p + "attn_k.weight", x, lora), hd, Hkv, N)
         v = lib.ggml_reshape_3d(ctx, self.mm(ctx, p + "attn_v.weight", x, lora), hd, Hkv, N)
+        if c.qk_norm:                                   # rms over hd, per head and token
+            q = self.norm(ctx, q, p + "attn_q_norm.weight")
+            k = self.norm(ctx, k, p + "attn_k_norm.weight")
         return self.rope(ctx, q, inp), self.rope(ctx, k, inp), v
 
     def attention(self, ctx, il: int, x, inp: GraphInputs, B: int, T: int, lora,

@@ -61,6 +61,7 @@ class LlamaConfig:
     tied_embeddings: bool = True
     biases: frozenset = frozenset()     # projections with a bias tensor (see BIASED)
     context_length: int = 0
+    qk_norm: bool = False               # per-head RMS norms of q and k before rope (Qwen3)
 
     @property
     def recurrent(self) -> tuple[bool, ...]:
@@ -79,9 +80,10 @@ class LlamaConfig:
                       n_vocab: int | None = None, source: str = "") -> "LlamaConfig":
         where = f"{source}: " if source else ""
         names = tensor_names or set()
+        arch = cls.arch
 
         def get(key: str, default: Any = None) -> Any:
-            full = f"{ARCH}.{key}"
+            full = f"{arch}.{key}"
             if full in meta:
                 return meta[full]
             if default is None:
@@ -89,15 +91,15 @@ class LlamaConfig:
             return default
 
         if int(get("expert_count", 0)) > 0:
-            raise ValueError(f"{ARCH}.expert_count is {get('expert_count')}: mixture-of-experts "
+            raise ValueError(f"{arch}.expert_count is {get('expert_count')}: mixture-of-experts "
                              f"(Mixtral-style) models are not supported")
         n_embd, n_head = int(get("embedding_length")), int(get("attention.head_count"))
         head_dim = int(get("attention.key_length", 0)) or n_embd // n_head
         if int(get("attention.value_length", head_dim)) != head_dim:
-            raise ValueError(f"{ARCH}.attention.value_length differs from key_length")
+            raise ValueError(f"{arch}.attention.value_length differs from key_length")
         n_rot = int(get("rope.dimension_count", head_dim))
         if n_rot != head_dim:
-            raise ValueError(f"{ARCH}.rope.dimension_count is {n_rot} but the heads have "
+            raise ValueError(f"{arch}.rope.dimension_count is {n_rot} but the heads have "
                              f"{head_dim} dimensions; llama.cpp rotates whole heads")
         if n_vocab is None:
             tokens = meta.get("tokenizer.ggml.tokens")
@@ -115,11 +117,12 @@ class LlamaConfig:
             head_dim=head_dim,
             n_vocab=int(n_vocab),
             rms_eps=float(get("attention.layer_norm_rms_epsilon")),
-            rope=rope_params(meta, context),
+            rope=rope_params(meta, context, arch),
             rope_freqs="rope_freqs.weight" in names,
             tied_embeddings="output.weight" not in names,
             biases=frozenset(b for b in BIASED if f"blk.0.{b}.bias" in names),
             context_length=context,
+            qk_norm="blk.0.attn_q_norm.weight" in names,
         )
 
     def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
@@ -144,22 +147,25 @@ class LlamaConfig:
                 s[p + name + ".weight"] = shape
                 if name in self.biases:
                     s[p + name + ".bias"] = (shape[0],)
+            if self.qk_norm:
+                s[p + "attn_q_norm.weight"] = (hd,)
+                s[p + "attn_k_norm.weight"] = (hd,)
         return s
 
 
-def rope_params(meta: dict[str, Any], context_length: int) -> RopeParams:
-    """llama.cpp's rope arguments for a ``llama`` GGUF (see the module docstring)."""
+def rope_params(meta: dict[str, Any], context_length: int, arch: str = ARCH) -> RopeParams:
+    """llama.cpp's rope arguments for a GGUF of ``arch`` (see the module docstring)."""
     def key(k: str, default: Any = None) -> Any:
-        return meta.get(f"{ARCH}.{k}", default)
+        return meta.get(f"{arch}.{k}", default)
 
     scaling = str(key("rope.scaling.type", "linear"))
     if scaling == "longrope":
-        raise ValueError(f"{ARCH}.rope.scaling.type is 'longrope', which pytrain does not support")
+        raise ValueError(f"{arch}.rope.scaling.type is 'longrope', which pytrain does not support")
     if scaling not in ROPE_SCALING:
-        raise ValueError(f"{ARCH}.rope.scaling.type is {scaling!r}; supported: "
+        raise ValueError(f"{arch}.rope.scaling.type is {scaling!r}; supported: "
                          f"{', '.join(ROPE_SCALING)}")
     # llama.cpp reads the old rope.scale_linear only when rope.scaling.factor is absent
-    factor = float(key("rope.scaling.factor") if f"{ARCH}.rope.scaling.factor" in meta
+    factor = float(key("rope.scaling.factor") if f"{arch}.rope.scaling.factor" in meta
                    else key("rope.scale_linear", 0.0) or 0.0)
     freq_scale = 1.0 if factor == 0.0 or scaling == "none" else 1.0 / factor
     yarn = scaling == "yarn"

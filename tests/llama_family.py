@@ -1,0 +1,67 @@
+"""What the parity tests of the Llama-family GGUFs (llama, qwen2, qwen3: one graph,
+``models/llama.py``) share: the fixture files of scripts/make_llama_fixtures.py, the error
+measure against a golden, and pytrain's loss and LoRA gradients on a PEFT golden's batch."""
+from pathlib import Path
+
+import numpy as np
+
+import pytrain
+from pytrain.models import lora
+from pytrain.models.lora_targets import select_targets
+from pytrain.train import loss as L
+from pytrain.train.graphs import GradGraph
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+RANK, ALPHA = 4, 8                      # the PEFT goldens' adapter
+
+
+def log_softmax(x):
+    x = x.astype(np.float64)
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def padded_seg(gold) -> np.ndarray:
+    """Sample ids of a golden's right-padded rows (-1 = padding)."""
+    tokens, lengths = gold["tokens"], gold["lengths"]
+    return np.where(np.arange(tokens.shape[1])[None] < lengths[:, None], 0, -1)
+
+
+def max_error(model, gold, want):
+    """max |Δ log-softmax| over the real positions of every golden sequence (one padded batch)."""
+    got = log_softmax(model.logits(gold["tokens"], seg=padded_seg(gold)))
+    return max(float(np.abs(got[i, :n] - want[i, :n]).max())
+               for i, n in enumerate(gold["lengths"]))
+
+
+def peft_step(gguf: Path, gold: dict, targets: tuple[str, ...]) -> tuple[list[str], dict]:
+    """(adapted tensor names, GradGraph output) of pytrain's step on the golden's padded,
+    prompt-masked batch with the golden's A and B, in llama.cpp's layout."""
+    m = pytrain.load_model(gguf, device="cpu", threads=2)
+    try:
+        names = select_targets(m.config, targets)
+        ad = lora.create(m.runtime, m.config, names, rank=RANK, alpha=ALPHA, seed=0)
+        ad.set({k: gold[k] for n in names for k in (n + ".lora_a", n + ".lora_b")})
+        tokens, labels = gold["input_ids"], gold["labels"]
+        seg = np.where(gold["attention_mask"] > 0, 0, -1)
+        tgt = L.shift_targets(tokens, labels != L.IGNORE, seg)
+        g = GradGraph(m, ad, B=tokens.shape[0], T=tokens.shape[1])
+        try:
+            return names, g.run(tokens, seg, tgt)
+        finally:
+            g.close()
+    finally:
+        m.close()
+
+
+def worst_gradient_error(gold: dict, names: list[str], out: dict, suffix: str) -> tuple:
+    """(max over tensors of max |Δ grad| / max |golden grad|, that tensor)."""
+    worst = (0.0, "")
+    for n in names:
+        for s in (".lora_a", ".lora_b"):
+            want = gold[n + s + suffix].astype(np.float64)
+            got = out["grads"][n + s].astype(np.float64)
+            scale = np.abs(want).max()
+            assert scale > 1e-3, (n + s, scale)
+            worst = max(worst, (float(np.abs(got - want).max() / scale), n + s))
+    return worst

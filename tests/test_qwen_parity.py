@@ -1,0 +1,249 @@
+"""Qwen2 and Qwen3 (dense) against HF transformers' ``Qwen2ForCausalLM`` / ``Qwen3ForCausalLM``,
+PEFT and llama.cpp, on GGUFs the pinned llama.cpp converter wrote (tests/fixtures/qwen2 and
+qwen3, made by scripts/make_llama_fixtures.py --family qwen2,qwen3).
+
+Models: ``qwen2`` (4 q / 2 kv heads x 16, tied, q/k/v biases, rope base 1e6; F32, F16, Q8_0),
+``qwen3`` (4 q / 2 kv heads x 32 on hidden 64, per-head q/k norms, untied; F32, Q8_0).  Unlike
+Llama's, these converters keep HF's q/k row order and llama.cpp rotates with NEOX rope: the
+tests would fail if pytrain ran NORM rope, permuted a PEFT adapter's rows, or skipped a bias
+or a q/k norm.
+
+Bounds, as for the Llama fixtures (tests/test_llama_parity.py says why): F32 vs HF float32
+1e-4; each file loaded as F32 vs a float64 forward of its own weights 1e-4 (the fixture script
+measured the float64 forward of each F32 file 1.05e-5 / 6.7e-6 from HF); kept F16 / Q8_0
+weights against the float64 forward that rounds the activations as ggml does, and against
+llama.cpp on the same file, within the kept type's own noise on these tokens
+(``bounds.assert_same_rounding``); PEFT gradients as the Llama ones.
+"""
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+
+import pytrain
+from llama_family import (ALPHA, FIXTURES, RANK, log_softmax, max_error, padded_seg, peft_step,
+                          worst_gradient_error)
+from pytrain.models import lora
+from pytrain.models.lora_targets import select_targets
+
+FILES = ["qwen2-f32", "qwen2-f16", "qwen2-q8_0", "qwen3-f32", "qwen3-q8_0"]
+KEPT = ["qwen2-f16", "qwen2-q8_0", "qwen3-q8_0"]
+TARGETS = {"qwen2": ("attn_q", "attn_k", "attn_v", "attn_output"),
+           "qwen3": ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up",
+                     "ffn_down")}
+PEFT_TOL = {"f32": (1e-5, 2e-5), "f64": (5e-6, 2e-5)}     # as tests/test_llama_parity.py
+
+
+def fixture(name: str):
+    """(the family's folder, its golden) of a file name like ``qwen3-q8_0``."""
+    family = name.split("-")[0]
+    return FIXTURES / family, np.load(FIXTURES / family / f"{family}.npz")
+
+
+def load(name: str, **kw):
+    return pytrain.load_model(FIXTURES / name.split("-")[0] / f"{name}.gguf", device="cpu",
+                              threads=2, **kw)
+
+
+@pytest.mark.parametrize("name", ["qwen2-f32", "qwen3-f32"])
+def test_f32_logits_match_hf(name):
+    _, gold = fixture(name)
+    m = load(name)
+    try:
+        assert m.arch.name == name.split("-")[0]
+        err = max_error(m, gold, gold["logprobs"])
+    finally:
+        m.close()
+    print(f"{name} vs HF float32: {err:.2e}")
+    assert err < 1e-4, err
+
+
+@pytest.mark.parametrize("name", FILES)
+def test_f32_loading_matches_float64_of_the_file(name):
+    fix, gold = fixture(name)
+    want = np.load(fix / f"{name}.f64.npz")["logprobs64"]
+    m = load(name, type_policy="f32")
+    try:
+        err = max_error(m, gold, want)
+    finally:
+        m.close()
+    print(f"{name} (f32) vs float64 of its weights: {err:.2e}")
+    assert err < 1e-4, err
+
+
+def kept_and_f32(name: str, tokens, seg) -> dict:
+    out = {}
+    for policy in ("auto", "f32"):
+        m = load(name, type_policy=policy)
+        try:
+            out[policy] = log_softmax(m.logits(tokens, seg=seg))
+        finally:
+            m.close()
+    return out
+
+
+@pytest.mark.parametrize("name", KEPT)
+def test_kept_weights_round_activations_as_ggml_does(name):
+    from bounds import assert_same_rounding
+    from llama_ref import forward, gguf_contents, gguf_types
+    fix, gold = fixture(name)
+    tokens, lengths = gold["tokens"], gold["lengths"]
+    got = kept_and_f32(name, tokens, padded_seg(gold))
+    W, F = gguf_contents(fix / f"{name}.gguf")
+    types = gguf_types(fix / f"{name}.gguf")
+    for i, n in enumerate(lengths[:3]):
+        emulated = forward(W, F, tokens[i, :n], types)
+        print(f"{name} row {i}: kept vs emulated {np.abs(got['auto'][i, :n] - emulated).max():.2e}")
+        assert_same_rounding(got["auto"][i, :n], emulated, got["f32"][i, :n])
+
+
+@pytest.mark.parametrize("name", KEPT)
+def test_kept_weights_match_llama_cpp_on_the_same_file(llama_logits_exe, tmp_path, name):
+    from bounds import assert_same_rounding
+    from llama_cpp_check import run_llama
+    fix, gold = fixture(name)
+    toks = gold["tokens"][0, :gold["lengths"][0]]
+    got = kept_and_f32(name, toks[None], np.zeros((1, len(toks)), int))
+    theirs = log_softmax(run_llama(llama_logits_exe, fix / f"{name}.gguf", None, toks,
+                                   tmp_path / "l.f32", gold["logprobs"].shape[-1]))
+    print(f"{name}: pytrain kept vs llama.cpp {np.abs(got['auto'][0] - theirs).max():.2e}")
+    assert_same_rounding(got["auto"][0], theirs, got["f32"][0])
+
+
+def test_neox_rope_and_the_qk_norms_are_what_makes_the_match(monkeypatch):
+    """The same files run with Llama's NORM rope, or Qwen3's without its q/k norms, are far
+    from HF: the parity above is not a coincidence of small random weights."""
+    from pytrain.models import llama, qwen2
+    errs = {}
+    for name in ("qwen2-f32", "qwen3-f32"):
+        _, gold = fixture(name)
+        m = load(name)
+        try:
+            with monkeypatch.context() as mp:
+                mp.setattr(qwen2.Qwen2Graph, "rope_mode", llama.ROPE_NORM)
+                errs[name, "norm rope"] = max_error(m, gold, gold["logprobs"])
+            if name.startswith("qwen3"):
+                m.config = dataclasses.replace(m.config, qk_norm=False)
+                errs[name, "no q/k norms"] = max_error(m, gold, gold["logprobs"])
+        finally:
+            m.close()
+    print(errs)
+    assert all(e > 0.1 for e in errs.values()), errs
+
+
+def test_config_from_the_converter_keys():
+    from pytrain.formats.model_file import open_model
+    _, _, _, c = open_model(FIXTURES / "qwen2" / "qwen2-q8_0.gguf")
+    assert (c.arch, c.n_layer, c.n_head, c.n_head_kv, c.head_dim) == ("qwen2", 2, 4, 2, 16)
+    assert c.biases == {"attn_q", "attn_k", "attn_v"} and c.tied_embeddings and not c.qk_norm
+    assert c.rope.base == 1e6 and c.rope.scaling == "none"
+    _, _, _, c = open_model(FIXTURES / "qwen3" / "qwen3-f32.gguf")
+    assert (c.arch, c.n_head, c.n_head_kv, c.head_dim, c.n_embd) == ("qwen3", 4, 2, 32, 64)
+    assert c.qk_norm and not c.biases and not c.tied_embeddings
+
+
+def test_qwen_yarn_is_refused_by_name(tmp_path):
+    from gguf_factory import with_keys
+    from pytrain.formats.model_file import open_model
+    path = with_keys(FIXTURES / "qwen2" / "qwen2-f32.gguf", tmp_path / "yarn.gguf",
+                     {"qwen2.rope.scaling.type": "yarn", "qwen2.rope.scaling.factor": 4.0})
+    with pytest.raises(ValueError, match="qwen2.rope.scaling.type is 'yarn'"):
+        open_model(path)
+
+
+# --------------------------------------------------------------------------- PEFT
+
+@pytest.fixture(scope="module", params=["qwen2", "qwen3"])
+def peft_result(request):
+    family = request.param
+    gold = dict(np.load(FIXTURES / family / f"peft_{family}.npz"))
+    names, out = peft_step(FIXTURES / family / f"{family}-f32.gguf", gold, TARGETS[family])
+    return family, gold, names, out
+
+
+@pytest.mark.parametrize("ref", ["f32", "f64"])
+def test_lora_gradients_match_peft(peft_result, ref):
+    """The golden A, B and gradients are convert_lora_to_gguf.py's (no row permutation for
+    these architectures), on a padded, prompt-masked batch."""
+    family, gold, names, out = peft_result
+    assert len(names) == 2 * len(TARGETS[family]) and out["n_valid"] == int(gold["n_valid"])
+    want_loss = float(gold["loss" if ref == "f32" else "loss64"])
+    assert abs(out["loss"] - want_loss) < PEFT_TOL[ref][0], (out["loss"], want_loss)
+    worst = worst_gradient_error(gold, names, out, ".grad" if ref == "f32" else ".grad64")
+    print(f"{family} vs PEFT {ref}: loss {out['loss'] - want_loss:+.2e}, worst gradient error "
+          f"{worst[0]:.2e} of max ({worst[1]})")
+    assert worst[0] <= PEFT_TOL[ref][1], worst
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_peft_folders_move_unpermuted(tmp_path, family):
+    """PEFT's own folder (PEFT 0.21.2 save_pretrained) read by pytrain equals what llama.cpp's
+    convert_lora_to_gguf.py made of it, with or without the model's config (PEFT recorded the
+    HF class, which names the architecture: no rows to permute); written back by pytrain, it
+    holds PEFT's own tensors under PEFT's names, and the same base class."""
+    from safetensors.numpy import load_file
+    from pytrain.formats.adapter_peft import read_peft_adapter, write_peft_adapter
+    from pytrain.formats.model_file import open_model
+    fix = FIXTURES / family
+    gold = np.load(fix / f"peft_{family}.npz")
+    want = {k: gold[k] for k in gold if k.endswith((".lora_a", ".lora_b"))}
+    _, _, _, config = open_model(fix / f"{family}-f32.gguf")
+    for cfg in (config, None):
+        tensors, alpha, rank, _ = read_peft_adapter(fix / f"peft_{family}", cfg)
+        assert (alpha, rank) == (ALPHA, RANK) and set(tensors) == set(want)
+        for k, v in want.items():
+            np.testing.assert_array_equal(tensors[k], v, err_msg=k)
+    out = write_peft_adapter(tmp_path / "ad", want, ALPHA, RANK, model_config=config)
+    ours = load_file(str(out / "adapter_model.safetensors"))
+    peft = load_file(str(fix / f"peft_{family}" / "adapter_model.safetensors"))
+    assert set(ours) == set(peft)
+    for k, v in peft.items():
+        np.testing.assert_array_equal(ours[k], v, err_msg=k)
+    theirs = json.loads((fix / f"peft_{family}" / "adapter_config.json").read_text())
+    written = json.loads((out / "adapter_config.json").read_text())
+    assert written["auto_mapping"] == theirs["auto_mapping"]
+
+
+# --------------------------------------------------------------------------- generation
+
+@pytest.mark.parametrize("name", ["qwen2-f32", "qwen3-f32"])
+def test_kv_cache_steps_equal_the_full_forward(name):
+    _, gold = fixture(name)
+    seq = gold["tokens"][4, :40].astype(np.int64)
+    m = load(name)
+    try:
+        full = m.logits(seq)
+        steps = m._cached_steps(list(seq[:25]), 15, None)
+        got = [steps.send(None)] + [steps.send(int(t)) for t in seq[25:39]]
+        steps.close()
+    finally:
+        m.close()
+    np.testing.assert_allclose(np.array(got), full[24:39], atol=1e-4)
+
+
+# --------------------------------------------------------------------------- llama.cpp
+
+@pytest.mark.parametrize("name", ["qwen2-f32", "qwen3-f32"])
+def test_llama_cpp_runs_pytrains_adapter(llama_logits_exe, tmp_path, name):
+    """llama.cpp (its loader, its qwen2 / qwen3 graph, its adapter loading) on the same file
+    and a pytrain-written adapter gives pytrain's logits, and the adapter changes them by far
+    more than the tolerance (as tests/test_llama_parity.py for llama)."""
+    from llama_cpp_check import deltas_with_adapter
+    from pytrain.formats.adapter_gguf import write_lora_gguf
+    path = FIXTURES / name.split("-")[0] / f"{name}.gguf"
+    m = pytrain.load_model(path, device="cpu", threads=2)
+    try:
+        ad = lora.create(m.runtime, m.config, select_targets(m.config, TARGETS["qwen3"]),
+                         rank=4, alpha=8, seed=0)
+        rng = np.random.default_rng(1)
+        ad.set({k: rng.normal(0, 0.3, v.shape).astype(np.float32) for k, v in ad.get().items()})
+        adapter = write_lora_gguf(tmp_path / "ad.gguf", m.arch.name, ad.alpha, ad.get())
+        toks = np.random.default_rng(3).integers(0, 480, 100)
+        ours, ours_lora = m.logits(toks), m.logits(toks, lora=ad.hook)
+    finally:
+        m.close()
+    d, d_lora, effect = deltas_with_adapter(llama_logits_exe, path, adapter, toks, ours,
+                                            ours_lora, tmp_path)
+    print(f"{name}: base {d:.2e}, with adapter {d_lora:.2e}, effect {effect:.3g}")
+    assert effect > 0.05 and d < 1e-3 and d_lora < 1e-3
