@@ -28,3 +28,29 @@ def llama_logits_exe():
         pytest.skip("llama.cpp cross-check not built: run `python scripts/build_llama_cpp.py` "
                     "(a few minutes, CPU only; `make test` does it)")
     return exe
+
+
+# --------------------------------------------------------------------------- measured figures
+
+_MEASURED: list[dict] = []
+
+
+@pytest.fixture
+def measured(request):
+    """``measured(check, value, bound)``: a figure a test compared with its bound, printed and,
+    with ``PYTRAIN_MEASURED_JSON=FILE``, written at the end of the session (the parity reports
+    in bench_results/ are made from these, so they show what the tests saw)."""
+    def record(check: str, value: float, bound) -> None:
+        print(f"{check}: {value:.3g} (bound {bound})")
+        _MEASURED.append(dict(test=request.node.nodeid, check=check, value=float(value),
+                              bound=bound if isinstance(bound, (int, float)) else str(bound)))
+    return record
+
+
+def pytest_sessionfinish(session, exitstatus):
+    import json
+    import os
+    out = os.environ.get("PYTRAIN_MEASURED_JSON")
+    if out:
+        Path(out).write_text(json.dumps(dict(exitstatus=int(exitstatus), measured=_MEASURED),
+                                        indent=1) + "\n")

@@ -47,7 +47,7 @@ def load(name: str, **kw):
 
 
 @pytest.mark.parametrize("name", ["qwen2-f32", "qwen3-f32"])
-def test_f32_logits_match_hf(name):
+def test_f32_logits_match_hf(name, measured):
     _, gold = fixture(name)
     m = load(name)
     try:
@@ -55,12 +55,12 @@ def test_f32_logits_match_hf(name):
         err = max_error(m, gold, gold["logprobs"])
     finally:
         m.close()
-    print(f"{name} vs HF float32: {err:.2e}")
+    measured(f"{name} vs HF float32, max |Δ log-softmax|", err, 1e-4)
     assert err < 1e-4, err
 
 
 @pytest.mark.parametrize("name", FILES)
-def test_f32_loading_matches_float64_of_the_file(name):
+def test_f32_loading_matches_float64_of_the_file(name, measured):
     fix, gold = fixture(name)
     want = np.load(fix / f"{name}.f64.npz")["logprobs64"]
     m = load(name, type_policy="f32")
@@ -68,7 +68,7 @@ def test_f32_loading_matches_float64_of_the_file(name):
         err = max_error(m, gold, want)
     finally:
         m.close()
-    print(f"{name} (f32) vs float64 of its weights: {err:.2e}")
+    measured(f"{name} loaded as F32 vs float64 of its weights", err, 1e-4)
     assert err < 1e-4, err
 
 
@@ -84,7 +84,7 @@ def kept_and_f32(name: str, tokens, seg) -> dict:
 
 
 @pytest.mark.parametrize("name", KEPT)
-def test_kept_weights_round_activations_as_ggml_does(name):
+def test_kept_weights_round_activations_as_ggml_does(name, measured):
     from bounds import assert_same_rounding
     from llama_ref import forward, gguf_contents, gguf_types
     fix, gold = fixture(name)
@@ -92,14 +92,18 @@ def test_kept_weights_round_activations_as_ggml_does(name):
     got = kept_and_f32(name, tokens, padded_seg(gold))
     W, F = gguf_contents(fix / f"{name}.gguf")
     types = gguf_types(fix / f"{name}.gguf")
+    worst = 0.0
     for i, n in enumerate(lengths[:3]):
         emulated = forward(W, F, tokens[i, :n], types)
-        print(f"{name} row {i}: kept vs emulated {np.abs(got['auto'][i, :n] - emulated).max():.2e}")
+        worst = max(worst, float(np.abs(got["auto"][i, :n] - emulated).max()))
         assert_same_rounding(got["auto"][i, :n], emulated, got["f32"][i, :n])
+    measured(f"{name} kept vs float64 rounding activations as ggml does", worst,
+             "the type's own noise")
 
 
 @pytest.mark.parametrize("name", KEPT)
-def test_kept_weights_match_llama_cpp_on_the_same_file(llama_logits_exe, tmp_path, name):
+def test_kept_weights_match_llama_cpp_on_the_same_file(llama_logits_exe, tmp_path, name,
+                                                       measured):
     from bounds import assert_same_rounding
     from llama_cpp_check import run_llama
     fix, gold = fixture(name)
@@ -107,7 +111,8 @@ def test_kept_weights_match_llama_cpp_on_the_same_file(llama_logits_exe, tmp_pat
     got = kept_and_f32(name, toks[None], np.zeros((1, len(toks)), int))
     theirs = log_softmax(run_llama(llama_logits_exe, fix / f"{name}.gguf", None, toks,
                                    tmp_path / "l.f32", gold["logprobs"].shape[-1]))
-    print(f"{name}: pytrain kept vs llama.cpp {np.abs(got['auto'][0] - theirs).max():.2e}")
+    measured(f"{name} kept vs llama.cpp on the same file", np.abs(got["auto"][0] - theirs).max(),
+             "the type's own noise")
     assert_same_rounding(got["auto"][0], theirs, got["f32"][0])
 
 
@@ -124,7 +129,7 @@ def test_neox_rope_and_the_qk_norms_are_what_makes_the_match(monkeypatch):
                 mp.setattr(qwen2.Qwen2Graph, "rope_mode", llama.ROPE_NORM)
                 errs[name, "norm rope"] = max_error(m, gold, gold["logprobs"])
             if name.startswith("qwen3"):
-                m.config = dataclasses.replace(m.config, qk_norm=False)
+                m.graph.c = dataclasses.replace(m.config, qk_norm=False)
                 errs[name, "no q/k norms"] = max_error(m, gold, gold["logprobs"])
         finally:
             m.close()
@@ -163,7 +168,7 @@ def peft_result(request):
 
 
 @pytest.mark.parametrize("ref", ["f32", "f64"])
-def test_lora_gradients_match_peft(peft_result, ref):
+def test_lora_gradients_match_peft(peft_result, ref, measured):
     """The golden A, B and gradients are convert_lora_to_gguf.py's (no row permutation for
     these architectures), on a padded, prompt-masked batch."""
     family, gold, names, out = peft_result
@@ -171,8 +176,9 @@ def test_lora_gradients_match_peft(peft_result, ref):
     want_loss = float(gold["loss" if ref == "f32" else "loss64"])
     assert abs(out["loss"] - want_loss) < PEFT_TOL[ref][0], (out["loss"], want_loss)
     worst = worst_gradient_error(gold, names, out, ".grad" if ref == "f32" else ".grad64")
-    print(f"{family} vs PEFT {ref}: loss {out['loss'] - want_loss:+.2e}, worst gradient error "
-          f"{worst[0]:.2e} of max ({worst[1]})")
+    measured(f"{family} loss vs PEFT {ref}", abs(out["loss"] - want_loss), PEFT_TOL[ref][0])
+    measured(f"{family} LoRA gradients vs PEFT {ref}, max error / max |grad| ({worst[1]})",
+             worst[0], PEFT_TOL[ref][1])
     assert worst[0] <= PEFT_TOL[ref][1], worst
 
 
@@ -225,7 +231,7 @@ def test_kv_cache_steps_equal_the_full_forward(name):
 # --------------------------------------------------------------------------- llama.cpp
 
 @pytest.mark.parametrize("name", ["qwen2-f32", "qwen3-f32"])
-def test_llama_cpp_runs_pytrains_adapter(llama_logits_exe, tmp_path, name):
+def test_llama_cpp_runs_pytrains_adapter(llama_logits_exe, tmp_path, name, measured):
     """llama.cpp (its loader, its qwen2 / qwen3 graph, its adapter loading) on the same file
     and a pytrain-written adapter gives pytrain's logits, and the adapter changes them by far
     more than the tolerance (as tests/test_llama_parity.py for llama)."""
@@ -245,5 +251,7 @@ def test_llama_cpp_runs_pytrains_adapter(llama_logits_exe, tmp_path, name):
         m.close()
     d, d_lora, effect = deltas_with_adapter(llama_logits_exe, path, adapter, toks, ours,
                                             ours_lora, tmp_path)
-    print(f"{name}: base {d:.2e}, with adapter {d_lora:.2e}, effect {effect:.3g}")
+    measured(f"{name} vs llama.cpp, max |Δ logit|", d, 1e-3)
+    measured(f"{name} with pytrain's adapter vs llama.cpp --lora, max |Δ logit|", d_lora, 1e-3)
+    measured(f"{name} the adapter's effect on the logits (must exceed)", effect, 0.05)
     assert effect > 0.05 and d < 1e-3 and d_lora < 1e-3
