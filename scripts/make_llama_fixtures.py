@@ -19,6 +19,13 @@ checked against llama.cpp's own ``convert_lora_to_gguf.py``.
     qwen3   (tests/fixtures/qwen3) Qwen3ForCausalLM: hidden 64, 2 layers, 4 q / 2 kv heads x
             32 (wider than hidden / heads, as on the small Qwen3s), per-head q/k norms,
             untied, rope base 1e6; F32, Q8_0
+    gemma3  (tests/fixtures/gemma3) Gemma3ForCausalLM: hidden 64, 6 layers (0-4 with a
+            sliding window of 8 and rope base 1e4, 5 global with 1e6, as llama.cpp reads a
+            file without a layer pattern), 2 q / 1 kv heads x 32 (query_pre_attn_scalar 32:
+            the scale llama.cpp uses), q/k norms, pre- and post-norms around attention and
+            FFN (norm weights near 0: Gemma multiplies by 1 + w, which the converter stores),
+            GELU-tanh, tied, vocabulary 506 (the converter drops embedding rows past the
+            tokenizer's); F32, Q8_0
 
 Outputs (tests/fixtures/FAMILY/):
     NAME-TYPE.gguf          the converter's files
@@ -41,13 +48,13 @@ Outputs (tests/fixtures/FAMILY/):
 
 Checks made here: HF runs are deterministic; every tensor of each F32 GGUF equals the HF tensor
 under our own statement of the converter transforms (llama: q/k rows permuted per head; qwen2
-and qwen3: none); the numpy
+and qwen3: none; gemma3: every norm weight stored as 1 + w, in float32); the numpy
 float64 forward of each F32 GGUF matches HF's float32 golden to < 1e-4; PEFT's loss equals a
 float64 CE of its logits; the float64 PEFT run computes in float64 only.
 
 How (repo root, with the reference stack of scripts/requirements-reference.txt):
 
-    /opt/refenv/bin/python scripts/make_llama_fixtures.py [--family qwen2,qwen3]   # ~30 s each
+    /opt/refenv/bin/python scripts/make_llama_fixtures.py [--family qwen2,qwen3,gemma3]  # ~30 s each
 
 Deterministic: fixed seeds, one thread.
 """
@@ -75,6 +82,7 @@ FAMILIES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", "llama", True),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", "qwen2", False),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", "qwen3", False),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", "gemma3", False),
 }
 TOKENIZER = ref.REPO / "tests" / "fixtures" / "qwen35" / "tokenizer"
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, rms_norm_eps=1e-5,
@@ -116,6 +124,24 @@ MODELS = {
 }
 
 
+MODELS["gemma3"] = dict(
+    family="gemma3",
+    # 6 layers: 0-4 slide over the last 8 positions, 5 is global (llama.cpp's pattern; HF's
+    # layer_types say the same); heads of 32 on hidden 64; the attention scale HF takes from
+    # query_pre_attn_scalar is the one llama.cpp uses (1/sqrt(head_dim)) only if they agree
+    config=dict(num_hidden_layers=6, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                intermediate_size=64,
+                vocab_size=506,     # the converter drops embedding rows past the tokenizer's
+                tie_word_embeddings=True, sliding_window=8, query_pre_attn_scalar=32,
+                hidden_activation="gelu_pytorch_tanh", hidden_act=None,
+                final_logit_softcapping=None, attn_logit_softcapping=None,
+                rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                 "sliding_attention": {"rope_type": "default",
+                                                       "rope_theta": 1e4}}),
+    seed=121, outtypes=["f32", "q8_0"],
+    lora=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+
+
 def family(name: str) -> str:
     return MODELS[name].get("family", "llama")
 HF_TO_GGUF = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
@@ -131,7 +157,8 @@ def build(name: str, dtype):
     import transformers
     spec = MODELS[name]
     config_class, model_class, _, _ = FAMILIES[family(name)]
-    cfg = getattr(transformers, config_class)(eos_token_id=482, **COMMON, **spec["config"])
+    kw = {k: v for k, v in {**COMMON, **spec["config"]}.items() if v is not None}
+    cfg = getattr(transformers, config_class)(eos_token_id=482, **kw)
     cfg._attn_implementation = "eager"
     torch.manual_seed(spec["seed"])
     model = getattr(transformers, model_class)(cfg)
@@ -141,8 +168,9 @@ def build(name: str, dtype):
         for n, p in sorted(model.named_parameters(), key=lambda t: t[0]):
             if n.endswith("embed_tokens.weight") or n == "lm_head.weight":
                 v = torch.randn(p.shape, generator=g) * 0.3
-            elif n.endswith("norm.weight"):
-                v = 1.0 + torch.randn(p.shape, generator=g) * 0.2
+            elif n.endswith("norm.weight"):         # Gemma's norms multiply by 1 + w
+                v = (0.0 if family(name) == "gemma3" else 1.0) + \
+                    torch.randn(p.shape, generator=g) * 0.2
             elif n.endswith(".bias"):
                 v = torch.randn(p.shape, generator=g) * 0.1
             else:
@@ -207,7 +235,11 @@ def check_layout(name: str, model, path: Path) -> None:
     if not cfg.tie_word_embeddings:
         exp["output.weight"] = sd["lm_head.weight"]
     permutes = FAMILIES[family(name)][3]
-    names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    gemma = family(name) == "gemma3"
+    # Gemma's post-attention norm is its own tensor; the converter stores each norm as 1 + w
+    names = {"input_layernorm": "attn_norm",
+             "post_attention_layernorm": "post_attention_norm" if gemma else "ffn_norm",
+             "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm",
              "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
              **{f"self_attn.{k}": v for k, v in HF_TO_GGUF.items() if k[0] in "qkvo"},
              **{f"mlp.{k}": v for k, v in HF_TO_GGUF.items() if k[0] not in "qkvo"}}
@@ -222,6 +254,9 @@ def check_layout(name: str, model, path: Path) -> None:
         elif permutes and mod == "self_attn.k_proj":
             v = permute_rows(v, cfg.num_key_value_heads)
         exp[g] = v
+    if gemma:
+        exp = {k: (v.astype(np.float32) + np.float32(1)).astype(np.float64)     # in float32
+               if k.endswith("norm.weight") else v for k, v in exp.items()}
     extra = set(G) - set(exp)
     assert extra <= {"rope_freqs.weight"}, extra
     for k, e in exp.items():
@@ -351,7 +386,6 @@ def main() -> int:
 
     hf_tok = ref.load_hf_tokenizer(TOKENIZER)
     pad_id = hf_tok.convert_tokens_to_ids(ref.PAD_TOKEN)
-    seqs = fx.make_sequences(hf_tok, VOCAB)
     T = max(fx.SEQ_LENGTHS)
 
     with tempfile.TemporaryDirectory(prefix="llama-fixtures-") as tmp:
@@ -362,9 +396,11 @@ def main() -> int:
             out = a.out / family(name)
             out.mkdir(parents=True, exist_ok=True)
             model = build(name, torch.float32)
+            V = model.config.vocab_size
+            seqs = fx.make_sequences(hf_tok, V)
             tokens = np.full((len(seqs), T), pad_id, dtype=np.int32)
             lengths = np.array([len(s) for s in seqs], dtype=np.int32)
-            logprobs = np.zeros((len(seqs), T, VOCAB), dtype=np.float32)
+            logprobs = np.zeros((len(seqs), T, V), dtype=np.float32)
             for i, s in enumerate(seqs):
                 lp = ref.hf_logprobs(model, s)
                 assert np.array_equal(lp, ref.hf_logprobs(model, s)), f"{name}: HF not deterministic"
@@ -398,7 +434,7 @@ def main() -> int:
             if spec["lora"]:
                 res, folder = peft_gradients(name, hf_dir, seqs, pad_id, tmp)
                 np.savez_compressed(out / f"peft_{name}.npz", **res)
-                if name in ("gqa", "qwen2", "qwen3"):     # PEFT's own folder, for the reader
+                if name in ("gqa", "qwen2", "qwen3", "gemma3"):     # PEFT's own folder
                     dest = out / f"peft_{name}"
                     if dest.exists():
                         shutil.rmtree(dest)
@@ -406,7 +442,7 @@ def main() -> int:
             ent = -(np.exp(logprobs) * logprobs).sum(-1)
             real = np.concatenate([ent[i, :n] for i, n in enumerate(lengths)])
             print(f"[{name}] params={sum(p.numel() for p in model.parameters())} "
-                  f"entropy mean={real.mean():.3f} (uniform {np.log(VOCAB):.3f})")
+                  f"entropy mean={real.mean():.3f} (uniform {np.log(V):.3f})")
     return 0
 
 

@@ -1,13 +1,15 @@
-"""A float64 numpy forward of llama.cpp's ``llama``, ``qwen2`` and ``qwen3`` graphs, from a GGUF
+"""A float64 numpy forward of llama.cpp's ``llama``, ``qwen2``, ``qwen3`` and ``gemma3`` graphs, from a GGUF
 file alone.
 
 Why: an independent reference for pytrain's ``models/llama.py`` (and the Qwen2 / Qwen3 entries
 built on it) on any weight type: it reads the GGUF keys and tensors with the ``gguf`` package
 (its own dequantizers), and computes what llama.cpp's src/models/llama.cpp, qwen2.cpp and
-qwen3.cpp compute, in float64: rope with the frequency scale and ``rope_freqs.weight``
+qwen3.cpp and gemma3.cpp compute, in float64: rope with the frequency scale and ``rope_freqs.weight``
 factors, NORM (adjacent pairs) for llama and NEOX (the two halves of a head) for qwen2 and
 qwen3, Qwen3's per-head q/k RMS norms before it, grouped-query attention, SwiGLU, optional
-biases, tied or untied head.  No pytrain code is used.  scripts/make_llama_fixtures.py uses it
+biases, tied or untied head; for gemma3 the embeddings scaled by sqrt(hidden), post-norms,
+GELU-tanh, a sliding window on every layer but each 6th, with its own rope base.  No pytrain
+code is used.  scripts/make_llama_fixtures.py uses it
 for the fixtures' float64 goldens.
 """
 from __future__ import annotations
@@ -67,16 +69,28 @@ def round_activations(x: np.ndarray, vec_dot: str | None) -> np.ndarray:
     raise ValueError(vec_dot)
 
 
-def forward(W: dict[str, np.ndarray], F: dict, tokens, types: dict[str, str] | None = None
-            ) -> np.ndarray:
+def gelu_f16_table(x: np.ndarray) -> np.ndarray:
+    """ggml-cpu's GELU (GGML_GELU_FP16, ggml-cpu/vec.h): the input rounded to F16 looks up
+    ``ggml_gelu_f32`` of that F16 value, stored as F16; 0 below -10 and x above 10."""
+    h = x.astype(np.float32).astype(np.float16).astype(np.float64)
+    y = (0.5 * h * (1 + np.tanh(0.7978845608028654 * h * (1 + 0.044715 * h * h))))
+    y = y.astype(np.float32).astype(np.float16).astype(np.float64)
+    return np.where(x <= -10, 0.0, np.where(x >= 10, x, y))
+
+
+def forward(W: dict[str, np.ndarray], F: dict, tokens, types: dict[str, str] | None = None,
+            lora: dict[str, tuple] | None = None, gelu_f16: bool = False) -> np.ndarray:
     """log-probabilities [T, V] of one sequence.  ``types`` (tensor name -> the type a
     computation keeps it in): the activations of each matmul are rounded as ggml-cpu rounds
-    them for a weight of that type (``round_activations``); None: exact float64."""
+    them for a weight of that type (``round_activations``); None: exact float64.  ``lora``
+    (``blk.N.<t>.weight`` -> (A [r, in], B [out, r], scale)): adds scale·B·A·x to that
+    projection, as llama.cpp's ``--lora`` does.  ``gelu_f16``: Gemma's GELU as ggml-cpu's
+    table computes it (``gelu_f16_table``), else the exact tanh form."""
     def act(x, weight):
         return round_activations(x, VEC_DOT[types[weight]]) if types else x
 
     arch = F.get("general.architecture", "llama")
-    if arch not in ("llama", "qwen2", "qwen3"):
+    if arch not in ("llama", "qwen2", "qwen3", "gemma3"):
         raise NotImplementedError(f"architecture {arch!r}")
     key = lambda k, d=None: F.get(f"{arch}.{k}", d)
     L, E = int(key("block_count")), int(key("embedding_length"))
@@ -93,9 +107,16 @@ def forward(W: dict[str, np.ndarray], F: dict, tokens, types: dict[str, str] | N
     ff = W.get("rope_freqs.weight", np.ones(hd // 2))
     tokens = list(tokens)
     T = len(tokens)
-    theta = np.arange(T)[:, None] * scale * base ** (-2.0 * np.arange(hd // 2) / hd) / ff
+    gemma = arch == "gemma3"
+    n_swa = int(key("attention.sliding_window", 0) or 0) if gemma else 0
+    swa = [n_swa > 0 and i % 6 < 5 for i in range(L)]          # llama.cpp's gemma3 pattern
 
-    def rope(x):                                        # x [T, heads, hd]
+    def angles(base, scale):
+        return np.arange(T)[:, None] * scale * base ** (-2.0 * np.arange(hd // 2) / hd) / ff
+    theta_global = angles(base, scale)
+    theta_swa = angles(float(key("rope.freq_base_swa", 1e4)), 1.0)
+
+    def rope(x, theta):                                 # x [T, heads, hd]
         c, s = np.cos(theta)[:, None], np.sin(theta)[:, None]
         out = np.empty_like(x)
         if arch == "llama":                             # pairs (x_2i, x_2i+1)
@@ -108,32 +129,50 @@ def forward(W: dict[str, np.ndarray], F: dict, tokens, types: dict[str, str] | N
 
     def lin(x, name):
         y = act(x, name + ".weight") @ W[name + ".weight"].T
+        if lora and name + ".weight" in lora:
+            a, b, s = lora[name + ".weight"]
+            y = y + s * (x @ np.asarray(a, np.float64).T) @ np.asarray(b, np.float64).T
         return y + W[name + ".bias"] if name + ".bias" in W else y
 
     def rms(x, w):
         return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w
 
+    def act_fn(g):
+        if gemma and gelu_f16:
+            return gelu_f16_table(g)
+        if gemma:                                       # gelu_pytorch_tanh
+            return 0.5 * g * (1 + np.tanh(np.sqrt(2 / np.pi) * (g + 0.044715 * g ** 3)))
+        return g / (1 + np.exp(-g))                     # silu
+
     x = W["token_embd.weight"][tokens]
-    mask = np.triu(np.full((T, T), -np.inf), 1)
+    if gemma:
+        x = x * np.sqrt(E)
+    # 1/sqrt(head_dim), as llama.cpp (the 62-layer Gemma 3 27B: 1/sqrt(E/H))
+    att_scale = 1 / np.sqrt(E / H if gemma and L == 62 else hd)
+    causal = np.triu(np.full((T, T), -np.inf), 1)
+    rel = np.arange(T)[:, None] - np.arange(T)[None]
+    window = np.where(rel >= max(n_swa, 1), -np.inf, causal)
     for i in range(L):
         p = f"blk.{i}."
+        mask, theta = (window, theta_swa) if swa[i] else (causal, theta_global)
         h = rms(x, W[p + "attn_norm.weight"])
         q = lin(h, p + "attn_q").reshape(T, H, hd)
         k = lin(h, p + "attn_k").reshape(T, Hkv, hd)
         if p + "attn_q_norm.weight" in W:               # per head, over hd
             q, k = rms(q, W[p + "attn_q_norm.weight"]), rms(k, W[p + "attn_k_norm.weight"])
-        q, k = rope(q), rope(k)
+        q, k = rope(q, theta), rope(k, theta)
         v = lin(h, p + "attn_v").reshape(T, Hkv, hd)
         o = np.empty((T, H, hd))
         for j in range(H):
             kv = j // (H // Hkv)
-            s = q[:, j] @ k[:, kv].T / np.sqrt(hd) + mask
+            s = q[:, j] @ k[:, kv].T * att_scale + mask
             s = np.exp(s - s.max(-1, keepdims=True))
             o[:, j] = (s / s.sum(-1, keepdims=True)) @ v[:, kv]
-        x = x + lin(o.reshape(T, H * hd), p + "attn_output")
+        a = lin(o.reshape(T, H * hd), p + "attn_output")
+        x = x + (rms(a, W[p + "post_attention_norm.weight"]) if gemma else a)
         h = rms(x, W[p + "ffn_norm.weight"])
-        g = lin(h, p + "ffn_gate")
-        x = x + lin(g / (1 + np.exp(-g)) * lin(h, p + "ffn_up"), p + "ffn_down")
+        f = lin(act_fn(lin(h, p + "ffn_gate")) * lin(h, p + "ffn_up"), p + "ffn_down")
+        x = x + (rms(f, W[p + "post_ffw_norm.weight"]) if gemma else f)
     x = rms(x, W["output_norm.weight"])
     head = "output.weight" if "output.weight" in W else "token_embd.weight"
     logits = act(x, head) @ W[head].T

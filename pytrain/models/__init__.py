@@ -61,7 +61,8 @@ class ArchitectureError(PytrainError, ValueError):
     """A model of an architecture pytrain does not know."""
 
 
-_MODULES = {"llama": "pytrain.models.llama", "qwen2": "pytrain.models.qwen2",
+_MODULES = {"gemma3": "pytrain.models.gemma3", "llama": "pytrain.models.llama",
+            "qwen2": "pytrain.models.qwen2",
             "qwen3": "pytrain.models.qwen3", "qwen35": "pytrain.models.qwen35"}
 _REGISTERED: dict[str, Architecture] = {}
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pytrain.ggml import lib
+from pytrain.models.transformer import sigmoid  # noqa: F401  (qwen35 uses dn.sigmoid)
 
 # The Neumann product in _neumann_inverse squares L up to L^(C/2), whose entries grow with C
 # before they cancel: on the untied F32 fixture (T = 100) C = 64 put pytrain 1.2e-4 off the
@@ -58,11 +59,6 @@ def tile_heads(ctx, x, n_heads: int):
     rep = lib.ggml_reshape_4d(ctx, rep, d * h, T * B, n_heads // h, 1)   # backward: contiguous
     moved = lib.ggml_cont(ctx, lib.ggml_permute(ctx, rep, 0, 2, 1, 3))   # [d·h, r, N]
     return lib.ggml_reshape_4d(ctx, moved, d, n_heads, T, B)
-
-
-def sigmoid(ctx, x):
-    """sigmoid(x) = exp(-softplus(-x)): SIGMOID itself has no backward in ggml."""
-    return lib.ggml_exp(ctx, lib.ggml_neg(ctx, lib.ggml_softplus(ctx, lib.ggml_neg(ctx, x))))
 
 
 def l2_norm(ctx, x, eps: float = 1e-6):

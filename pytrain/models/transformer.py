@@ -101,6 +101,11 @@ class DecoderGraph:
         return Forward(self.head(ctx, x, inp, B, T, rows), inp, B, T)
 
 
+def sigmoid(ctx, x):
+    """sigmoid(x) = exp(-softplus(-x)): SIGMOID itself has no backward in ggml."""
+    return lib.ggml_exp(ctx, lib.ggml_neg(ctx, lib.ggml_softplus(ctx, lib.ggml_neg(ctx, x))))
+
+
 def softmax_attention(ctx, q, k, v, kq_mask, scale: float, B: int, T: int):
     """q [hd, H, T·B], k and v [hd, Hkv, Tk·B] (after rope and any q/k norm) -> [hd·H, T·B].
 
