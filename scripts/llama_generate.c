@@ -11,9 +11,10 @@
  *   llama_generate tokenize MODEL TEXTS OUT ADD_SPECIAL PARSE_SPECIAL
  *       TEXTS: texts separated by "\n__ggml_vocab_test__\n" (llama.cpp's test-vector format);
  *       OUT: one line of space-separated ids per text (llama_tokenize)
- *   llama_generate template MODEL MESSAGES OUT ADD_ASSISTANT
+ *   llama_generate template MODEL MESSAGES OUT ADD_ASSISTANT [TEMPLATE]
  *       MESSAGES: messages separated by \x1e, each "role\x1fcontent"; OUT: the text that
- *       llama_chat_apply_template makes of them with the model's tokenizer.chat_template
+ *       llama_chat_apply_template makes of them with the model's tokenizer.chat_template, or
+ *       with TEMPLATE, the name of one of llama.cpp's built-in formats (e.g. gemma)
  *   llama_generate generate MODEL ADAPTER|- PROMPTS N_MAX OUT [N_THREADS]
  *       PROMPTS: one prompt per line as comma-separated token ids; for each, greedy decoding
  *       (llama_sampler_init_greedy) until an end-of-generation token or N_MAX tokens, with
@@ -121,8 +122,9 @@ static int cmd_tokenize(int argc, char ** argv) {
 }
 
 static int cmd_template(int argc, char ** argv) {
-    if (argc != 6) {
-        fprintf(stderr, "usage: %s template MODEL MESSAGES OUT ADD_ASSISTANT\n", argv[0]);
+    if (argc != 6 && argc != 7) {
+        fprintf(stderr, "usage: %s template MODEL MESSAGES OUT ADD_ASSISTANT [TEMPLATE]\n",
+                argv[0]);
         return 1;
     }
     struct llama_model * model = load(argv[2], 1);
@@ -146,7 +148,8 @@ static int cmd_template(int argc, char ** argv) {
         msgs[n_msg].content = us + 1;
         n_msg++;
     }
-    const char * tmpl = llama_model_chat_template(model, NULL);
+    // TEMPLATE: one of llama.cpp's built-in template names (e.g. gemma) instead of the model's
+    const char * tmpl = argc == 7 ? argv[6] : llama_model_chat_template(model, NULL);
     int cap = (int) len * 2 + 4096;
     char * buf = malloc((size_t) cap);
     int n = llama_chat_apply_template(tmpl, msgs, n_msg, atoi(argv[5]), buf, cap);

@@ -402,3 +402,26 @@ def test_demo_config_data_loads():
     (b, *_) = make_batches(sp.train, cfg.train.batch_size, seed=cfg.data.shuffle_seed,
                            pad_id=pad_token_id(t))
     assert b.n_targets > 0
+
+
+def test_chat_template_from_the_config(tmp_path, tok):
+    """data.chat_template (a path relative to the config) replaces the model's template for
+    chat records, its assistant turns still the only targets; a file that is not there is
+    named with its key."""
+    jsonl(tmp_path, CHAT, name="train.jsonl")
+    (tmp_path / "turns.jinja").write_text(
+        "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}<|im_end|>\n{% endfor %}")
+    cfg_path = tmp_path / "c.toml"
+    cfg_path.write_text(f'[model]\npath = "{GGUF}"\n[data]\ntrain = "train.jsonl"\n'
+                        'chat_template = "turns.jinja"\n')
+    cfg = load_config(cfg_path)
+    assert cfg.data.chat_template == str(tmp_path / "turns.jinja")
+    (ex,) = load_data(cfg.data, tok).train
+    text = tok.decode(ex.tokens)
+    assert text.startswith("[system] Be brief.<|im_end|>\n[user] ") and "<|im_start|>" not in text
+    # the first target token is " The": BPE joins the template's space to the reply
+    assert tok.decode(ex.tokens[np.asarray(ex.train_mask, bool)]) == \
+        " " + CHAT["messages"][-1]["content"] + "<|im_end|>"
+    cfg = load_config(cfg_path, ["data.chat_template=missing.jinja"])
+    with pytest.raises(DataError, match="data.chat_template: cannot read .*missing.jinja"):
+        load_data(cfg.data, tok)

@@ -173,3 +173,43 @@ def test_padding_and_eos(model):
         ad.ctx.close()
     assert outs[0]["n_valid"] == outs[1]["n_valid"] == int((tgt >= 0).sum())
     step_rounding.assert_step_close(outs[1], outs[0], step_rounding.worst(*roundings))
+
+
+CHAT = [{"role": "system", "content": "You are a concise assistant."},
+        {"role": "user", "content": "What is the capital of France?"},
+        {"role": "assistant", "content": " Paris. "},
+        {"role": "user", "content": "And of Italy?\nAnswer in one word."}]
+
+
+def llama_template(exe, gguf_path, messages, tmp_path, name):
+    inp = tmp_path / "msgs"
+    inp.write_bytes("\x1e".join(f"{m['role']}\x1f{m['content']}" for m in messages).encode())
+    out = tmp_path / "text"
+    r = subprocess.run([str(exe), "template", str(gguf_path), str(inp), str(out), "1", name],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return out.read_text()
+
+
+@pytest.mark.parametrize("messages", [CHAT, CHAT[1:]], ids=["system", "no-system"])
+def test_chat_template_matches_llama_cpp(model, gguf_path, tmp_path, messages):
+    """This GGUF carries no chat template; pytrain's pytrain/assets/chat_templates/gemma.jinja
+    (``data.chat_template``) renders what llama.cpp's built-in ``gemma`` format renders, after
+    the BOS that llama.cpp's tokenizer adds, and tokenizes to the same ids; its assistant
+    turns end on <end_of_turn>, an end-of-generation token, so they train to stop."""
+    from llama_cpp_check import built_binary
+    from pytrain.data.chat_template import encode_chat, render
+    exe = built_binary("llama_generate")
+    if exe is None:
+        pytest.skip("llama.cpp cross-check not built: run `python scripts/build_llama_cpp.py`")
+    tok = model.tokenizer
+    assert tok.chat_template is None
+    tmpl = (ROOT / "pytrain" / "assets" / "chat_templates" / "gemma.jinja").read_text()
+    ours = render(tmpl, messages, add_generation_prompt=True, **tok.special_tokens_map())
+    theirs = llama_template(exe, gguf_path, messages, tmp_path, "gemma")
+    assert ours == "<bos>" + theirs
+    want = llama_tokenize(exe, gguf_path, [theirs], tmp_path, True)      # no BOS added there
+    assert tok.encode(ours) == [tok.bos_id] + want[0]
+    enc = encode_chat(tok, messages[:3], tmpl)
+    targets = [i for i, m in zip(enc.ids, enc.mask) if m]
+    assert tok.decode(targets) == "Paris.<end_of_turn>" and targets[-1] in tok.eog_ids

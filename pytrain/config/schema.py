@@ -94,6 +94,10 @@ class DataConfig:
     mask: str | None = _opt(None, "which tokens are targets: assistant_only, completion_only "
                             "or all (unset: follows the format: assistant_only for chat, "
                             "completion_only for completion, all for text)", choices=MASKS)
+    chat_template: str | None = _opt(None, "a Jinja chat template file for chat records (unset: "
+                                     "the model's tokenizer.chat_template); "
+                                     "pytrain/assets/chat_templates/gemma.jinja is Gemma's turn "
+                                     "format, for Gemma GGUFs that carry no template", path=True)
     shuffle_seed: int | None = _opt(None, "seed of the batch order and the validation split "
                                     "(unset: train.seed)")
     on_error: str = _opt("stop", "bad records (malformed JSON, wrong types, unknown roles): stop "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import numpy as np
@@ -279,7 +280,14 @@ class DataSplits:
 
 def load_data(cfg: "DataConfig", tokenizer: "Tokenizer", template: str | None = None
               ) -> DataSplits:
-    """Training and validation examples as ``cfg`` ([data] section) describes them."""
+    """Training and validation examples as ``cfg`` ([data] section) describes them; chat
+    records rendered with ``template``, else ``data.chat_template``'s file, else the model's."""
+    if template is None and cfg.chat_template:
+        try:
+            template = Path(cfg.chat_template).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise DataError(f"data.chat_template: cannot read {cfg.chat_template}: "
+                            f"{getattr(e, 'strerror', None) or e}") from None
     kw = dict(format=cfg.format, mask=cfg.mask, max_seq_len=cfg.max_seq_len,
               truncation=cfg.truncation, on_error=cfg.on_error, template=template)
     if cfg.train is None:
