@@ -33,8 +33,12 @@ def cuda_typed_model(path: Path) -> Model:
 
 
 @pytest.fixture(scope="module", params=["gqa-f32.gguf", "gqa-bf16.gguf", "gqa-q8_0.gguf",
-                                        "untied-f32.gguf"])
+                                        "untied-f32.gguf", "../llama/gqa-q8_0.gguf",
+                                        "../qwen2/qwen2-f16.gguf", "../qwen3/qwen3-q8_0.gguf",
+                                        "../gemma3/gemma3-f32.gguf", "../gemma3/gemma3-q8_0.gguf"])
 def model(request):
+    """Qwen3.5's fixtures, and one of each other family (Gemma 3 adds SQR, EXP, SOFTPLUS and
+    the sliding window's second mask)."""
     m = cuda_typed_model(FIX / request.param)
     yield m
     m.close()
