@@ -51,10 +51,10 @@ class Architecture:
     # auto_mapping ("base_model_class"): lets a PEFT folder say which layout it is in
     hf_classes: tuple[str, ...] = ()
     hf_parent_library: str = ""
-    # generation with a KV cache (attention-only models): (n_past, new tokens) -> the host
-    # values of ``graph.decode(ctx, cache, n_past, n, lora)``; None: generation recomputes
-    # the prefix (recurrent layers would need their state cached too)
-    decode_values: Callable[[int, np.ndarray], dict] | None = None
+    # generation with a KV cache (attention-only models): (config, n_past, new tokens) -> the
+    # host values of ``graph.decode(ctx, cache, n_past, n, lora)``; None: generation
+    # recomputes the prefix (recurrent layers would need their state cached too)
+    decode_values: Callable[[ModelConfig, int, np.ndarray], dict] | None = None
 
 
 class ArchitectureError(PytrainError, ValueError):

@@ -36,8 +36,7 @@ from pytrain import ggml
 from pytrain.ggml import lib
 from pytrain.models import Architecture, llama, llama_hf, qwen2
 from pytrain.models.llama_config import LlamaConfig, RopeParams
-from pytrain.models.transformer import (DecoderGraph, attention_input_values, sigmoid,
-                                       softmax_attention, upload_inputs)
+from pytrain.models.transformer import attention_input_values, sigmoid, upload_inputs
 
 GLOBAL_EVERY = 6                    # llama.cpp's swa pattern for gemma3 without the key
 SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
@@ -84,12 +83,8 @@ class Gemma3Config(LlamaConfig):
 
 
 @dataclasses.dataclass
-class GraphInputs:
-    tokens: object                      # I32 [T·B]
-    pos: object                         # I32 [T·B] position within its sample
-    kq_mask: object                     # F32 [T, T, 1, B] causal, same sample
-    kq_mask_swa: object                 # F32 [T, T, 1, B] and within the sliding window
-    rows: object | None = None
+class GraphInputs(llama.GraphInputs):
+    kq_mask_swa: object = None          # F32 [T, T, 1, B] the causal mask within the window
 
 
 def gelu_tanh(ctx, x):
@@ -99,22 +94,21 @@ def gelu_tanh(ctx, x):
     return lib.ggml_mul(ctx, x, sigmoid(ctx, lib.ggml_scale(ctx, inner, 2.0 * SQRT_2_OVER_PI)))
 
 
-class Gemma3Graph(DecoderGraph):
+class Gemma3Graph(llama.LlamaGraph):
+    """The Llama graph's attention (q/k norms, grouped heads, the KV cache of generation)
+    with Gemma's embedding scale, per-kind rope and mask, post-norms and GELU."""
     rope_mode = llama.ROPE_NEOX
 
-    def new_inputs(self, ctx, B: int, T: int) -> GraphInputs:
-        i32, f32 = lib.GGML_TYPE_I32, lib.GGML_TYPE_F32
-        inp = GraphInputs(tokens=lib.ggml_new_tensor_1d(ctx, i32, T * B),
-                          pos=lib.ggml_new_tensor_1d(ctx, i32, T * B),
-                          kq_mask=lib.ggml_new_tensor_4d(ctx, f32, T, T, 1, B),
-                          kq_mask_swa=lib.ggml_new_tensor_4d(ctx, f32, T, T, 1, B))
-        for t in (inp.tokens, inp.pos, inp.kq_mask, inp.kq_mask_swa):
-            lib.ggml_set_input(t)
+    def new_inputs(self, ctx, B: int, T: int, n_kv: int | None = None) -> GraphInputs:
+        inp = super().new_inputs(ctx, B, T, n_kv)
+        inp = GraphInputs(**{f.name: getattr(inp, f.name)
+                             for f in dataclasses.fields(llama.GraphInputs)})
+        inp.kq_mask_swa = lib.ggml_new_tensor_4d(ctx, lib.GGML_TYPE_F32, n_kv or T, T, 1, B)
+        lib.ggml_set_input(inp.kq_mask_swa)
         return inp
 
     def embed(self, ctx, inp):
-        x = lib.ggml_get_rows(ctx, self.w["token_embd.weight"], inp.tokens)   # [E, T·B]
-        return lib.ggml_scale(ctx, x, math.sqrt(self.c.n_embd))
+        return lib.ggml_scale(ctx, super().embed(ctx, inp), math.sqrt(self.c.n_embd))
 
     def rope(self, ctx, t, inp: GraphInputs, il: int):
         r = self.c.rope_swa if self.c.swa_layers[il] else self.c.rope
@@ -122,18 +116,12 @@ class Gemma3Graph(DecoderGraph):
                                  self.rope_mode, r.n_ctx_orig, r.base, r.freq_scale,
                                  r.ext_factor, r.attn_factor, r.beta_fast, r.beta_slow)
 
-    def attention(self, ctx, il: int, x, inp: GraphInputs, B: int, T: int, lora):
-        """x [E, T·B] -> [E, T·B]."""
-        c, p, N = self.c, f"blk.{il}.", T * B
-        hd, H, Hkv = c.head_dim, c.n_head, c.n_head_kv
-        q = lib.ggml_reshape_3d(ctx, self.mm(ctx, p + "attn_q.weight", x, lora), hd, H, N)
-        k = lib.ggml_reshape_3d(ctx, self.mm(ctx, p + "attn_k.weight", x, lora), hd, Hkv, N)
-        v = lib.ggml_reshape_3d(ctx, self.mm(ctx, p + "attn_v.weight", x, lora), hd, Hkv, N)
-        q = self.rope(ctx, self.norm(ctx, q, p + "attn_q_norm.weight"), inp, il)
-        k = self.rope(ctx, self.norm(ctx, k, p + "attn_k_norm.weight"), inp, il)
-        mask = inp.kq_mask_swa if c.swa_layers[il] else inp.kq_mask
-        o = softmax_attention(ctx, q, k, v, mask, c.attn_scale, B, T)
-        return self.mm(ctx, p + "attn_output.weight", o, lora)
+    def kq_mask(self, inp: GraphInputs, il: int):
+        return inp.kq_mask_swa if self.c.swa_layers[il] else inp.kq_mask
+
+    @property
+    def attn_scale(self) -> float:
+        return self.c.attn_scale
 
     def ffn(self, ctx, il: int, x, lora):
         p = f"blk.{il}."
@@ -141,25 +129,40 @@ class Gemma3Graph(DecoderGraph):
         up = self.mm(ctx, p + "ffn_up.weight", x, lora)
         return self.mm(ctx, p + "ffn_down.weight", lib.ggml_mul(ctx, gelu_tanh(ctx, gate), up), lora)
 
-    def layer(self, ctx, il: int, x, inp: GraphInputs, B: int, T: int, lora):
+    def layer(self, ctx, il: int, x, inp: GraphInputs, B: int, T: int, lora,
+              cache=None, n_past: int = 0, stores: list | None = None):
         p = f"blk.{il}."
-        a = self.attention(ctx, il, self.norm(ctx, x, p + "attn_norm.weight"), inp, B, T, lora)
+        a = self.attention(ctx, il, self.norm(ctx, x, p + "attn_norm.weight"), inp, B, T, lora,
+                           cache, n_past, stores)
         h = lib.ggml_add(ctx, x, self.norm(ctx, a, p + "post_attention_norm.weight"))
         f = self.ffn(ctx, il, self.norm(ctx, h, p + "ffn_norm.weight"), lora)
         return lib.ggml_add(ctx, h, self.norm(ctx, f, p + "post_ffw_norm.weight"))
 
 
+def windowed(config: Gemma3Config, mask: np.ndarray, q_pos: np.ndarray, k_pos: np.ndarray
+             ) -> np.ndarray:
+    """``mask`` [..., q, k] with every key ``n_swa`` or more positions before its query
+    hidden too (positions within the sample: q_pos [..., q], k_pos [..., k])."""
+    if not config.n_swa:
+        return mask
+    far = (q_pos[..., :, None] - k_pos[..., None, :]) >= config.n_swa
+    return np.where(far, np.float32(-np.inf), mask).astype(np.float32)
+
+
 def input_values(config: Gemma3Config, tokens: np.ndarray, seg: np.ndarray) -> dict:
-    """The Llama inputs, and the sliding layers' mask: a key is also hidden from a query
-    ``n_swa`` or more positions after it in the same sample."""
+    """The Llama inputs, and the sliding layers' mask."""
     vals = attention_input_values(tokens, seg)
-    B, T = tokens.shape
-    pos = vals["pos"].reshape(B, T)
-    mask = vals["kq_mask"]                                               # [B, 1, q, k]
-    if config.n_swa:
-        far = (pos[:, :, None] - pos[:, None, :]) >= config.n_swa         # [B, q, k]
-        mask = np.where(far[:, None], np.float32(-np.inf), mask)
-    vals["kq_mask_swa"] = np.ascontiguousarray(mask, np.float32)
+    pos = vals["pos"].reshape(tokens.shape)[:, None]                      # [B, 1, T]
+    vals["kq_mask_swa"] = windowed(config, vals["kq_mask"], pos, pos)    # [B, 1, q, k]
+    return vals
+
+
+def decode_values(config: Gemma3Config, n_past: int, tokens: np.ndarray) -> dict:
+    """``llama.decode_values`` and the window over the cached and new positions."""
+    vals = llama.decode_values(config, n_past, tokens)
+    q_pos = vals["pos"].astype(np.int64)
+    vals["kq_mask_swa"] = windowed(config, vals["kq_mask"], q_pos,
+                                   np.arange(n_past + len(tokens)))
     return vals
 
 
@@ -180,4 +183,5 @@ ARCHITECTURE = Architecture(
     hf_layer_kind_modules={False: frozenset(llama_hf.ATTENTION)},
     hf_classes=("Gemma3ForCausalLM",),
     hf_parent_library="transformers.models.gemma3.modeling_gemma3",
+    decode_values=decode_values,
 )

@@ -48,9 +48,9 @@ class LlamaGraph(DecoderGraph):
     """Builds the forward graph from loaded weights (name → ggml tensor)."""
     rope_mode = ROPE_NORM
 
-    def rope(self, ctx, t, inp: GraphInputs):
+    def rope(self, ctx, t, inp: GraphInputs, il: int):
         """Rotary embedding with the model's scaling (Llama 3's per-frequency factors come
-        from ``rope_freqs.weight``)."""
+        from ``rope_freqs.weight``); the same for every layer ``il``."""
         r = self.c.rope
         freqs = self.w.get("rope_freqs.weight", ggml.ffi.NULL)
         return lib.ggml_rope_ext(ctx, t, inp.pos, freqs, self.c.n_rot, self.rope_mode, r.n_ctx_orig,
@@ -68,7 +68,15 @@ class LlamaGraph(DecoderGraph):
         if c.qk_norm:                                   # rms over hd, per head and token
             q = self.norm(ctx, q, p + "attn_q_norm.weight")
             k = self.norm(ctx, k, p + "attn_k_norm.weight")
-        return self.rope(ctx, q, inp), self.rope(ctx, k, inp), v
+        return self.rope(ctx, q, inp, il), self.rope(ctx, k, inp, il), v
+
+    def kq_mask(self, inp: GraphInputs, il: int):
+        """The mask layer ``il`` attends with (one for every layer here)."""
+        return inp.kq_mask
+
+    @property
+    def attn_scale(self) -> float:
+        return 1.0 / float(np.sqrt(self.c.head_dim))
 
     def attention(self, ctx, il: int, x, inp: GraphInputs, B: int, T: int, lora,
                   cache=None, n_past: int = 0, stores: list | None = None):
@@ -77,8 +85,7 @@ class LlamaGraph(DecoderGraph):
         q, k, v = self.qkv(ctx, il, x, inp, T * B, lora)                  # [hd, H, T·B]
         if cache is not None:
             k, v = cache.keys_values(ctx, il, k, v, n_past, stores)       # [hd, Hkv, n_kv]
-        o = softmax_attention(ctx, q, k, v, inp.kq_mask, 1.0 / float(np.sqrt(self.c.head_dim)),
-                              B, T)
+        o = softmax_attention(ctx, q, k, v, self.kq_mask(inp, il), self.attn_scale, B, T)
         return self.mm(ctx, f"blk.{il}.attn_output.weight", o, lora)     # [E, T·B]
 
     def decode(self, ctx, cache, n_past: int, n: int, lora: LoraFn | None = None):
@@ -119,7 +126,7 @@ def padded_length(n_tokens: int) -> int:
     return n_tokens
 
 
-def decode_values(n_past: int, tokens: np.ndarray) -> dict[str, np.ndarray]:
+def decode_values(config: LlamaConfig, n_past: int, tokens: np.ndarray) -> dict[str, np.ndarray]:
     """Inputs of ``LlamaGraph.decode``: the new tokens, their positions, and a mask that lets
     new token i see every cached position and the new ones up to itself."""
     n = len(tokens)

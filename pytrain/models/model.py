@@ -120,7 +120,8 @@ class Model:
     def generate(self, prompt_tokens, max_new_tokens: int = 64, temperature: float = 0.0,
                  seed: int = 0, stop_ids=None, lora=None) -> list[int]:
         """Sample up to ``max_new_tokens`` after the prompt, stopping at an end-of-generation
-        token.  Architectures with a KV cache (``Architecture.decode_values``: Llama) compute
+        token.  Architectures with a KV cache (``Architecture.decode_values``: the Llama family
+        and Gemma 3) compute
         each new token once; the others recompute the whole prefix each step, which is fine
         for the small models and short answers of evaluation and demos."""
         rng = np.random.default_rng(seed)
@@ -163,7 +164,7 @@ class Model:
 
         def build(ctx):
             logits, inp, stores = self.graph.decode(ctx, cache, n_past, len(new), lora)
-            return logits, inp, stores, self.arch.decode_values(n_past, np.array(new)), \
+            return logits, inp, stores, self.arch.decode_values(c, n_past, np.array(new)), \
                 [len(new) - 1]
         try:
             while True:
