@@ -20,7 +20,8 @@ import pytest
 import pytrain
 import step_rounding
 from bounds import assert_same_rounding, log_softmax
-from llama_cpp_check import fetched_model, llama_template, llama_tokenize
+from llama_cpp_check import (assert_greedy_matches_llama_cpp, fetched_model, llama_template,
+                             llama_tokenize)
 from pytrain.models import lora
 from pytrain.models.lora_targets import select_targets
 from pytrain.train import loss as L
@@ -187,3 +188,23 @@ def test_chat_template_matches_llama_cpp(model, gguf_path, tmp_path, messages):
     enc = encode_chat(tok, messages[:3], tmpl)
     targets = [i for i, m in zip(enc.ids, enc.mask) if m]
     assert tok.decode(targets) == "Paris.<end_of_turn>" and targets[-1] in tok.eog_ids
+
+
+def test_greedy_generation_matches_llama_cpp(model, gguf_path, tmp_path):
+    """Generation with the KV cache (the sliding layers' window moving over the cache) against
+    llama.cpp's greedy decoding of the same chat prompts, as for SmolLM2."""
+    from llama_cpp_check import built_binary
+    exe = built_binary("llama_generate")
+    if exe is None:
+        pytest.skip("llama.cpp cross-check not built: run `python scripts/build_llama_cpp.py`")
+    tmpl = (ROOT / "pytrain" / "assets" / "chat_templates" / "gemma.jinja").read_text()
+    from pytrain.data.chat_template import render
+    tok = model.tokenizer
+    prompts = [tok.encode(render(tmpl, msgs, add_generation_prompt=True,
+                                 **tok.special_tokens_map()))
+               for msgs in (CHAT, CHAT[1:2], [{"role": "user", "content": TEXT}])]
+    m32 = pytrain.load_model(gguf_path, device="cpu", threads=2, type_policy="f32")
+    try:
+        assert_greedy_matches_llama_cpp(model, m32, exe, gguf_path, prompts, tmp_path)
+    finally:
+        m32.close()

@@ -17,13 +17,13 @@ Bounds (tests/bounds.py derives each kind):
   kept against pytrain F32 (``bounds.kept_noise_bounds``): KL and argmax flips within what
   that noise allows, never a fixed number.
 """
-import subprocess
 
 import numpy as np
 import pytest
 
 import pytrain
-from llama_cpp_check import fetched_model, llama_template, llama_tokenize
+from llama_cpp_check import (assert_greedy_matches_llama_cpp, fetched_model, llama_template,
+                             llama_tokenize)
 from pytrain.data.chat_template import encode_chat, render
 
 CHAT = [{"role": "system", "content": "You are a concise assistant."},
@@ -267,32 +267,9 @@ def test_padding_comparison_catches_a_leak_of_1e_3(model_f32, weights64):
 
 
 def test_greedy_generation_matches_llama_cpp(model, model_f32, generate_exe, gguf_path, tmp_path):
-    """Greedy decoding with the KV cache is llama.cpp's own incremental decoding, so the tokens
-    are equal; where they part, the next token must be one the kept type's rounding can
-    flip: pytrain's top-two gap within 4x its own noise at that token (as in
-    ``bounds.assert_same_rounding``)."""
-    from bounds import kept_noise
-    prompts = [chat_ids(model), chat_ids(model, CHAT[1:2])]
-    inp = tmp_path / "prompts"
-    inp.write_text("\n".join(",".join(map(str, p)) for p in prompts) + "\n")
-    out = tmp_path / "gen"
-    r = subprocess.run([str(generate_exe), "generate", str(gguf_path), "-", str(inp), "24",
-                        str(out), "2"], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
-    theirs = [[int(x) for x in line.split(",")] for line in out.read_text().split("\n")[:2]]
-    assert len(theirs) == len(prompts) and all(theirs)
-    for p, t in zip(prompts, theirs):
-        ours = model.generate(p, 24)
-        want = [x for x in t if x not in model.tokenizer.eog_ids]
-        if ours != want:       # allowed only where the next token is a near tie for pytrain
-            k = next(i for i, (a, b) in enumerate(zip(ours + [-1], want + [-1])) if a != b)
-            prefix = np.array(p + ours[:k])
-            last = log_softmax(model.logits(prefix, last_only=True)).reshape(1, -1)
-            f32 = log_softmax(model_f32.logits(prefix, last_only=True)).reshape(1, -1)
-            gap = np.diff(np.sort(last[0])[-2:])[0]
-            noise = kept_noise(last, f32)["max"][0]
-            assert gap <= 4 * noise, (k, gap, noise, model.tokenizer.decode(ours),
-                                      model.tokenizer.decode(want))
+    """``llama_cpp_check.assert_greedy_matches_llama_cpp`` says what is allowed to differ."""
+    assert_greedy_matches_llama_cpp(model, model_f32, generate_exe, gguf_path,
+                                    [chat_ids(model), chat_ids(model, CHAT[1:2])], tmp_path)
 
 
 def test_pytrain_train_on_the_real_model(gguf_path, tmp_path, model):
