@@ -148,3 +148,24 @@ def assert_greedy_matches_llama_cpp(model, model_f32, exe, gguf_path, prompts, t
             noise = kept_noise(last, f32)["max"][0]
             assert gap <= 4 * noise, (k, gap, noise, model.tokenizer.decode(ours),
                                       model.tokenizer.decode(want))
+
+
+def assert_tokenizer_matches_llama_cpp(tokenizer, exe, gguf_path, vocab_tests, extra, tmp_path
+                                       ) -> int:
+    """pytrain's tokenizer against llama.cpp's on the inputs of llama.cpp's own tokenizer test
+    vectors ``models/ggml-vocab-<name>.gguf.inp`` for each name of ``vocab_tests``, and
+    ``extra`` texts, with and without special-token parsing; returns the number of texts."""
+    import build as native_build      # native/build.py (conftest puts native/ on sys.path)
+    d = native_build.llama_cpp_dir() / "models"
+    texts = []
+    for name in vocab_tests:
+        texts += (d / f"ggml-vocab-{name}.gguf.inp").read_bytes().decode() \
+            .split("\n__ggml_vocab_test__\n")
+    texts = [t for t in dict.fromkeys(texts) if t] + list(extra)
+    for special in (False, True):
+        theirs = llama_tokenize(exe, gguf_path, texts, tmp_path, special)
+        assert len(theirs) == len(texts)
+        bad = [(t, w, g) for t, w in zip(texts, theirs)
+               if (g := tokenizer.encode(t, parse_special=special)) != w]
+        assert not bad, bad[:3]
+    return len(texts)

@@ -68,26 +68,15 @@ def test_tokenizer_matches_llama_cpp(model, gguf_path, tmp_path):
     """llama.cpp's own tokenizer test texts (the SentencePiece, Gemma 4, Qwen and StarCoder
     vectors' inputs: whitespace runs, digits, accents, CJK, emoji, code, characters only
     byte fallback can spell) and Gemma's turn markers, with and without special tokens."""
-    import build as native_build
-    from llama_cpp_check import built_binary
+    from llama_cpp_check import assert_tokenizer_matches_llama_cpp, built_binary
     exe = built_binary("llama_generate")
     if exe is None:
         pytest.skip("llama.cpp cross-check not built: run `python scripts/build_llama_cpp.py`")
-    d = native_build.llama_cpp_dir() / "models"
-    texts = []
-    for name in ("llama-spm", "gemma-4", "qwen35", "starcoder"):
-        texts += (d / f"ggml-vocab-{name}.gguf.inp").read_bytes().decode() \
-            .split("\n__ggml_vocab_test__\n")
-    texts = [t for t in dict.fromkeys(texts) if t] + [
+    n = assert_tokenizer_matches_llama_cpp(model.tokenizer, exe, gguf_path, (
+        "llama-spm", "gemma-4", "qwen35", "starcoder"), [
         "<start_of_turn>user\nWhat is 12+7?<end_of_turn>\n<start_of_turn>model\n19<end_of_turn>\n",
-        "a<bos>b<eos>[multimodal]\t\t\n\n\n   x \u0000 \U0010ffff"]
-    for special in (False, True):
-        theirs = llama_tokenize(exe, gguf_path, texts, tmp_path, special)
-        assert len(theirs) == len(texts)
-        bad = [(t, w, g) for t, w in zip(texts, theirs)
-               if (g := model.tokenizer.encode(t, parse_special=special)) != w]
-        assert not bad, bad[:3]
-    assert len(texts) > 45
+        "a<bos>b<eos>[multimodal]\t\t\n\n\n   x \u0000 \U0010ffff"], tmp_path)
+    assert n > 45
 
 
 def test_logits_match_llama_cpp(model, gguf_path, llama_logits_exe, tmp_path):

@@ -22,8 +22,7 @@ import numpy as np
 import pytest
 
 import pytrain
-from llama_cpp_check import (assert_greedy_matches_llama_cpp, fetched_model, llama_template,
-                             llama_tokenize)
+from llama_cpp_check import assert_greedy_matches_llama_cpp, fetched_model, llama_template
 from pytrain.data.chat_template import encode_chat, render
 
 CHAT = [{"role": "system", "content": "You are a concise assistant."},
@@ -124,22 +123,12 @@ def test_logits_match_llama_cpp(model, model_f32, llama_logits_exe, tmp_path, gg
 def test_tokenizer_matches_llama_cpp(model, generate_exe, gguf_path, tmp_path):
     """llama.cpp's own test texts (the qwen35 and starcoder vectors' inputs: whitespace runs,
     digits, accents, CJK, emoji, code) and rendered chats, with and without special tokens."""
-    import build as native_build
-    d = native_build.llama_cpp_dir() / "models"
-    texts = []
-    for name in ("qwen35", "starcoder"):
-        raw = (d / f"ggml-vocab-{name}.gguf.inp").read_bytes().decode()
-        texts += raw.split("\n__ggml_vocab_test__\n")
-    texts = [t for t in dict.fromkeys(texts) if t] + [
+    from llama_cpp_check import assert_tokenizer_matches_llama_cpp
+    n = assert_tokenizer_matches_llama_cpp(model.tokenizer, generate_exe, gguf_path, (
+        "qwen35", "starcoder"), [
         render(model.tokenizer.chat_template, CHAT, add_generation_prompt=True),
-        "<|im_start|>user\n2024-03-05 is 10 days after 2024-02-24<|im_end|>\n"]
-    for special in (False, True):
-        theirs = llama_tokenize(generate_exe, gguf_path, texts, tmp_path, special)
-        assert len(theirs) == len(texts)
-        bad = [(t, w, g) for t, w in zip(texts, theirs)
-               if (g := model.tokenizer.encode(t, parse_special=special)) != w]
-        assert not bad, bad[:3]
-    assert len(texts) > 45
+        "<|im_start|>user\n2024-03-05 is 10 days after 2024-02-24<|im_end|>\n"], tmp_path)
+    assert n > 45
 
 
 def test_chat_template_matches_llama_cpp(model, generate_exe, gguf_path, tmp_path):
