@@ -149,3 +149,24 @@ def test_an_adapter_with_a_rank_per_pair_runs_in_eval_and_generate(tmp_path, cap
     capsys.readouterr()
     assert main(["eval", str(tmp_path / "c.toml"), "--adapter", str(adapter)]) == 0
     assert "loss" in capsys.readouterr().out
+
+
+def test_chat_template_from_a_file(tmp_path, capsys):
+    """--chat-template FILE renders the prompt instead of the GGUF's template: the GGUF's own
+    template in a file gives the same text, a file that raises stops with its message, and a
+    GGUF without a template says to pass one."""
+    from gguf_factory import with_keys
+    from pytrain.formats.gguf_meta import read_metadata
+    own = tmp_path / "own.jinja"
+    own.write_text(read_metadata(MODEL)["tokenizer.chat_template"])
+    want = generate(capsys, "--prompt", PROMPT, "--max-new-tokens", "12")
+    assert generate(capsys, "--prompt", PROMPT, "--max-new-tokens", "12",
+                    "--chat-template", str(own)) == want
+    raising = tmp_path / "raising.jinja"
+    raising.write_text("{{ raise_exception('rendered by the file') }}")
+    assert main(["generate", str(MODEL), *COMMON, "--prompt", PROMPT,
+                 "--chat-template", str(raising)]) != 0
+    assert "rendered by the file" in capsys.readouterr().err
+    bare = with_keys(MODEL, tmp_path / "no-template.gguf", {"tokenizer.chat_template": ""})
+    assert main(["generate", str(bare), *COMMON, "--prompt", PROMPT]) != 0
+    assert "has no chat template: pass --chat-template FILE" in capsys.readouterr().err

@@ -97,7 +97,7 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from pytrain.data.chat_template import render
+    from pytrain.data.chat_template import ChatTemplateError, render
     from pytrain.models.model import load_model
     model = load_model(args.model, args.device, args.threads)
     tok = model.tokenizer
@@ -105,9 +105,17 @@ def _generate(args: argparse.Namespace) -> int:
     if args.raw:
         ids = tok.encode(args.prompt, add_special=True)
     else:
+        template = tok.chat_template
+        if args.chat_template:
+            from pathlib import Path
+            template = Path(args.chat_template).read_text(encoding="utf-8")
+        elif not template:
+            raise ChatTemplateError(f"{args.model} has no chat template: pass --chat-template "
+                                    f"FILE (pytrain/assets/chat_templates/gemma.jinja for "
+                                    f"Gemma) or --raw")
         msgs = ([{"role": "system", "content": args.system}] if args.system else []) + \
             [{"role": "user", "content": args.prompt}]
-        text = render(tok.chat_template, msgs, add_generation_prompt=True,
+        text = render(template, msgs, add_generation_prompt=True,
                       enable_thinking=False, **tok.special_tokens_map())
         ids = tok.encode(text)
     out = model.generate(ids, args.max_new_tokens, args.temperature, args.seed,
@@ -170,6 +178,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", required=True, help="user message (or raw text with --raw)")
     p.add_argument("--system", help="system message")
     p.add_argument("--raw", action="store_true", help="no chat template")
+    p.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template instead of "
+                   "the model's (needed where the GGUF has none, e.g. "
+                   "pytrain/assets/chat_templates/gemma.jinja for Gemma)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
