@@ -3,7 +3,7 @@ on CPU, plus the cost of the masked loss's label work at Qwen3.5's real vocabula
 
 Why: pytrain's training step should cost no more than the reference stack's on the same model,
 the same batch and the same thread count; and the masked loss's per-micro-batch label work
-(``pytrain/loss.py: MaskedCE.prepare`` = ``set_targets``, an O(N) upload; ``build_labels``, the
+(``pytrain/train/loss.py: MaskedCE.prepare`` = ``set_targets``, an O(N) upload; ``build_labels``, the
 one-hot [V, N] label tensor filled on the backend; ``check_labels`` with its safety read, ONE
 strided read of the label tensor's pad-token column, ``read_column``) must stay a negligible
 share of a step.  A benchmark, not a test: nothing is asserted about speed.  Writes a markdown
@@ -27,7 +27,7 @@ Models (``--models``, comma-separated, default ``default,mid,mid-v248k``; the co
                was far slower, see bench_results/train.md's notes).  Batch 1 x 512 (``TRAIN``), at most
                1 warm-up and 3 clean timed steps; pytrain's Trainer picks its layer-wise recompute
                there on a 24 GiB machine (``--recompute``, default auto: the one-graph compute buffer
-               would exceed 1/8 of RAM), HF keeps every activation.  Peak RSS ~13 GB on the HF side.
+               would exceed half of the memory left after the weights), HF keeps every activation.  Peak RSS ~13 GB on the HF side.
 
 The training step, the same on both sides: batch 2 x 256 random token ids over the whole
 vocabulary, every token real (no padding), the first half of each row a "prompt" whose labels
@@ -1326,7 +1326,7 @@ def main() -> int:
                     help="dtype HF + PEFT loads and trains the base model in (LoRA weights stay float32)")
     ap.add_argument("--recompute", default="auto", choices=["auto", "off", "layers"],
                     help="pytrain Trainer(recompute=...): auto = layer-wise when the one-graph compute buffer "
-                         "would exceed 1/8 of RAM (the 2B shape on this machine)")
+                         "would exceed half of the memory left after the weights")
     ap.add_argument("--steps", type=int, default=5, help="clean timed steps wanted per side")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "pytrain" / "bench")

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Render Qwen3.5's chat template through transformers itself and save the texts as goldens.
 
-pytrain re-implements transformers' chat-template rendering (pytrain/chat_template.py) so that
+pytrain re-implements transformers' chat-template rendering (pytrain/data/chat_template.py) so that
 training needs neither transformers nor torch; these goldens are what keeps the two identical.
 Run it in a throwaway environment, not the project's:
 

@@ -27,7 +27,7 @@ EOT = ["<|im_end|>"]
 TOOL_CALL = ('<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n'
              '<parameter=days>\n2\n</parameter>\n<parameter=opts>\n{"unit": "°C", "list": [1, 2]}\n'
              '</parameter>\n</function>\n</tool_call>')
-# What each case must train, written out by hand (see pytrain/chat_template.py for the rule):
+# What each case must train, written out by hand (see pytrain/data/chat_template.py for the rule):
 # reasoning (after the "<think>\n" the generation prompt already holds) + content + <|im_end|>.
 TARGETS = {
     "single_turn": ["I am a helpful assistant.<|im_end|>"],
