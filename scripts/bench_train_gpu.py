@@ -393,8 +393,8 @@ def run(a) -> dict:
     if bad:
         raise SystemExit(f"--types: {', '.join(bad)} not among {', '.join(TYPES)}")
     work = plan(a, types)
-    types = sorted({t for t, _ in work if t != "hf"} | (set() if a.plan else set(types)),
-                   key=TYPES.index)
+    if a.plan:                        # the models the plan's workers need, no others
+        types = sorted({t for t, _ in work if t != "hf"}, key=TYPES.index)
     t0 = time.time()
     mod = make_models(a.shape, a.cache, types, a.ref_python, a.python)
     j = dict(kind="train-gpu", device=a.device, shape=a.shape, desc=mod["desc"],

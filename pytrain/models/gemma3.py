@@ -65,10 +65,10 @@ class Gemma3Config(LlamaConfig):
         swa = tuple(n_swa > 0 and il % GLOBAL_EVERY < GLOBAL_EVERY - 1
                     for il in range(base.n_layer))
         scale_dim = base.n_embd / base.n_head if base.n_layer == 62 else base.head_dim
-        return cls(**{f.name: getattr(base, f.name) for f in dataclasses.fields(LlamaConfig)},
-                   n_swa=n_swa, swa_layers=swa,
-                   rope_swa=RopeParams(base=float(key("rope.freq_base_swa", 10000.0))),
-                   attn_scale=1.0 / math.sqrt(scale_dim))
+        return dataclasses.replace(          # base is a Gemma3Config: from_metadata builds cls
+            base, n_swa=n_swa, swa_layers=swa,
+            rope_swa=RopeParams(base=float(key("rope.freq_base_swa", 10000.0))),
+            attn_scale=1.0 / math.sqrt(scale_dim))
 
     @property
     def layer_kinds(self) -> list[str]:
@@ -99,10 +99,10 @@ class Gemma3Graph(llama.LlamaGraph):
     with Gemma's embedding scale, per-kind rope and mask, post-norms and GELU."""
     rope_mode = llama.ROPE_NEOX
 
+    inputs_class = GraphInputs
+
     def new_inputs(self, ctx, B: int, T: int, n_kv: int | None = None) -> GraphInputs:
         inp = super().new_inputs(ctx, B, T, n_kv)
-        inp = GraphInputs(**{f.name: getattr(inp, f.name)
-                             for f in dataclasses.fields(llama.GraphInputs)})
         inp.kq_mask_swa = lib.ggml_new_tensor_4d(ctx, lib.GGML_TYPE_F32, n_kv or T, T, 1, B)
         lib.ggml_set_input(inp.kq_mask_swa)
         return inp
@@ -123,11 +123,8 @@ class Gemma3Graph(llama.LlamaGraph):
     def attn_scale(self) -> float:
         return self.c.attn_scale
 
-    def ffn(self, ctx, il: int, x, lora):
-        p = f"blk.{il}."
-        gate = self.mm(ctx, p + "ffn_gate.weight", x, lora)
-        up = self.mm(ctx, p + "ffn_up.weight", x, lora)
-        return self.mm(ctx, p + "ffn_down.weight", lib.ggml_mul(ctx, gelu_tanh(ctx, gate), up), lora)
+    def activation(self, ctx, gate):
+        return gelu_tanh(ctx, gate)
 
     def layer(self, ctx, il: int, x, inp: GraphInputs, B: int, T: int, lora,
               cache=None, n_past: int = 0, stores: list | None = None):

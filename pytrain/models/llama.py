@@ -47,6 +47,7 @@ class GraphInputs:
 class LlamaGraph(DecoderGraph):
     """Builds the forward graph from loaded weights (name → ggml tensor)."""
     rope_mode = ROPE_NORM
+    inputs_class = GraphInputs          # a subclass adds its own inputs (Gemma's second mask)
 
     def rope(self, ctx, t, inp: GraphInputs, il: int):
         """Rotary embedding with the model's scaling (Llama 3's per-frequency factors come
@@ -101,7 +102,7 @@ class LlamaGraph(DecoderGraph):
     def new_inputs(self, ctx, B: int, T: int, n_kv: int | None = None) -> GraphInputs:
         """The inputs of a [B, T] graph; with a KV cache, T new tokens see n_kv keys."""
         i32, f32 = lib.GGML_TYPE_I32, lib.GGML_TYPE_F32
-        inp = GraphInputs(
+        inp = self.inputs_class(
             tokens=lib.ggml_new_tensor_1d(ctx, i32, T * B),
             pos=lib.ggml_new_tensor_1d(ctx, i32, T * B),
             kq_mask=lib.ggml_new_tensor_4d(ctx, f32, n_kv or T, T, 1, B),

@@ -62,11 +62,16 @@ class DecoderGraph:
     def norm(self, ctx, x, weight: str):
         return lib.ggml_mul(ctx, lib.ggml_rms_norm(ctx, x, self.c.rms_eps), self.w[weight])
 
+    def activation(self, ctx, gate):
+        """The gated FFN's activation: SiLU (SwiGLU); Gemma's GELU overrides it."""
+        return lib.ggml_silu(ctx, gate)
+
     def ffn(self, ctx, il: int, x, lora):
         p = f"blk.{il}."
         gate = self.mm(ctx, p + "ffn_gate.weight", x, lora)
         up = self.mm(ctx, p + "ffn_up.weight", x, lora)
-        return self.mm(ctx, p + "ffn_down.weight", lib.ggml_mul(ctx, lib.ggml_silu(ctx, gate), up), lora)
+        return self.mm(ctx, p + "ffn_down.weight", lib.ggml_mul(ctx, self.activation(ctx, gate), up),
+                       lora)
 
     # -- the whole model -------------------------------------------------------------
     def embed(self, ctx, inp):

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
+from pytrain import ggml
 from pytrain.errors import PytrainError
 from pytrain.formats import atomic
 from pytrain.train import checkpoint as ckpt
@@ -138,7 +139,6 @@ class Interrupt:
     def __enter__(self) -> "Interrupt":
         import os
         import threading
-        from pytrain import ggml
         for sig in (signal.SIGINT, signal.SIGTERM):
             self.old[sig] = signal.signal(sig, self.handle)
         r, w = os.pipe()
@@ -170,7 +170,6 @@ class Interrupt:
 
     def restore(self) -> None:
         import os
-        from pytrain import ggml
         for sig, h in self.old.items():
             signal.signal(sig, h)
         self.old = {}
@@ -269,7 +268,6 @@ MICRO_BATCHES = "micro-batches per step (train.grad_accum x ranks)"
 def runtime_summary(model: Model) -> str:
     """One line saying what the run computes on, for the log and for bug reports: the device,
     the ggml-cpu variant (which instruction sets its kernels use), threads, BLAS."""
-    from pytrain import ggml
     rt, v = model.runtime, ggml.CPU_VARIANT
     return (f"device {rt.device}: ggml-cpu variant {v.name} ({v.chosen_by}), {rt.threads} "
             f"threads{', BLAS backend' if rt.blas is not None else ''}")
@@ -280,8 +278,7 @@ def open_session(cfg: Config, out: Path, log: Callable[[str], None],
     w = world or World()
     threads = cfg.model.threads
     if threads is None and w.local_size > 1:      # the CPUs of this host, shared by its ranks
-        from pytrain.ggml import default_threads
-        threads = max(1, default_threads() // w.local_size)
+        threads = max(1, ggml.default_threads() // w.local_size)
     model = load_model(cfg.model.path, cfg.model.device, threads, cfg.model.type_policy,
                        device_index=w.local_rank)
     try:
@@ -481,8 +478,8 @@ class Loop:
             if w.any(interrupt.requested is not None):      # every rank stops after this step
                 where = self.checkpoint() if self.saved_step != self.step else \
                     self.ckpt_dir / f"step-{self.step:07d}"
-                raise Interrupted(f"interrupted by {interrupt.requested or 'a signal to another rank'} "
-                                  f"after step {self.step}; "
+                by = interrupt.requested or "a signal to another rank"
+                raise Interrupted(f"interrupted by {by} after step {self.step}; "
                                   f"checkpoint {where} (resume with --resume)")
 
     def close(self) -> None:
@@ -539,7 +536,6 @@ def train(cfg: Config, progress: bool = True, log=print, resume: str | bool | No
 
 def _run_facts(s: Session) -> dict[str, str]:
     """What every rank of a run must agree on: config, training data, base model, build."""
-    from pytrain import ggml
     info = ggml.build_info()
     return {"config": hashlib.sha256(s.cfg.to_toml().encode()).hexdigest()[:16],
             "training data": s.resume_key()["training examples"][:16],

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pytrain.train import loss as loss_mod
+from pytrain.train.distributed import World
 from pytrain.train.graphs import EvalGraph, GradGraph
 from pytrain.models.lora import LoraAdapter
 from pytrain.models.model import Model
@@ -48,7 +49,6 @@ class Trainer:
         (``train.memory_gib``); None: what the device has free (pytrain.train.memory).
         ``world``: the data-parallel ranks a step is shared by (pytrain.train.distributed;
         None: this process alone)."""
-        from pytrain.train.distributed import World
         self.world = world or World()
         self.model, self.adapter, self.hp = model, adapter, hp
         self.buggy = buggy_loss
@@ -134,7 +134,8 @@ class Trainer:
         t_comm = 0.0
         if w.size > 1:
             t1 = time.perf_counter()
-            total, tokens = w.sum(total), w.sum(tokens)
+            sums = w.allreduce_sum(np.array([total, tokens], np.float64))     # one message
+            total, tokens = float(sums[0]), int(sums[1])
             self.acc.allreduce_grads(w)    # before the NaN check, the norm and AdamW
             t_comm = time.perf_counter() - t1
         if not math.isfinite(total):
