@@ -163,7 +163,10 @@ def main(argv: list[str] | None = None) -> int:
                             capture_output=True, text=True).stdout.strip() or "?"
     dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
                            capture_output=True, text=True).stdout.strip()
-    cmd = "python scripts/test_cpu_matrix.py" + (f" --out {a.out}" if a.out else "")
+    cmd = "python scripts/test_cpu_matrix.py" + "".join(
+        f" --{k} {v}" for k, v, d in (("variants", a.variants, "best,haswell,native"),
+                                      ("blas", a.blas, "1,0"), ("threads", a.threads, "2,1"))
+        if v != d) + (f" --out {a.out}" if a.out else "")
     text = markdown(cells, cpu_description(), commit + (" (with uncommitted changes)" if dirty
                                                         else ""), cmd)
     if a.out:
