@@ -6,7 +6,7 @@ llama.cpp's portable releases do); a ``-march=native`` build (``PYTRAIN_GGML_NAT
 kept only if it is measurably faster.  This measures that, and what the portable AVX2 level
 costs on an AVX-512 machine, on the project's CPU benchmark shape ("mid": hidden 512, 8
 layers with attention at 3 and 7, 8/2 heads x 64, FFN 1536, DeltaNet 4/4 heads x 64, vocabulary
-151936, tied; random weights written by tests/gguf_factory.py), batch 2 x 256 with half of
+151936, tied; random weights written by scripts/gguf_models.py), batch 2 x 256 with half of
 each row's labels masked, LoRA r 16 on the attention q/k/v/o.
 
 Each (weights, BLAS) setting is timed under every variant by ``scripts/bench_train.py``'s own
@@ -55,7 +55,7 @@ def _values(name: str, shape: tuple, rng):
 
 
 def mid_model(dtype: str) -> Path:
-    from gguf_factory import write_qwen35
+    from scripts.gguf_models import write_qwen35
     out = native_build.load().cache_dir() / "bench" / f"mid-random-{dtype}.gguf"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)

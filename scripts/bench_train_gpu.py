@@ -15,7 +15,7 @@ scripts/bench_forward.py's spec), random weights made once by the reference stac
 (scripts/qwen35_reference.py) and stored as a bfloat16 HF checkpoint; from it the pinned
 ``convert_hf_to_gguf.py`` writes the BF16, F16 and Q8_0 GGUFs (three converters in parallel),
 and ggml's own Q4_K quantizer re-encodes every tensor the converter's Q8_0 file quantizes
-(``tests/gguf_factory.quantized_copy``: the converter writes no K-quant; this is what
+(``scripts/gguf_models.quantized_copy``: the converter writes no K-quant; this is what
 llama-quantize does with a pure type).  ``--shape mid`` is the CPU benchmark's small shape: a
 dry run of this script on a machine without a GPU (``--device cpu``).
 
@@ -152,7 +152,7 @@ def make_q4k(d: Path) -> None:
     """Q4_K from the F16 GGUF, on the tensors the converter's Q8_0 file quantizes."""
     sys.path.insert(0, str(REPO / "tests"))
     sys.path.insert(0, str(REPO))
-    from gguf_factory import quantized_copy
+    from scripts.gguf_models import quantized_copy
     tmp = d / "model-q4_k.part"
     quantized_copy(d / "model-f16.gguf", d / "model-q8_0.gguf", tmp, "q4_K",
                    workers=os.cpu_count() or 1)

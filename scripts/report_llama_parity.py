@@ -93,7 +93,7 @@ def peft_section(res: dict) -> list[str]:
 
 def types_section(res: dict, exe) -> list[str]:
     from llama_cpp_check import run_llama
-    from gguf_factory import write_llama
+    from scripts.gguf_models import write_llama
     from llama_ref import forward_gguf
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

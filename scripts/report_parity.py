@@ -81,7 +81,7 @@ INPUTS = ["pytrain", "native", "tests/fixtures/qwen35", "scripts/report_parity.p
           "scripts/bench_forward.py", "scripts/build_llama_cpp.py", "scripts/llama_logits.c"] + [
     f"tests/{f}" for f in ("test_qwen35_parity.py", "test_delta_net.py", "test_peft_parity.py",
                            "test_llama_cpp_adapter.py", "delta_ref.py", "graph_harness.py",
-                           "llama_cpp_check.py", "gguf_factory.py")]
+                           "llama_cpp_check.py")] + ["scripts/gguf_models.py"]
 
 
 def params_of(test_fn, argnames: str | None = None):
@@ -317,7 +317,7 @@ def llama_section(log) -> dict:
         return dict(run=False, reason="scripts/llama_logits not built "
                                       "(python scripts/build_llama_cpp.py)")
     import test_llama_cpp_adapter as TL
-    from gguf_factory import quantized_copy
+    from scripts.gguf_models import quantized_copy
     from pytrain.models import lora
     from pytrain.formats.adapter_gguf import check_adapter_matches, write_lora_gguf
     from pytrain.models.lora_targets import select_targets

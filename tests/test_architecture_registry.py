@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from gguf_factory import renamed_arch_copy
+from scripts.gguf_models import renamed_arch_copy
 
 from pytrain import models
 from pytrain.formats.adapter_gguf import read_lora_gguf

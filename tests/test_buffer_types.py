@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from gguf_factory import quantized_copy
+from scripts.gguf_models import quantized_copy
 
 import pytrain
 from pytrain import ggml

@@ -146,7 +146,7 @@ def test_config_from_the_converter_keys():
 
 
 def test_qwen_yarn_is_refused_by_name(tmp_path):
-    from gguf_factory import with_keys
+    from scripts.gguf_models import with_keys
     from pytrain.formats.model_file import open_model
     path = with_keys(FIXTURES / "qwen2" / "qwen2-f32.gguf", tmp_path / "yarn.gguf",
                      {"qwen2.rope.scaling.type": "yarn", "qwen2.rope.scaling.factor": 4.0})
@@ -211,7 +211,7 @@ def test_gemma3_packed_rows_equal_rows_alone():
     ({"gemma3.attention.sliding_window_pattern": 4}, "sliding_window_pattern"),
 ])
 def test_gemma3_what_pytrain_does_not_run_is_refused_by_name(tmp_path, keys, match):
-    from gguf_factory import with_keys
+    from scripts.gguf_models import with_keys
     from pytrain.formats.model_file import open_model
     path = with_keys(FIXTURES / "gemma3" / "gemma3-f32.gguf", tmp_path / "x.gguf", keys)
     with pytest.raises(ValueError, match=match):

@@ -155,7 +155,7 @@ def test_chat_template_from_a_file(tmp_path, capsys):
     """--chat-template FILE renders the prompt instead of the GGUF's template: the GGUF's own
     template in a file gives the same text, a file that raises stops with its message, and a
     GGUF without a template says to pass one."""
-    from gguf_factory import with_keys
+    from scripts.gguf_models import with_keys
     from pytrain.formats.gguf_meta import read_metadata
     own = tmp_path / "own.jinja"
     own.write_text(read_metadata(MODEL)["tokenizer.chat_template"])

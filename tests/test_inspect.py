@@ -1,6 +1,6 @@
 """`pytrain inspect`: the text a user reads before training on a file."""
 
-from gguf_factory import write_qwen35
+from scripts.gguf_models import write_qwen35
 from pytrain.cli import main
 
 

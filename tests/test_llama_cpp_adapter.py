@@ -117,7 +117,7 @@ def test_llama_cpp_keeps_weights_out_of_extra_buffer_types(llama_logits_exe, tmp
     buffer, into a type pytrain's own ggml lists for this CPU); the second that with the
     fix llama.cpp and pytrain compute the same Q4_0 logits, with and without an adapter, to
     within Q4_0's own rounding noise (``bounds.assert_same_rounding``)."""
-    from gguf_factory import quantized_copy
+    from scripts.gguf_models import quantized_copy
     from llama_cpp_check import PLAIN_CPU_BUFFERS, weight_buffers
     from pytrain import ggml
 
@@ -175,7 +175,7 @@ def test_kept_weight_types_match_llama_cpp(llama_logits_exe, tmp_path, fixture):
     exactly representable), within the kept type's own noise on the same tokens
     (``bounds.assert_same_rounding``: pytrain kept against pytrain with the weights as F32)."""
     from bounds import assert_same_rounding, log_softmax
-    from gguf_factory import retyped_copy
+    from scripts.gguf_models import retyped_copy
     from llama_cpp_check import run_llama
     path = llama_cpp_compatible(FIX / fixture, tmp_path)
     theirs_path = (retyped_copy(path, tmp_path / "as-f16.gguf", "bf16", "f16")

@@ -246,7 +246,7 @@ def test_llama_cpp_runs_pytrains_llama_adapter(llama_logits_exe, tmp_path, name,
     defines for this architecture (YaRN, the attention factor), and the adapter changes them
     by far more than the tolerance.  Measured (Intel Xeon, 2 threads): base 5.5e-6 - 7.5e-6,
     with the adapter 1.8e-5 - 1.6e-4, its effect 16 - 19."""
-    from gguf_factory import with_keys
+    from scripts.gguf_models import with_keys
     from llama_cpp_check import deltas_with_adapter
     from pytrain.formats.adapter_gguf import write_lora_gguf
     path = FIX / f"{name}.gguf"

@@ -1,7 +1,7 @@
 """Llama GGUFs in every weight type users have on disk load, run and train.
 
 A random ``llama`` model with rows of 256/512 (so every K-quant applies) is written with ggml's
-own quantizers (tests/gguf_factory.write_llama) in each type; for each:
+own quantizers (scripts/gguf_models.write_llama) in each type; for each:
 
 * the loaded type follows the CPU policy (kept; BF16 as F16, exact for these values);
 * loaded as F32, the logits equal a float64 numpy forward of the file's weights dequantized by
@@ -26,7 +26,7 @@ own quantizers (tests/gguf_factory.write_llama) in each type; for each:
 import numpy as np
 import pytest
 from bounds import assert_same_rounding, log_softmax
-from gguf_factory import write_llama
+from scripts.gguf_models import write_llama
 from llama_ref import forward, gguf_contents, gguf_types
 
 import pytrain

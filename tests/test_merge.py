@@ -547,7 +547,7 @@ def test_warns_when_requantizing_erases_the_update(tmp_path):
     """A LoRA update finer than the base's 4-bit grid does not survive requantization: the
     report names the tensors (error >= half the update, rms) and the summary says to merge as
     F16; with F16 nothing is lost.  (SmolLM2's Q4_1 after make demo-real: all 120.)"""
-    from gguf_factory import quantized_copy
+    from scripts.gguf_models import quantized_copy
     base = quantized_copy(FIX / "gqa-f32.gguf", FIX / "gqa-q8_0.gguf", tmp_path / "q4.gguf",
                           "q4_0")
     t = make_adapter(config_of(base))

@@ -1,6 +1,6 @@
 """Loading GGUF tensors into backend buffers: values, type policy, ignored extras, errors.
 
-Files come from ``gguf_factory`` (tiny qwen35 models written with ``gguf.GGUFWriter``), so
+Files come from ``scripts/gguf_models.py`` (tiny qwen35 models written with ``gguf.GGUFWriter``), so
 the expected values are known exactly: F32/F16 must come back bit for bit, BF16 -> F16 must
 equal numpy's round-to-nearest-even of the BF16 values, quantized types must equal ggml's
 dequantization of the very bytes written.  The converter-made fixtures under
@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from gguf_factory import write_qwen35
+from scripts.gguf_models import write_qwen35
 from pytrain import ggml
 from pytrain.ggml import ffi, lib
 from pytrain.formats.gguf_meta import GGUFError

@@ -6,7 +6,7 @@ default shape is the smallest whose matrix rows are all multiples of 256, so eve
 applies: hidden 256, 4 layers (linear, linear, linear, attention), 2/1 heads of 128, FFN 256,
 DeltaNet 1 key head / 2 value heads of 128, vocabulary 64 (about 2 M weights, 8 MB in F32).
 
-    from gguf_factory import write_qwen35
+    from scripts.gguf_models import write_qwen35
     model = write_qwen35(tmp_path / "m.gguf", dtype="q8_0")
     model.values["blk.3.attn_q.weight"]   # float32 values before encoding
     model.raw["blk.3.attn_q.weight"]      # the bytes written, in the tensor's file type
