@@ -1,6 +1,13 @@
 """pytrain: LoRA fine-tuning of GGUF language models on a pinned ggml, with a loss mask that
-is right by construction."""
-__version__ = "0.1.0"
+is right by construction.
+
+The root package is the public facade, above every layer (see tests/test_layers.py): nothing in
+the package imports it, and it imports the model only when ``load_model`` is called, so
+``import pytrain.config`` stays cheap.
+"""
+from pytrain._version import __version__
+
+__all__ = ["__version__", "load_model"]
 
 
 def load_model(path, device: str = "auto", threads: int | None = None, type_policy: str = "auto"):

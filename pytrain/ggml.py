@@ -587,7 +587,7 @@ class Runtime:
         self._current = None       # address of the graph the scheduler has allocated
         self._ensure_sched(graph_size)
         self._buffers: list = []
-        self._gallocs: list = []   # allocators of the graphs kept allocated (alloc_kept)
+        self._gallocs: list = []   # allocators of the graphs kept allocated (alloc_resident)
 
     def _ensure_sched(self, graph_size: int) -> None:
         """The scheduler's hash set and backend-id arrays are sized at creation; a graph with
@@ -688,9 +688,9 @@ class Runtime:
         """The backend every op of a kept graph runs on: the GPU, else the CPU."""
         return self.gpu if self.gpu is not None else self.cpu
 
-    def alloc_kept(self, graph) -> None:
+    def alloc_resident(self, graph) -> None:
         """Allocate a small graph once, in a buffer of its own on ``compute_backend``, to be
-        run by ``compute_kept`` any number of times.  For the optimizer's graphs, which run
+        run by ``compute_resident`` any number of times.  For the optimizer's graphs, which run
         between every two training steps: through the scheduler each of them evicted the step
         graph, which then had to be allocated again (its whole node list walked by ggml and
         its tensors by Python) at every step.  Every op must run on that backend (no
@@ -703,7 +703,7 @@ class Runtime:
             raise MemoryError("could not allocate a kept graph")
         self._gallocs.append(galloc)
 
-    def compute_kept(self, graph) -> None:
+    def compute_resident(self, graph) -> None:
         _check(lib.ggml_backend_graph_compute(self.compute_backend, graph))
 
     def forget_graph(self) -> None:

@@ -416,7 +416,7 @@ def prepare(name: str, a) -> dict | None:
             return None
         sys.path.insert(0, str(REPO))
         try:
-            from pytrain.formats.model_file import open_model
+            from pytrain.models.model_file import open_model
             _arch, _meta, _infos, cfg = open_model(DEFAULT_GGUF)
             vocab = int(cfg.n_vocab)
             desc = (f"embedded default model: hidden {cfg.n_embd}, {cfg.n_layer} layers, "

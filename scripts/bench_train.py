@@ -37,7 +37,7 @@ LoRA r=16, alpha=32, dropout 0, on q/k/v/o of the full-attention layers (pytrain
 ``target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]``, which only the attention layers
 have); AdamW (lr 1e-4, betas 0.9/0.999, eps 1e-8, weight decay 0) with global-norm clipping at
 1.0; float32 activations everywhere (2b: pytrain's matmuls read F16 weights, see above).
-    pytrain: ``Trainer(m, lora.create(...), AdamW(...)).step([batch], lr)`` (forward + masked CE +
+    pytrain: ``Trainer(m, lora.create(...), AdamWSettings(...)).step([batch], lr)`` (forward + masked CE +
              backward graph, grad-norm graph, AdamW graph, host-side input/label upload)
     HF:      ``Qwen3_5ForCausalLM`` (sdpa attention, torch DeltaNet fallback: no
              flash-linear-attention on CPU) wrapped by ``peft.get_peft_model``, ``model.train()``,
@@ -278,7 +278,7 @@ def pytrain_worker(a) -> None:
     import pytrain
     from pytrain.models import lora
     from pytrain.models.lora_targets import lora_param_count, select_targets
-    from pytrain.train.optimizer import AdamW
+    from pytrain.train.optimizer import AdamWSettings
     from pytrain.train.trainer import Trainer
 
     B, T = a.batch
@@ -286,7 +286,7 @@ def pytrain_worker(a) -> None:
     m = pytrain.load_model(a.gguf, device="cpu", threads=int(a.threads))
     names = select_targets(m.config)
     ad = lora.create(m.runtime, m.config, names, RANK, ALPHA, seed=0)
-    tr = Trainer(m, ad, AdamW(lr=LR, max_grad_norm=MAX_NORM), recompute=a.recompute)
+    tr = Trainer(m, ad, AdamWSettings(lr=LR, max_grad_norm=MAX_NORM), recompute=a.recompute)
     load_s = time.perf_counter() - t0
     after_load = bf._proc_status()
     tokens, train, seg = make_batch(a.vocab, B, T, a.seed)
@@ -543,7 +543,7 @@ def hf_worker(a) -> None:
     n_lora = sum(p.numel() for p in params)
     lora_dtypes = sorted({str(p.dtype).replace("torch.", "") for p in params})
     lora_mods = sum(1 for n, _ in pm.named_modules() if n.endswith(".lora_A.default"))
-    opt = torch.optim.AdamW(params, lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+    opt = torch.optim.AdamWSettings(params, lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
     load_s = time.perf_counter() - t0
     after_load = bf._proc_status()
     tokens, train, _seg = make_batch(a.vocab, B, T, a.seed)
@@ -788,7 +788,7 @@ def prepare(name: str, a) -> dict | None:
             print(f"[default] skipped: {a.default_gguf} is absent", flush=True)
             return None
         sys.path.insert(0, str(REPO))
-        from pytrain.formats.model_file import open_model
+        from pytrain.models.model_file import open_model
         _arch, _meta, _infos, cfg = open_model(a.default_gguf)
         hf = a.default_hf if (a.default_hf / "model.safetensors").exists() else None
         if hf is None:

@@ -230,7 +230,7 @@ def pytrain_worker(a) -> dict:
     from pytrain.ggml import ffi, lib
     from pytrain.models import lora
     from pytrain.models.lora_targets import lora_param_count, select_targets
-    from pytrain.train.optimizer import AdamW
+    from pytrain.train.optimizer import AdamWSettings
     from pytrain.train.trainer import Trainer
 
     B, T = a.batch
@@ -238,7 +238,7 @@ def pytrain_worker(a) -> dict:
     m = pytrain.load_model(a.gguf, device=a.device)
     names = select_targets(m.config)
     ad = lora.create(m.runtime, m.config, names, bt.RANK, bt.ALPHA, seed=0)
-    tr = Trainer(m, ad, AdamW(lr=bt.LR, max_grad_norm=bt.MAX_NORM), recompute=a.policy)
+    tr = Trainer(m, ad, AdamWSettings(lr=bt.LR, max_grad_norm=bt.MAX_NORM), recompute=a.policy)
     load_s = time.perf_counter() - t0
     tokens, train, seg = bt.make_batch(m.config.n_vocab, B, T, a.seed)
     batch = SimpleNamespace(tokens=tokens, seg=seg, train_mask=train)
@@ -275,7 +275,7 @@ def hf_worker(a) -> dict:
                                           target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
     pm.train()
     params = [p for p in pm.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=bt.LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+    opt = torch.optim.AdamWSettings(params, lr=bt.LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
     load_s = time.perf_counter() - t0
     tokens, train, _seg = bt.make_batch(model.config.vocab_size, B, T, a.seed)
     ids = torch.from_numpy(tokens).to(dev)

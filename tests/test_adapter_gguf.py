@@ -13,7 +13,7 @@ from pytrain.formats import adapter_gguf as AG
 from pytrain.formats.adapter_gguf import AdapterError, check_adapter_matches, read_lora_gguf, \
     write_lora_gguf
 from pytrain.formats.gguf_meta import GGUFError
-from pytrain.formats.model_file import open_model
+from pytrain.models.model_file import open_model
 
 FIX = Path(__file__).resolve().parent / "fixtures" / "qwen35"
 

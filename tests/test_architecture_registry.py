@@ -27,12 +27,19 @@ def toy_config(meta, tensor_names=None, n_vocab=None, source=""):
     return Qwen35Config.from_metadata(renamed, tensor_names, n_vocab=n_vocab, source=source)
 
 
+def forget(name: str) -> None:
+    """Undo ``models.register`` (the registry and the PEFT layouts), for the next test."""
+    from pytrain.formats import adapter_peft
+    models._REGISTERED.pop(name, None)
+    adapter_peft._LAYOUTS.pop(name, None)
+
+
 @pytest.fixture
 def toy(tmp_path):
     models.register(dataclasses.replace(qwen35.ARCHITECTURE, name=NAME,
                                         config_from_metadata=toy_config))
     yield renamed_arch_copy(FIX / "gqa-f32.gguf", tmp_path / "toy.gguf", NAME)
-    models._REGISTERED.pop(NAME, None)
+    forget(NAME)
 
 
 def test_unknown_architecture_is_refused_naming_the_known_ones(tmp_path):
@@ -72,11 +79,13 @@ def test_a_registered_architecture_trains_checkpoints_resumes_and_writes_its_ada
 def renamed_hf(tmp_path):
     """The toy architecture with its own HF names for attention (``attn.query`` ...), as a
     family whose Hugging Face modules differ from Qwen3.5's would have."""
-    hf = {**qwen35.ARCHITECTURE.hf_modules, "attn_q": "attn.query", "attn_k": "attn.key"}
+    layout = qwen35.ARCHITECTURE.hf_layout
+    hf = {**layout.modules, "attn_q": "attn.query", "attn_k": "attn.key"}
     models.register(dataclasses.replace(qwen35.ARCHITECTURE, name=NAME,
-                                        config_from_metadata=toy_config, hf_modules=hf))
+                                        config_from_metadata=toy_config,
+                                        hf_layout=dataclasses.replace(layout, modules=hf)))
     yield
-    models._REGISTERED.pop(NAME, None)
+    forget(NAME)
 
 
 def test_peft_adapters_use_the_architectures_own_hf_layout(tmp_path, renamed_hf):

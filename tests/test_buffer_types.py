@@ -20,7 +20,7 @@ from pytrain import ggml
 from pytrain.models import lora
 from pytrain.data import Example, make_batches
 from pytrain.models.lora_targets import select_targets
-from pytrain.train.optimizer import AdamW
+from pytrain.train.optimizer import AdamWSettings
 from pytrain.train.trainer import Trainer
 
 FIX = Path(__file__).resolve().parent / "fixtures" / "qwen35"
@@ -43,7 +43,7 @@ def test_weights_adapter_optimizer_and_compute_stay_in_default_buffers(tmp_path,
     try:
         assert m.weights.tensors["blk.3.attn_q.weight"].type == ggml.TYPES[qtype]
         ad = lora.create(m.runtime, m.config, select_targets(m.config), rank=4, alpha=8, seed=0)
-        tr = Trainer(m, ad, AdamW(lr=1e-3))
+        tr = Trainer(m, ad, AdamWSettings(lr=1e-3))
         rng = np.random.default_rng(0)
         ex = [Example(rng.integers(0, 400, n).astype(np.int32), np.ones(n, bool))
               for n in (24, 17)]

@@ -18,6 +18,7 @@ import build as native_build  # native/build.py (conftest puts native/ on sys.pa
 from pytrain.data.chat_template import (ChatTemplateError, encode_chat, render,
                                    render_with_assistant_spans, spans_to_mask)
 from pytrain.data.tokenizer import Tokenizer
+from pytrain.formats.gguf_meta import read_metadata
 
 FIXTURES = Path(__file__).parent / "fixtures"
 GOLDEN = json.loads((FIXTURES / "chat_template_golden.json").read_text(encoding="utf-8"))
@@ -74,7 +75,7 @@ def tok(request) -> Tokenizer:
     if request.param not in _TOKENIZERS:
         path = (FIXTURES / "qwen35" / "gqa-f32.gguf" if request.param == "model-fixture"
                 else llama_cpp_dir() / "models" / "ggml-vocab-qwen35.gguf")
-        _TOKENIZERS[request.param] = Tokenizer.from_gguf(path)
+        _TOKENIZERS[request.param] = Tokenizer.from_metadata(read_metadata(path))
     return _TOKENIZERS[request.param]
 
 
@@ -176,7 +177,7 @@ def test_generation_prompt_leaves_no_target(tok, template, name):
 
 
 def test_model_template_is_the_default(template):
-    small = Tokenizer.from_gguf(FIXTURES / "qwen35" / "gqa-f32.gguf")
+    small = Tokenizer.from_metadata(read_metadata(FIXTURES / "qwen35" / "gqa-f32.gguf"))
     assert small.chat_template == template
     case = CASES["single_turn"]
     assert encode_chat(small, case["messages"]).text == case["expected"]

@@ -11,10 +11,10 @@ from cuda_support import supported, unsupported_nodes
 from pytrain import ggml, models
 from pytrain.models import lora
 from pytrain.train.graphs import GradGraph
-from pytrain.formats.model_file import open_model
+from pytrain.models.model_file import open_model
 from pytrain.models.lora_targets import select_targets
 from pytrain.models.model import Model
-from pytrain.train.optimizer import AdamW, Optimizer
+from pytrain.train.optimizer import AdamWSettings, Optimizer
 from pytrain.models.qwen35_config import QWEN35_2B
 from pytrain.train.planning import shape_model
 from pytrain.data.tokenizer import Tokenizer
@@ -86,7 +86,7 @@ def test_eval_and_optimizer_graphs_run_on_cuda(model):
     ad = lora.create(model.runtime, model.config, select_targets(model.config), 4, 8.0)
     ev = EvalGraph(model, ad, 4, 256, 512)
     g = GradGraph(model, ad, 1, 20)
-    opt = Optimizer(model.runtime, g.acc, AdamW())
+    opt = Optimizer(model.runtime, g.opt_state, AdamWSettings())
     try:
         for graph in (ev.graph, ev.ce.label_graph, g.ce.label_graph, opt.norm_graph,
                       opt.update_graph):

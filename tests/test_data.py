@@ -16,6 +16,7 @@ from pytrain.config import load_config
 from pytrain.data import (DataError, DataStats, Example, load_data, load_examples,
                           make_batches, pad_token_id, split_examples)
 from pytrain.data.tokenizer import Tokenizer
+from pytrain.formats.gguf_meta import read_metadata
 
 GGUF = Path(__file__).resolve().parent / "fixtures" / "qwen35" / "gqa-f32.gguf"
 
@@ -28,7 +29,7 @@ MULTI = {"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant",
 
 @pytest.fixture(scope="module")
 def tok() -> Tokenizer:
-    return Tokenizer.from_gguf(GGUF)
+    return Tokenizer.from_metadata(read_metadata(GGUF))
 
 
 def jsonl(tmp_path: Path, *records, name: str = "d.jsonl") -> Path:
@@ -395,7 +396,7 @@ def test_demo_config_data_loads():
     cfg = load_config(DEMO)
     if not (Path(cfg.data.train).exists() and Path(cfg.model.path).exists()):
         pytest.skip("the embedded demo model/data are not built")
-    t = Tokenizer.from_gguf(cfg.model.path)
+    t = Tokenizer.from_metadata(read_metadata(cfg.model.path))
     sp = load_data(cfg.data, t)
     assert sp.train and sp.valid and sp.train_stats.format == "chat"
     assert sp.train_stats.records == sp.train_stats.examples  # the demo data is clean

@@ -135,7 +135,7 @@ def test_neox_rope_the_qk_norms_and_the_window_are_what_makes_the_match(monkeypa
 
 
 def test_config_from_the_converter_keys():
-    from pytrain.formats.model_file import open_model
+    from pytrain.models.model_file import open_model
     _, _, _, c = open_model(FIXTURES / "qwen2" / "qwen2-q8_0.gguf")
     assert (c.arch, c.n_layer, c.n_head, c.n_head_kv, c.head_dim) == ("qwen2", 2, 4, 2, 16)
     assert c.biases == {"attn_q", "attn_k", "attn_v"} and c.tied_embeddings and not c.qk_norm
@@ -147,7 +147,7 @@ def test_config_from_the_converter_keys():
 
 def test_qwen_yarn_is_refused_by_name(tmp_path):
     from scripts.gguf_models import with_keys
-    from pytrain.formats.model_file import open_model
+    from pytrain.models.model_file import open_model
     path = with_keys(FIXTURES / "qwen2" / "qwen2-f32.gguf", tmp_path / "yarn.gguf",
                      {"qwen2.rope.scaling.type": "yarn", "qwen2.rope.scaling.factor": 4.0})
     with pytest.raises(ValueError, match="qwen2.rope.scaling.type is 'yarn'"):
@@ -160,7 +160,7 @@ def test_gemma3_config_from_the_converter_keys():
     """The converter writes the window and both rope bases but no layer pattern and no
     query_pre_attn_scalar: every 6th layer is global and the scale is 1/sqrt(head_dim), as
     llama.cpp reads them."""
-    from pytrain.formats.model_file import open_model
+    from pytrain.models.model_file import open_model
     _, _, _, c = open_model(FIXTURES / "gemma3" / "gemma3-f32.gguf")
     assert (c.arch, c.n_layer, c.n_head, c.n_head_kv, c.head_dim, c.n_embd) == \
         ("gemma3", 6, 2, 1, 32, 64)
@@ -212,7 +212,7 @@ def test_gemma3_packed_rows_equal_rows_alone():
 ])
 def test_gemma3_what_pytrain_does_not_run_is_refused_by_name(tmp_path, keys, match):
     from scripts.gguf_models import with_keys
-    from pytrain.formats.model_file import open_model
+    from pytrain.models.model_file import open_model
     path = with_keys(FIXTURES / "gemma3" / "gemma3-f32.gguf", tmp_path / "x.gguf", keys)
     with pytest.raises(ValueError, match=match):
         open_model(path)
@@ -252,7 +252,7 @@ def test_peft_folders_move_unpermuted(tmp_path, family):
     holds PEFT's own tensors under PEFT's names, and the same base class."""
     from safetensors.numpy import load_file
     from pytrain.formats.adapter_peft import read_peft_adapter, write_peft_adapter
-    from pytrain.formats.model_file import open_model
+    from pytrain.models.model_file import open_model
     fix = FIXTURES / family
     gold = np.load(fix / f"peft_{family}.npz")
     want = {k: gold[k] for k in gold if k.endswith((".lora_a", ".lora_b"))}

@@ -157,7 +157,7 @@ def test_token_ids_outside_the_vocabulary_are_refused_not_aborted(tmp_path):
 
 def test_a_tokenizer_larger_than_the_embedding_is_refused_at_load(tmp_path):
     from scripts.gguf_models import with_keys
-    from pytrain.formats.model_file import ModelFileError
+    from pytrain.models.model_file import ModelFileError
     import pytrain
     import gguf
     r = gguf.GGUFReader(str(FIX / "gqa-f32.gguf"))

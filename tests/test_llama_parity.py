@@ -101,7 +101,7 @@ def test_converter_layout_is_norm_rope(monkeypatch):
 
 
 def test_config_from_the_converter_keys():
-    from pytrain.formats.model_file import open_model
+    from pytrain.models.model_file import open_model
     _, _, _, c = open_model(FIX / "untied-f32.gguf")
     assert (c.n_head, c.n_head_kv, c.head_dim, c.tied_embeddings) == (8, 1, 8, False)
     assert c.biases == {"attn_q", "attn_k", "attn_v", "attn_output"}
@@ -176,7 +176,7 @@ def test_peft_reader_gives_what_convert_lora_to_gguf_gives(tmp_path):
     ``LlamaForCausalLM`` in auto_mapping), so the q/k pairs are refused rather than left in
     HF's row order; with its auto_mapping removed and no architecture given, pytrain warns."""
     from pytrain.formats.adapter_peft import PeftAdapterError, read_peft_adapter
-    from pytrain.formats.model_file import open_model
+    from pytrain.models.model_file import open_model
     gold = np.load(FIX / "peft_gqa.npz")
     _, _, _, config = open_model(FIX / "gqa-f32.gguf")
     tensors, alpha, rank, _ = read_peft_adapter(FIX / "peft_gqa", config)
@@ -203,7 +203,7 @@ def test_peft_writer_gives_what_peft_wrote(tmp_path):
     tensors (the inverse permutation), under PEFT's module names."""
     from safetensors.numpy import load_file
     from pytrain.formats.adapter_peft import write_peft_adapter
-    from pytrain.formats.model_file import open_model
+    from pytrain.models.model_file import open_model
     gold = np.load(FIX / "peft_gqa.npz")
     _, _, _, config = open_model(FIX / "gqa-f32.gguf")
     tensors = {k: gold[k] for k in gold if k.endswith((".lora_a", ".lora_b"))}

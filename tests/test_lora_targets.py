@@ -1,9 +1,13 @@
 """LoRA target selection on a Qwen3.5 layout (DeltaNet layers 0-2, 4-6; attention 3, 7)."""
 import pytest
 
-from pytrain.models.lora_targets import (DEFAULT_TARGETS, VALID_TARGETS, LoraTargetError,
-                                  lora_param_count, lora_shapes, select_targets)
+from pytrain.models import qwen35
+from pytrain.models.lora_targets import (LoraTargetError, lora_param_count, lora_shapes,
+                                         select_targets)
 from pytrain.models.qwen35_config import Qwen35Config
+
+DEFAULT_TARGETS = qwen35.ARCHITECTURE.default_targets
+VALID_TARGETS = qwen35.ARCHITECTURE.targets
 
 
 @pytest.fixture
@@ -48,8 +52,8 @@ def test_every_valid_target_exists_somewhere(cfg):
 
 
 def test_unknown_target_lists_valid_ones(cfg):
-    with pytest.raises(LoraTargetError, match=r"unknown LoRA target 'q_proj'; valid: attn_q, "
-                                              r"attn_k, .*ssm_alpha"):
+    with pytest.raises(LoraTargetError, match=r"unknown LoRA target 'q_proj' for qwen35; "
+                                              r"valid: attn_q, attn_k, .*ssm_out"):
         select_targets(cfg, ("attn_q", "q_proj"))
     with pytest.raises(LoraTargetError, match="no LoRA targets"):
         select_targets(cfg, ())
@@ -69,3 +73,17 @@ def test_param_count_rank_times_in_plus_out(cfg):
     assert lora_param_count(cfg, names, 16) == 2 * per_layer
     a, b = lora_shapes(cfg, ["blk.3.attn_q.weight"], 8)["blk.3.attn_q.weight"]
     assert a == (8, 512) and b == (1024, 8)
+
+
+def test_each_architecture_has_its_own_target_names():
+    """A Llama has no DeltaNet tensors: their names are refused for it, not silently matched
+    against nothing, and its default is attention q/k/v/o."""
+    from pathlib import Path
+
+    from pytrain.models.model_file import open_model
+    llama = open_model(Path(__file__).parent / "fixtures" / "llama" / "gqa-f32.gguf")[3]
+    with pytest.raises(LoraTargetError, match=r"unknown LoRA target 'attn_qkv' for llama; "
+                                              r"valid: attn_q, .*ffn_down$"):
+        select_targets(llama, "attn_qkv")
+    assert {n.split(".")[2] for n in select_targets(llama)} == set(DEFAULT_TARGETS)
+    assert {n.split(".")[2] for n in select_targets(llama, "ffn_up")} == {"ffn_up"}

@@ -47,7 +47,7 @@ from pytrain.formats import merge as merge_mod
 from pytrain.formats.adapter_gguf import write_lora_gguf
 from pytrain.models.lora_targets import select_targets
 from pytrain.formats.merge import MERGE_KEY, MergeError, merge_adapter
-from pytrain.formats.model_file import open_model
+from pytrain.models.model_file import open_model
 
 ROOT = Path(__file__).resolve().parent.parent
 FIX = ROOT / "tests" / "fixtures" / "qwen35"

@@ -10,7 +10,7 @@ from pytrain.train import loss as L
 from pytrain.models import lora
 from pytrain.train.graphs import GradGraph
 from pytrain.models.lora_targets import select_targets
-from pytrain.train.optimizer import OptimizerState, AdamW, Optimizer, schedule
+from pytrain.train.optimizer import OptimizerState, AdamWSettings, Optimizer, schedule
 from pytrain.train.trainer import Trainer
 
 FIX = Path(__file__).resolve().parent / "fixtures" / "qwen35"
@@ -53,10 +53,10 @@ def test_adamw_with_clipping_matches_numpy(model):
     for k in vals:
         vals[k] = rng.normal(0, 0.1, vals[k].shape).astype(np.float32)
     ad.set(vals)
-    hp = AdamW(lr=1e-2, weight_decay=0.1, max_grad_norm=0.05)
-    acc = OptimizerState(model.runtime, ad.params())
-    opt = Optimizer(model.runtime, acc, hp)
-    g = GradGraph(model, ad, B=2, T=12, acc=acc)
+    hp = AdamWSettings(lr=1e-2, weight_decay=0.1, max_grad_norm=0.05)
+    opt_state = OptimizerState(model.runtime, ad.params())
+    opt = Optimizer(model.runtime, opt_state, hp)
+    g = GradGraph(model, ad, B=2, T=12, opt_state=opt_state)
     b = make_batch(rng, [12, 7], 12)
     tg = L.shift_targets(b.tokens, b.train_mask, b.seg)
     state = {k: (vals[k].astype(np.float64), 0.0, 0.0) for k in vals}
@@ -90,7 +90,7 @@ def test_training_steps_lower_the_loss_on_fixed_data(model):
     """Two batches of repeating patterns: the masked loss falls, accuracy rises, the adapter
     drifts from zero."""
     ad = lora.create(model.runtime, model.config, select_targets(model.config), 8, 16, seed=0)
-    tr = Trainer(model, ad, AdamW(lr=1e-2, max_grad_norm=1.0))
+    tr = Trainer(model, ad, AdamWSettings(lr=1e-2, max_grad_norm=1.0))
     rng = np.random.default_rng(3)
     batches = [make_batch(rng, [16, 11], 16, period=3), make_batch(rng, [9, 16], 16, period=3)]
     first = tr.evaluate(batches)

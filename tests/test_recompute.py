@@ -74,7 +74,7 @@ def test_training_with_recompute_gives_the_same_adapter():
     tiny; measuring with the runtime's scheduler once left a plan without buffers and the
     next step crashed)."""
     from pytrain.data import Example, make_batches
-    from pytrain.train.optimizer import AdamW
+    from pytrain.train.optimizer import AdamWSettings
     from pytrain.train.trainer import Trainer
     rng = np.random.default_rng(3)
     ex = [Example(rng.integers(0, 480, n).astype(np.int32), rng.random(n) < 0.7)
@@ -91,7 +91,7 @@ def test_training_with_recompute_gives_the_same_adapter():
             m, ad = adapted(FIX / "gqa-f32.gguf")
         finally:
             os.environ["PYTRAIN_BLAS"] = blas
-        tr = Trainer(m, ad, AdamW(lr=1e-2), recompute="off" if mode == "calib" else mode)
+        tr = Trainer(m, ad, AdamWSettings(lr=1e-2), recompute="off" if mode == "calib" else mode)
         steps = [batches[i:i + 2] for i in (0, 2, 4)]
         if mode == "calib":
             steps = [[SimpleNamespace(tokens=b.tokens[::-1].copy(), seg=b.seg[::-1].copy(),
@@ -160,7 +160,7 @@ def test_auto_recomputes_only_when_one_graph_would_not_fit(factor, layer_wise, m
     """``auto``: layer-wise when the one-graph step's buffer exceeds half of the memory left
     for it, one graph when it fits (memory left set to ``factor`` x that buffer)."""
     from pytrain.train import trainer as trainer_mod
-    from pytrain.train.optimizer import AdamW
+    from pytrain.train.optimizer import AdamWSettings
     from pytrain.train.planning import compute_bytes
     from pytrain.train.trainer import Trainer, bucket_length
     m, ad = adapted(FIX / "gqa-f32.gguf")
@@ -170,11 +170,11 @@ def test_auto_recomputes_only_when_one_graph_would_not_fit(factor, layer_wise, m
         need = compute_bytes(m.runtime, g.graph)
         g.close()
         monkeypatch.setattr(trainer_mod, "available_bytes", lambda rt: int(factor * need))
-        tr = Trainer(m, ad, AdamW(lr=1e-3), recompute="auto")
+        tr = Trainer(m, ad, AdamWSettings(lr=1e-3), recompute="auto")
         assert isinstance(tr.graph(3, 40, n_targets=10), R.RecomputeGraph) == layer_wise
         tr.close()
         # train.memory_gib overrides what the device reports (weights included)
-        tr = Trainer(m, ad, AdamW(lr=1e-3), recompute="auto",
+        tr = Trainer(m, ad, AdamWSettings(lr=1e-3), recompute="auto",
                      memory_bytes=m.weights.total_bytes + int(factor * need))
         assert isinstance(tr.graph(3, 40, n_targets=10), R.RecomputeGraph) == layer_wise
         tr.close()

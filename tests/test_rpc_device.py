@@ -89,7 +89,7 @@ def test_alternating_shapes_and_evaluations_give_the_cpus_training(device, cpu_w
     the last shape would be stale.  Losses, evaluation losses and the adapter equal the CPU's
     bit for bit."""
     from pytrain.data import Example, make_batches
-    from pytrain.train.optimizer import AdamW
+    from pytrain.train.optimizer import AdamWSettings
     from pytrain.train.trainer import Trainer
     rng = np.random.default_rng(3)
     ex = [Example(rng.integers(0, 480, n).astype(np.int32), rng.random(n) < 0.7)
@@ -99,7 +99,7 @@ def test_alternating_shapes_and_evaluations_give_the_cpus_training(device, cpu_w
     for dev in ("cpu", device):
         m = pytrain.load_model(FIX / "gqa-f32.gguf", device=dev, threads=THREADS)
         ad = lora.create(m.runtime, m.config, select_targets(m.config), rank=4, alpha=8, seed=0)
-        tr = Trainer(m, ad, AdamW(lr=1e-2), recompute=recompute)
+        tr = Trainer(m, ad, AdamWSettings(lr=1e-2), recompute=recompute)
         try:
             losses = []
             for i in range(3):

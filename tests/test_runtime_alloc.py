@@ -74,7 +74,7 @@ def test_a_reallocated_graph_never_keeps_a_pointer_into_a_freed_buffer():
 
 
 def test_training_steps_keep_the_step_graph_allocated(monkeypatch):
-    """The optimizer's graphs run in buffers of their own (``Runtime.alloc_kept``), so steps of
+    """The optimizer's graphs run in buffers of their own (``Runtime.alloc_resident``), so steps of
     one batch shape reuse the step graph's allocation: through the scheduler each optimizer
     graph evicted it, and it was allocated again at every step (tens of ms at the 2B shape,
     before the GPU could start).  The steps still train: the loss falls."""
@@ -84,7 +84,7 @@ def test_training_steps_keep_the_step_graph_allocated(monkeypatch):
     import pytrain
     from pytrain.models import lora
     from pytrain.models.lora_targets import select_targets
-    from pytrain.train.optimizer import AdamW
+    from pytrain.train.optimizer import AdamWSettings
     from pytrain.train.trainer import Trainer
 
     fixture = Path(__file__).resolve().parent / "fixtures" / "qwen35" / "gqa-f32.gguf"
@@ -100,7 +100,7 @@ def test_training_steps_keep_the_step_graph_allocated(monkeypatch):
     monkeypatch.setattr(ggml.Runtime, "alloc_graph", counting)
     try:
         ad = lora.create(m.runtime, m.config, select_targets(m.config), 4, 8.0, seed=0)
-        tr = Trainer(m, ad, AdamW(lr=1e-2, max_grad_norm=1.0), recompute="off")
+        tr = Trainer(m, ad, AdamWSettings(lr=1e-2, max_grad_norm=1.0), recompute="off")
         tokens = np.random.default_rng(0).integers(0, m.config.n_vocab, size=(2, 16))
         train = np.zeros((2, 16), bool)
         train[:, 8:] = True

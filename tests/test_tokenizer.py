@@ -56,7 +56,7 @@ def qwen35(qwen35_meta) -> Tokenizer:
 
 @pytest.fixture(scope="module")
 def small() -> Tokenizer:
-    return Tokenizer.from_gguf(FIXTURE_MODEL)
+    return Tokenizer.from_metadata(read_metadata(FIXTURE_MODEL))
 
 
 def check_vectors(tok: Tokenizer, name: str, expected_count: int) -> None:
@@ -85,7 +85,7 @@ def test_no_unicode_normalisation(qwen35):
 @pytest.mark.parametrize("name,count", [("qwen2", 46), ("llama-bpe", 46), ("gpt-2", 46),
                                         ("starcoder", 46), ("refact", 46)])
 def test_other_pre_tokenizer_vectors(name, count):
-    tok = Tokenizer.from_gguf(llama_models_dir() / f"ggml-vocab-{name}.gguf")
+    tok = Tokenizer.from_metadata(read_metadata(llama_models_dir() / f"ggml-vocab-{name}.gguf"))
     check_vectors(tok, name, count)
 
 

@@ -315,8 +315,9 @@ def expected_steps(folder: Path, cfg_path: Path, epochs: int):
     from pytrain.config import load_config
     from pytrain.data import load_data, make_batches, pad_token_id
     from pytrain.data.tokenizer import Tokenizer
+    from pytrain.formats.gguf_meta import read_metadata
     cfg = load_config(cfg_path)
-    tok = Tokenizer.from_gguf(MODEL)
+    tok = Tokenizer.from_metadata(read_metadata(MODEL))
     train = load_data(cfg.data, tok).train
     t = cfg.train
     out = []
@@ -362,6 +363,7 @@ def accumulation_runs(tmp_path, monkeypatch, drop_micro_batch: bool = False) -> 
     from pytrain.config import load_config
     from pytrain.data import load_data, make_batches
     from pytrain.data.tokenizer import Tokenizer
+    from pytrain.formats.gguf_meta import read_metadata
     from pytrain.train.trainer import Trainer
     write_data(tmp_path, copies=2)
     cfgs = {"acc": write_config(tmp_path, "acc.toml", epochs=3, batch_size=8, grad_accum=2,
@@ -369,7 +371,8 @@ def accumulation_runs(tmp_path, monkeypatch, drop_micro_batch: bool = False) -> 
             "one": write_config(tmp_path, "one.toml", epochs=3, batch_size=16, grad_accum=1,
                                 output={"dir": "one"})}
     c = load_config(cfgs["acc"])
-    halves = make_batches(load_data(c.data, Tokenizer.from_gguf(MODEL)).train, 8, seed=0)
+    tok = Tokenizer.from_metadata(read_metadata(MODEL))
+    halves = make_batches(load_data(c.data, tok).train, 8, seed=0)
     assert len(halves) == 2 and halves[0].n_targets != halves[1].n_targets
     if drop_micro_batch:
         real_graph = Trainer.graph

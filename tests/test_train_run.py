@@ -290,3 +290,22 @@ def test_resume_refuses_other_batches(tmp_path, capsys, change, named):
     assert (tmp_path / "out" / "metrics.jsonl").read_text() == before
     for k, v in adapter.items():
         np.testing.assert_array_equal(adapter_of(tmp_path / "out")[k], v)
+
+
+@pytest.mark.parametrize("given", ["file", "--set"])
+def test_a_target_the_model_lacks_is_a_config_error_where_it_was_given(tmp_path, capsys, given):
+    """Target names are the architecture's, so they are checked when the model loads; the
+    error still names the key and where it came from, before any training step."""
+    write_data(tmp_path)
+    cfg = write_config(tmp_path)
+    args = ["train", str(cfg), "--no-progress"]
+    if given == "file":
+        cfg.write_text(cfg.read_text().replace("[lora]\n", '[lora]\ntargets = ["attn_q", "mlp"]\n'))
+        where = f"{cfg}:7: "
+    else:
+        args += ["--set", "lora.targets=attn_q,mlp"]
+        where = "--set lora.targets=attn_q,mlp: "
+    assert main(args) != 0
+    err = capsys.readouterr().err
+    assert where + "lora.targets: unknown LoRA target 'mlp' for qwen35; valid: attn_q" in err
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()

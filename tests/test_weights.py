@@ -16,7 +16,7 @@ from scripts.gguf_models import write_qwen35
 from pytrain import ggml
 from pytrain.ggml import ffi, lib
 from pytrain.formats.gguf_meta import GGUFError
-from pytrain.formats.model_file import ModelFileError, open_model
+from pytrain.models.model_file import ModelFileError, open_model
 from pytrain.models.weights import (BF16, F16, F32, WeightsError, is_elementwise, load_type,
                              load_weights)
 

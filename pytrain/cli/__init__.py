@@ -63,7 +63,7 @@ def _train(args: argparse.Namespace) -> int:
 
 def _load_adapter(model, path):
     """The adapter GGUF or PEFT folder at ``path``, checked against ``model`` and loaded."""
-    from pytrain.formats.adapter_gguf import read_adapter
+    from pytrain.formats.adapter_files import read_adapter
     from pytrain.models import lora
     tensors, alpha = read_adapter(path, model.arch.name, model.config)
     names = sorted({k.rsplit(".", 1)[0] for k in tensors})
@@ -76,7 +76,7 @@ def _load_adapter(model, path):
 def _eval(args: argparse.Namespace) -> int:
     from pytrain.data import load_data, make_batches
     from pytrain.models.model import load_model
-    from pytrain.train.optimizer import AdamW
+    from pytrain.train.optimizer import AdamWSettings
     from pytrain.train.trainer import Trainer
     cfg = _config(args)
     model = load_model(cfg.model.path, cfg.model.device, cfg.model.threads, cfg.model.type_policy)
@@ -89,7 +89,7 @@ def _eval(args: argparse.Namespace) -> int:
         from pytrain.models import lora
         from pytrain.models.lora_targets import select_targets
         adapter = lora.create(model.runtime, model.config, select_targets(model.config), 1, 1.0)
-    ev = Trainer(model, adapter, AdamW()).evaluate(batches)
+    ev = Trainer(model, adapter, AdamWSettings()).evaluate(batches)
     which = "validation" if splits.valid else "training"
     print(f"{which} set ({len(examples)} examples, {ev['n_valid']} target tokens): "
           f"loss {ev['loss']:.4f}  accuracy {ev['accuracy']:.3f}  perplexity {ev['perplexity']:.2f}")
@@ -128,13 +128,20 @@ def _export(args: argparse.Namespace) -> int:
     """Merge an adapter into its base model (``--merge``); the only export for now."""
     from pathlib import Path
 
-    from pytrain.formats.merge import merge_adapter, read_adapter
+    from pytrain.formats.adapter_files import read_adapter
+    from pytrain.formats.adapter_gguf import AdapterError
+    from pytrain.formats.merge import MergeError, merge_adapter
+    from pytrain.models.model_file import open_model
     if not args.merge:
         print("error: only `pytrain export MODEL --adapter ADAPTER --merge -o OUT.gguf` is "
               "supported for now (merging the adapter into the base model); pass --merge",
               file=sys.stderr)
         return 2
-    tensors, alpha = read_adapter(args.adapter, args.model)
+    arch, _meta, _infos, config = open_model(args.model)
+    try:
+        tensors, alpha = read_adapter(args.adapter, arch, config)
+    except AdapterError as e:
+        raise MergeError(f"{e} -- refusing to merge it into {args.model}") from e
     src = Path(args.adapter)
     report = merge_adapter(args.model, tensors, alpha, args.output, args.merged_type,
                            adapter_name=src.name or str(src), source=str(src))

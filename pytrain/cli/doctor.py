@@ -8,7 +8,8 @@ import numpy as np
 
 
 def report() -> str:
-    from pytrain import __version__, ggml
+    from pytrain import ggml
+    from pytrain._version import __version__
 
     info = ggml.build_info()
     lines = [

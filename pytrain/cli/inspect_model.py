@@ -13,9 +13,10 @@ import sys
 from collections import Counter
 
 from pytrain.formats.gguf_meta import GGUFError
-from pytrain.models.lora_targets import (DEFAULT_TARGETS, VALID_TARGETS, LoraTargetError,
-                                  lora_param_count, select_targets)
-from pytrain.formats.model_file import open_model
+from pytrain import models
+from pytrain.ggml import lib
+from pytrain.models.lora_targets import LoraTargetError, lora_param_count, select_targets
+from pytrain.models.model_file import open_model
 from pytrain.models.weights import load_type
 
 LORA_RANK = 16
@@ -88,10 +89,10 @@ def report(path: str | os.PathLike[str]) -> str:
 
     lines.append(f"LoRA targets (rank {LORA_RANK}):")
     present = {n.split(".")[2] for n in shapes if n.startswith("blk.") and n.endswith(".weight")}
-    here = tuple(t for t in VALID_TARGETS if t in present)      # the targets this model has
+    default = models.get(cfg.arch).default_targets
+    here = tuple(t for t in models.get(cfg.arch).targets if t in present)   # this model's
     lines.append(f"  all = {','.join(here)}")
-    for label, targets in (("default " + ",".join(DEFAULT_TARGETS), DEFAULT_TARGETS),
-                           ("all", here)):
+    for label, targets in (("default " + ",".join(default), default), ("all", here)):
         previous: list[str] | None = None
         for skip in (True, False):
             try:
@@ -104,7 +105,7 @@ def report(path: str | os.PathLike[str]) -> str:
                          f"{', '.join(map(str, layers))}; "
                          f"{_params(lora_param_count(cfg, names, LORA_RANK))} LoRA parameters"
                          + (" (same tensors)" if names == previous else ""))
-            if targets is DEFAULT_TARGETS and names != previous:
+            if targets is default and names != previous:
                 for n in names:
                     out_, in_ = shapes[n]
                     lines.append(f"    {n}  [{out_}, {in_}] {infos[n].type_name}")
@@ -113,7 +114,6 @@ def report(path: str | os.PathLike[str]) -> str:
 
 
 def _loaded_bytes(info, t: int) -> int:
-    from pytrain.ggml import lib
     return int(lib.ggml_row_size(t, info.ne[0])) * (info.n_elements // info.ne[0])
 
 

@@ -17,7 +17,6 @@ else:  # pragma: no cover - exercised on 3.10 only
 
 from pytrain.config.schema import (MASKS_FOR_FORMAT, OUTPUT_FORMATS, REQUIRED, SECTIONS, Config,
                                    ConfigError)
-from pytrain.models.lora_targets import VALID_TARGETS
 
 # ------------------------------------------------------------------------------- loading
 def load_config(path: str | Path | None, overrides: Iterable[str] = (), *,
@@ -105,11 +104,13 @@ class _Where:
     def __init__(self, source: str, text: str | None) -> None:
         self.source, self.text = source, text
 
-    def error(self, section: str, key: str | None, msg: str) -> ConfigError:
+    def locate(self, section: str, key: str | None) -> str:
         line = _find_line(self.text, section, key)
-        loc = f"{self.source}:{line}" if line else self.source
+        return f"{self.source}:{line}" if line else self.source
+
+    def error(self, section: str, key: str | None, msg: str) -> ConfigError:
         name = f"{section}.{key}" if key else section
-        return ConfigError(f"{loc}: {name}: {msg}")
+        return ConfigError(f"{self.locate(section, key)}: {name}: {msg}")
 
 
 def _build(raw: dict[str, Any], source: str, text: str | None, base: Path,
@@ -135,6 +136,7 @@ def _build(raw: dict[str, Any], source: str, text: str | None, base: Path,
         _take(values, origin, section, key, value, w, Path.cwd())
     cfg = Config(**{section: _section(cls, section, values[section], origin)
                     for section, cls in SECTIONS.items()})
+    cfg.origins = {f"{s}.{k}": w.locate(s, k) for (s, k), (w, _base) in origin.items()}
     return _resolve(cfg, origin, where, base, partial)
 
 
@@ -194,16 +196,11 @@ def _resolve(cfg: Config, origin, where: "_Where", base: Path, partial: bool) ->
     if d.mask is not None and d.format != "auto" and d.mask not in MASKS_FOR_FORMAT[d.format]:
         raise err("data", "mask", f"{d.mask!r} does not apply to format {d.format!r} (valid: "
                                   f"{', '.join(MASKS_FOR_FORMAT[d.format])})")
-    targets = []
-    for t in cfg.lora.targets:
-        t = t.strip().removesuffix(".weight")
-        if t not in VALID_TARGETS:
-            raise err("lora", "targets", f"unknown target {t!r}; valid: {', '.join(VALID_TARGETS)}")
-        if t not in targets:
-            targets.append(t)
-    if not targets:
-        raise err("lora", "targets", "no targets given")
-    cfg.lora.targets = targets
+    if cfg.lora.targets is not None:     # names are checked against the model when it loads
+        targets = list(dict.fromkeys(t.strip().removesuffix(".weight") for t in cfg.lora.targets))
+        if not targets or "" in targets:
+            raise err("lora", "targets", "no targets given" if not targets else "empty name")
+        cfg.lora.targets = targets
     fmts = list(dict.fromkeys(cfg.output.formats))
     bad = [f for f in fmts if f not in OUTPUT_FORMATS]
     if bad or not fmts:

@@ -6,11 +6,9 @@ import dataclasses
 import json
 import re
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable, Sequence, get_type_hints
 
 from pytrain.errors import PytrainError
-from pytrain.models.lora_targets import DEFAULT_TARGETS
 
 FORMATS = ("chat", "completion", "text", "auto")
 MASKS = ("assistant_only", "completion_only", "all")
@@ -118,8 +116,10 @@ class LoraConfig:
                         check=_positive)
     dropout: float = _opt(0.0, "dropout on the adapter input; only 0 for now (ggml has no "
                           "random op to draw masks in the graph)", check=_unit_interval)
-    targets: list[str] = _opt(help="short tensor names to adapt (attn_q, attn_k, attn_v, "
-                              "attn_output, ffn_*, ...)", factory=lambda: list(DEFAULT_TARGETS))
+    targets: list[str] | None = _opt(None, "short tensor names to adapt (attn_q, attn_k, "
+                                     "attn_v, attn_output, ffn_*, ...; `pytrain inspect` lists "
+                                     "a model's); unset: the architecture's default, attention "
+                                     "q/k/v/o")
     skip_ssm: bool = _opt(True, "never adapt the DeltaNet (linear-attention) layers; adapting "
                           "the recurrence destabilises sequential hybrids such as Qwen3.5")
     init: str = _opt("peft", "initialisation: peft (A Kaiming-uniform, B zero) or gaussian "
@@ -200,6 +200,8 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
     source: str | None = field(default=None, compare=False)
+    # "section.key" -> where its value came from ("file:line" or "--set ..."), for error()
+    origins: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         """Plain nested dict (JSON-ready; unset values are None), one entry per section."""
@@ -218,13 +220,12 @@ class Config:
                     lines.append(f"{k} = {_toml_value(v)}")
         return "\n".join(lines) + "\n"
 
-    @classmethod
-    def from_dict(cls, data: dict[str, Any], base_dir: str | Path | None = None,
-                  *, partial: bool = False) -> "Config":
-        """Validate a nested dict as if it were a TOML file in ``base_dir`` (default: cwd)."""
-        from pytrain.config.load import _build        # the loader builds Configs
-        base = Path(base_dir) if base_dir is not None else Path.cwd()
-        return _build(data, "<dict>", None, base, [], partial=partial)
+    def error(self, section: str, key: str, msg: str) -> ConfigError:
+        """An error about ``section.key`` found after loading (a LoRA target the model does
+        not have), located like a loading error: the file and line, or the ``--set``."""
+        name = f"{section}.{key}"
+        where = self.origins.get(name) or self.source or "<defaults>"
+        return ConfigError(f"{where}: {name}: {msg}")
 
 
 def _copy(v: Any) -> Any:

@@ -25,7 +25,6 @@ llama.cpp adds it per text fragment, which is not reproduced here.
 """
 from __future__ import annotations
 
-import os
 import threading
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -230,11 +229,6 @@ class Tokenizer:
                    add_bos=None if add_bos is None else bool(add_bos),
                    add_eos=bool(meta.get("tokenizer.ggml.add_eos_token", False)),
                    chat_template=meta.get("tokenizer.chat_template"))
-
-    @classmethod
-    def from_gguf(cls, path: str | os.PathLike[str]) -> "Tokenizer":
-        from pytrain.formats.gguf_meta import read_metadata
-        return cls.from_metadata(read_metadata(path))
 
     # -- encoding -------------------------------------------------------------------------
     def _backend(self, parse_special: bool) -> _HFTokenizer:

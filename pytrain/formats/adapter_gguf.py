@@ -300,18 +300,3 @@ def read_lora_gguf(path: str | os.PathLike[str], arch: str | None = None
     lora_pairs(tensors, str(p))
     extra = {k: v for k, v in meta.items() if k not in RESERVED_KEYS}
     return file_arch, alpha, tensors, extra
-
-
-def read_adapter(path: str | os.PathLike[str], arch: str, model_config
-                 ) -> tuple[dict[str, np.ndarray], float]:
-    """``(tensors, alpha)`` of a LoRA adapter GGUF or a PEFT adapter folder, refused unless it
-    fits the base model: its architecture ``arch`` (a GGUF's) and ``model_config`` (names and
-    shapes; a PEFT folder's tensors are converted with it)."""
-    p = Path(path)
-    if p.is_dir():
-        from pytrain.formats.adapter_peft import read_peft_adapter
-        tensors, alpha, _rank, _cfg = read_peft_adapter(p, model_config, arch=arch)
-    else:
-        _arch, alpha, tensors, _meta = read_lora_gguf(p, arch=arch)
-    check_adapter_matches(model_config, tensors, source=str(p))
-    return tensors, float(alpha)

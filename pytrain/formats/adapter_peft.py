@@ -6,7 +6,7 @@ pytrain keys its adapters by GGUF tensor name (``blk.N.attn_q.weight.lora_a`` �
 ``....lora_B.weight`` → B [n_out, r]) and applies the same function, ``W·x + (lora_alpha/r)·B·(A·x)``.
 Which HF module each GGUF tensor is, and how a pair's rows or columns move between the two
 layouts (where the converter re-orders them), is the architecture's (its registry entry's
-``hf_modules`` / ``hf_pairs``, in ``pytrain/models/``); this module writes and
+``HFLayout``, in ``hf_llama.py`` / ``hf_qwen35.py``); this module writes and
 reads the format.  Targets that need the model's sizes to convert take ``model_config``.
 
 ``adapter_config.json`` is a complete PEFT 0.21 ``LoraConfig`` (every key PEFT 0.21.2's
@@ -33,17 +33,16 @@ from __future__ import annotations
 import json
 import os
 import re
-
+import warnings
 from pathlib import Path
 from typing import Any, Mapping
 
 import numpy as np
 
-from pytrain import models
-from pytrain.errors import PytrainError
+from pytrain.formats import hf_llama, hf_qwen35
 from pytrain.formats.adapter_gguf import AdapterError, check_alpha, lora_pairs
-
 from pytrain.formats.atomic import replacing_folder
+from pytrain.formats.hf_layout import HFLayout, PeftAdapterError
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
@@ -53,16 +52,33 @@ DEFAULT_LAYERS_PREFIX = "model.layers"             # a ...ForCausalLM
 KNOWN_LAYERS_PREFIXES = ("model.layers", "model.language_model.layers")
 
 
+_LAYOUTS: dict[str, HFLayout] = {"gemma3": hf_llama.GEMMA3, "llama": hf_llama.LLAMA,
+                                 "qwen2": hf_llama.QWEN2, "qwen3": hf_llama.QWEN3,
+                                 "qwen35": hf_qwen35.QWEN35}
+
+
+def register_layout(arch: str, layout: HFLayout) -> None:
+    """Make architecture ``arch``'s layout known (``pytrain.models.register`` calls this)."""
+    _LAYOUTS[arch] = layout
+
+
+def _layout(arch: str) -> HFLayout:
+    if arch not in _LAYOUTS:
+        raise PeftAdapterError(f"no PEFT layout for architecture {arch!r}; known: "
+                               f"{', '.join(sorted(_LAYOUTS))}")
+    return _LAYOUTS[arch]
+
+
 def hf_tables(arch: str | None = None) -> tuple[dict, dict, dict, dict]:
     """Architecture ``arch``'s GGUF target -> HF module, its inverse, layer kind (recurrent?) ->
     targets only that kind has, and target -> pair conversion; without ``arch``, the union
     over every known architecture (also those registered at run time)."""
     names, kinds, pairs = {}, {False: set(), True: set()}, {}
-    for entry in [models.get(arch)] if arch else models.all_registered():
-        names.update(entry.hf_modules)
-        for k, v in entry.hf_layer_kind_modules.items():
+    for layout in [_layout(arch)] if arch else _LAYOUTS.values():
+        names.update(layout.modules)
+        for k, v in layout.layer_kind_modules.items():
             kinds[k] |= set(v)
-        pairs.update(entry.hf_pairs)
+        pairs.update(layout.pairs)
     if not arch:      # no layout both share: kept as it is (Llama q/k need arch or a config)
         ambiguous = _ambiguous_targets()
         pairs = {t: f for t, f in pairs.items() if t not in ambiguous}
@@ -72,9 +88,9 @@ def hf_tables(arch: str | None = None) -> tuple[dict, dict, dict, dict]:
 def _ambiguous_targets() -> set[str]:
     """Targets that one architecture re-orders and another keeps as they are (attn_q: Llama's
     rope permutation, Qwen3.5's none)."""
-    entries = models.all_registered()
-    return {t for e in entries for t in e.hf_pairs
-            if any(t in o.hf_modules and t not in o.hf_pairs for o in entries)}
+    layouts = list(_LAYOUTS.values())
+    return {t for e in layouts for t in e.pairs
+            if any(t in o.modules and t not in o.pairs for o in layouts)}
 
 
 def _arch_of(arch: str | None, model_config: Any, peft_config: Mapping | None = None
@@ -85,18 +101,17 @@ def _arch_of(arch: str | None, model_config: Any, peft_config: Mapping | None = 
     if arch or getattr(model_config, "arch", None):
         return arch or model_config.arch
     auto = (peft_config or {}).get("auto_mapping") or {}
-    entry = models.by_hf_class(auto.get("base_model_class", "")) if isinstance(auto, dict) \
-        else None
-    return entry.name if entry else None
+    hf_class = auto.get("base_model_class", "") if isinstance(auto, dict) else ""
+    return next((name for name, layout in _LAYOUTS.items() if hf_class in layout.classes), None)
 
 
 def _auto_mapping(arch: str | None) -> dict | None:
     """What PEFT records for a base model class it maps itself (Llama: it did; Qwen3.5: None),
     so that a folder pytrain writes names its layout as PEFT's does."""
-    entry = models.get(arch) if arch else None
-    if entry is None or not entry.hf_parent_library:
+    layout = _layout(arch) if arch else None
+    if layout is None or not layout.parent_library:
         return None
-    return {"base_model_class": entry.hf_classes[0], "parent_library": entry.hf_parent_library}
+    return {"base_model_class": layout.classes[0], "parent_library": layout.parent_library}
 
 
 def _warn_ambiguous(bases, arch: str | None, where: str) -> None:
@@ -107,7 +122,6 @@ def _warn_ambiguous(bases, arch: str | None, where: str) -> None:
     ambiguous = _ambiguous_targets()
     hit = sorted(b for b in bases if _GGUF_BASE.fullmatch(b).group(2) in ambiguous)
     if hit:
-        import warnings
         warnings.warn(f"{where}: the base model's architecture is unknown (pass arch= or "
                       f"model_config=), so {len(hit)} tensors such as {hit[0]!r} keep their "
                       f"row order; for a Llama-family model that is wrong (its q/k rows are "
@@ -119,11 +133,6 @@ _HF_MODULE = re.compile(r"(?P<prefix>.+)\.(?P<layer>\d+)\.(?P<module>[a-z_]+\.[a
 
 # safetensors dtype → (numpy dtype of the stored bytes, bytes per element)
 _ST_DTYPES = {"F32": ("<f4", 4), "F16": ("<f2", 2), "BF16": ("<u2", 2), "F64": ("<f8", 8)}
-
-
-class PeftAdapterError(PytrainError, ValueError):
-    """A PEFT adapter folder or tensor set pytrain cannot write or read exactly; names the file
-    or tensor."""
 
 
 # --------------------------------------------------------------------------- names
@@ -579,11 +588,3 @@ def read_peft_adapter(folder: str | os.PathLike[str], model_config: Any = None,
     _check_shapes({k[:-7]: (tensors[k], tensors[k[:-7] + ".lora_b"])
                    for k in tensors if k.endswith(".lora_a")}, model_config, str(wpath))
     return tensors, alpha, rank, cfg
-
-
-def read_peft_metadata(folder: str | os.PathLike[str]) -> dict[str, str]:
-    """The ``__metadata__`` strings of ``adapter_model.safetensors`` (``format`` included)."""
-    p = Path(folder) / WEIGHTS_NAME
-    if not p.is_file():
-        raise PeftAdapterError(f"{p}: missing")
-    return _read_safetensors(p)[1]

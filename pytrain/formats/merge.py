@@ -63,12 +63,10 @@ from gguf import GGUFEndian
 
 from pytrain import ggml
 from pytrain.formats.adapter_gguf import AdapterError, check_adapter_matches, check_alpha, lora_pairs
-from pytrain.formats.adapter_gguf import read_adapter as read_lora_file
 from pytrain.formats.atomic import replacing
+from pytrain.formats.gguf_meta import GGUFError, metadata_from_reader
+from pytrain.formats.gguf_tensors import is_elementwise, open_reader, tensor_infos, type_supported
 from pytrain.ggml import ffi, lib
-from pytrain.formats.gguf_meta import GGUFError
-from pytrain.formats.model_file import open_model
-from pytrain.models.weights import is_elementwise, open_reader, type_supported
 
 MERGED_TYPES = ("keep", "f16", "f32")
 MERGE_KEY = "pytrain.merged_adapters"
@@ -116,7 +114,6 @@ class MergeReport:
     out: str
     merged_type: str
     alpha: float
-    adapter_sha256: str
     tensors: list[TensorMerge] = field(default_factory=list)
     n_copied: int = 0
     bytes_written: int = 0
@@ -152,20 +149,9 @@ class MergeReport:
 
 # --------------------------------------------------------------------------- adapters
 
-def read_adapter(path: str | os.PathLike[str], base_path: str | os.PathLike[str]
-                 ) -> tuple[dict[str, np.ndarray], float]:
-    """``(tensors, alpha)`` of a LoRA adapter GGUF or PEFT adapter folder, checked against
-    the base model at ``base_path`` (architecture, names and shapes)."""
-    arch, _meta, _infos, config = open_model(base_path)
+def _check_matches(infos, tensors: Mapping[str, np.ndarray], source: str, base) -> None:
     try:
-        return read_lora_file(path, arch, config)
-    except AdapterError as e:
-        raise MergeError(f"{e} -- refusing to merge it into {base_path}") from e
-
-
-def _check_matches(config, tensors: Mapping[str, np.ndarray], source: str, base) -> None:
-    try:
-        check_adapter_matches(config, tensors, source=source)
+        check_adapter_matches({n: i.shape for n, i in infos.items()}, tensors, source=source)
     except AdapterError as e:
         raise MergeError(f"{e} -- refusing to merge it into {base}") from e
 
@@ -259,11 +245,11 @@ def merge_adapter(base_path: str | os.PathLike[str], adapter_tensors: Mapping[st
     base, out = Path(base_path), Path(out_path)
     source = source or adapter_name
     alpha = _check_alpha(alpha, merged_type, source)
-    _arch, _meta, infos, config = open_model(base)
-    _check_matches(config, adapter_tensors, source, base)
-    pairs = _pairs(adapter_tensors, source)
-    plan = _plan(pairs, infos, config, alpha, merged_type, base, source)
     reader = _open_base(base, out)
+    infos = tensor_infos(reader)
+    _check_matches(infos, adapter_tensors, source, base)
+    pairs = _pairs(adapter_tensors, source)
+    plan = _plan(pairs, infos, alpha, merged_type, base, source)
     sha = adapter_fingerprint(adapter_tensors, alpha)
     ranks = sorted({int(b.shape[1]) for _a, b in pairs.values()})
     record = json.dumps({"adapter": adapter_name, "alpha": alpha,
@@ -271,7 +257,7 @@ def merge_adapter(base_path: str | os.PathLike[str], adapter_tensors: Mapping[st
                          "tensors": len(plan), "merged_type": merged_type,
                          "sha256": sha}, separators=(",", ":"))
     head, layout = _header(reader, plan, record)
-    report = MergeReport(str(base), str(out), merged_type, alpha, sha)
+    report = MergeReport(str(base), str(out), merged_type, alpha)
     _write(out, reader, head, layout, plan, infos, report)
     return report
 
@@ -283,13 +269,13 @@ def _check_alpha(alpha, merged_type: str, source: str) -> float:
     return check_alpha(alpha, source, MergeError)
 
 
-def _plan(pairs, infos, config, alpha: float, merged_type: str, base: Path, source: str
+def _plan(pairs, infos, alpha: float, merged_type: str, base: Path, source: str
           ) -> dict[str, tuple[int, np.ndarray, np.ndarray, float]]:
     """Per adapted tensor: (output type, A, B, scale), after refusing what cannot merge."""
     plan: dict[str, tuple[int, np.ndarray, np.ndarray, float]] = {}
     for name, (a, b) in pairs.items():
         info = infos[name]
-        if name == "token_embd.weight" and config.tied_embeddings:
+        if name == "token_embd.weight" and "output.weight" not in infos:   # llama.cpp's rule
             raise MergeError(f"{source}: LoRA on token_embd.weight, which in {base} is also the "
                              f"output head (tied embeddings): merging would change the head "
                              f"too, unlike the adapter")
@@ -310,6 +296,9 @@ def _plan(pairs, infos, config, alpha: float, merged_type: str, base: Path, sour
 
 def _open_base(base: Path, out: Path):
     reader = open_reader(base)
+    kind = metadata_from_reader(reader).get("general.type", "model")
+    if kind != "model":
+        raise MergeError(f"{base}: general.type is {kind!r}, not a base model (an adapter file?)")
     if reader.endianess != GGUFEndian.LITTLE:
         raise MergeError(f"{base}: big-endian GGUF files are not supported")
     if int(reader.fields["GGUF.version"].contents()) not in (2, 3):

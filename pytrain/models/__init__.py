@@ -9,17 +9,25 @@ with the list of known ones.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from importlib import import_module
-from typing import Any, Callable, Mapping, Protocol
+from typing import Any, Callable, Protocol
 
 import numpy as np
 
 from pytrain.errors import PytrainError
+from pytrain.formats import adapter_peft
+from pytrain.formats.hf_layout import HFLayout
+
+
+# LoRA target vocabularies (short GGUF tensor names): what every decoder layer has
+ATTENTION_TARGETS = ("attn_q", "attn_k", "attn_v", "attn_output")
+FFN_TARGETS = ("ffn_gate", "ffn_up", "ffn_down")
 
 
 class ModelConfig(Protocol):
     """What generic code reads of an architecture's config."""
+    arch: str                        # the GGUF general.architecture (the registry key)
     n_layer: int
     n_embd: int
     n_vocab: int
@@ -39,18 +47,11 @@ class Architecture:
     set_inputs: Callable[[Any, dict], None]              # (graph inputs, input_values(...))
     padded_length: Callable[[int], int]                  # the T a graph runs for T tokens
     layer_budget: Callable[[ModelConfig, int], int]      # graph nodes of one layer at T
-    default_targets: tuple[str, ...] = ("attn_q", "attn_k", "attn_v", "attn_output")
-    # Hugging Face's layout, for PEFT adapters: the HF module (within model.layers.N) of each
-    # adaptable GGUF tensor, the targets only one kind of layer has (by the config's
-    # ``recurrent`` flag), and, for targets whose rows or columns HF orders differently,
-    # (base, A, B, config, where, to_hf) -> (A, B)
-    hf_modules: Mapping[str, str] = field(default_factory=dict)
-    hf_layer_kind_modules: Mapping[bool, frozenset] = field(default_factory=dict)
-    hf_pairs: Mapping[str, Callable[..., tuple]] = field(default_factory=dict)
-    # the HF model classes of this family, as PEFT records them in adapter_config.json's
-    # auto_mapping ("base_model_class"): lets a PEFT folder say which layout it is in
-    hf_classes: tuple[str, ...] = ()
-    hf_parent_library: str = ""
+    # the LoRA targets (short tensor names) its layers have, and those adapted by default
+    targets: tuple[str, ...] = ATTENTION_TARGETS + FFN_TARGETS
+    default_targets: tuple[str, ...] = ATTENTION_TARGETS
+    # Hugging Face's layout, for PEFT adapters (None: no PEFT format for it)
+    hf_layout: HFLayout | None = None
     # generation with a KV cache (attention-only models): (config, n_past, new tokens) -> the
     # host values of ``graph.decode(ctx, cache, n_past, n, lora)``; None: generation
     # recomputes the prefix (recurrent layers would need their state cached too)
@@ -68,8 +69,11 @@ _REGISTERED: dict[str, Architecture] = {}
 
 
 def register(arch: Architecture) -> Architecture:
-    """Make ``arch`` loadable by its name (the modules above register on first use)."""
+    """Make ``arch`` loadable by its name (the modules above register on first use), and its
+    PEFT layout known to the PEFT reader and writer."""
     _REGISTERED[arch.name] = arch
+    if arch.hf_layout is not None:
+        adapter_peft.register_layout(arch.name, arch.hf_layout)
     return arch
 
 
@@ -85,13 +89,3 @@ def get(name: str, path: str = "") -> Architecture:
         raise ArchitectureError(f"{where}unsupported architecture {name!r}; supported: "
                          f"{', '.join(names())}")
     return _REGISTERED[name]
-
-
-def by_hf_class(hf_class: str) -> Architecture | None:
-    """The architecture whose HF model class is ``hf_class`` (e.g. ``LlamaForCausalLM``)."""
-    return next((a for a in all_registered() if hf_class in a.hf_classes), None)
-
-
-def all_registered() -> list[Architecture]:
-    """Every architecture pytrain knows (their modules imported)."""
-    return [get(n) for n in names()]

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from pytrain.ggml import lib
-from pytrain.models.transformer import sigmoid  # noqa: F401  (qwen35 uses dn.sigmoid)
 
 # The Neumann product in _neumann_inverse squares L up to L^(C/2), whose entries grow with C
 # before they cancel: on the untied F32 fixture (T = 100) C = 64 put pytrain 1.2e-4 off the

@@ -34,7 +34,8 @@ import numpy as np
 
 from pytrain import ggml
 from pytrain.ggml import lib
-from pytrain.models import Architecture, llama, llama_hf, qwen2
+from pytrain.formats import hf_llama
+from pytrain.models import Architecture, llama, qwen2
 from pytrain.models.llama_config import LlamaConfig, RopeParams
 from pytrain.models.transformer import attention_input_values, sigmoid, upload_inputs
 
@@ -176,9 +177,6 @@ ARCHITECTURE = Architecture(
     set_inputs=set_inputs,
     padded_length=llama.padded_length,
     layer_budget=llama.layer_budget,
-    hf_modules=llama_hf.HF_MODULES,
-    hf_layer_kind_modules={False: frozenset(llama_hf.ATTENTION)},
-    hf_classes=("Gemma3ForCausalLM",),
-    hf_parent_library="transformers.models.gemma3.modeling_gemma3",
+    hf_layout=hf_llama.GEMMA3,
     decode_values=decode_values,
 )

@@ -26,7 +26,7 @@ import numpy as np
 from pytrain import ggml
 from pytrain.ggml import lib
 from pytrain.models import Architecture
-from pytrain.models import llama_hf
+from pytrain.formats import hf_llama
 from pytrain.models.llama_config import LlamaConfig
 from pytrain.models.transformer import (DecoderGraph, LoraFn, attention_input_values,
                                        softmax_attention, upload_inputs)
@@ -160,10 +160,6 @@ ARCHITECTURE = Architecture(
     set_inputs=set_inputs,
     padded_length=padded_length,
     layer_budget=layer_budget,
-    hf_modules=llama_hf.HF_MODULES,
-    hf_layer_kind_modules={False: frozenset(llama_hf.ATTENTION)},
-    hf_pairs={t: llama_hf.convert_pair for t in llama_hf.PERMUTED},
+    hf_layout=hf_llama.LLAMA,
     decode_values=decode_values,
-    hf_classes=("LlamaForCausalLM", "MistralForCausalLM"),
-    hf_parent_library="transformers.models.llama.modeling_llama",
 )

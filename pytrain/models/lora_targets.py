@@ -2,30 +2,27 @@
 
 Targets are short tensor names (``attn_q``) matched against ``blk.N.<name>.weight``; the
 result is full GGUF tensor names, the names llama.cpp's adapter loader pairs with
-``.lora_a``/``.lora_b``.  The default adapts q/k/v/o of the softmax-attention layers only,
-like the seed runs and PEFT's usual Qwen setting.  ``skip_ssm`` keeps every tensor of the
-DeltaNet (linear-attention) layers frozen even when a pattern such as ``ffn_up`` would match
-there: adapters inside the recurrent layers are a separate, opt-in experiment.
+``.lora_a``/``.lora_b``.  Which names exist, and which are adapted when none are given, is the
+architecture's (``Architecture.targets`` / ``default_targets``): q/k/v/o of the
+softmax-attention layers by default, like the seed runs and PEFT's usual setting.
+``skip_ssm`` keeps every tensor of the recurrent (DeltaNet) layers frozen even when a pattern
+such as ``ffn_up`` would match there: adapters inside the recurrence are a separate, opt-in
+experiment.
 """
 from __future__ import annotations
 
 from typing import Iterable
 
+from pytrain import models
 from pytrain.errors import PytrainError
 from pytrain.models import ModelConfig
-
-DEFAULT_TARGETS = ("attn_q", "attn_k", "attn_v", "attn_output")
-ATTENTION_TARGETS = ("attn_q", "attn_k", "attn_v", "attn_output")
-FFN_TARGETS = ("ffn_gate", "ffn_up", "ffn_down")
-LINEAR_TARGETS = ("attn_qkv", "attn_gate", "ssm_out", "ssm_beta", "ssm_alpha")
-VALID_TARGETS = ATTENTION_TARGETS + FFN_TARGETS + LINEAR_TARGETS
 
 
 class LoraTargetError(PytrainError, ValueError):
     """Target names that are unknown or select nothing."""
 
 
-def _normalise(targets: Iterable[str] | str) -> list[str]:
+def _normalise(targets: Iterable[str] | str, arch: models.Architecture) -> list[str]:
     if isinstance(targets, str):
         targets = [t for t in targets.replace(",", " ").split()]
     out: list[str] = []
@@ -33,24 +30,27 @@ def _normalise(targets: Iterable[str] | str) -> list[str]:
         short = t.strip().removesuffix(".weight")
         if short not in out:
             out.append(short)
-    unknown = [t for t in out if t not in VALID_TARGETS]
+    valid = ", ".join(arch.targets)
+    unknown = [t for t in out if t not in arch.targets]
     if unknown:
         raise LoraTargetError(f"unknown LoRA target{'s' if len(unknown) > 1 else ''} "
-                              f"{', '.join(map(repr, unknown))}; valid: {', '.join(VALID_TARGETS)}")
+                              f"{', '.join(map(repr, unknown))} for {arch.name}; valid: {valid}")
     if not out:
-        raise LoraTargetError(f"no LoRA targets given; valid: {', '.join(VALID_TARGETS)}")
+        raise LoraTargetError(f"no LoRA targets given; valid for {arch.name}: {valid}")
     return out
 
 
-def select_targets(config: ModelConfig, targets: Iterable[str] | str = DEFAULT_TARGETS,
+def select_targets(config: ModelConfig, targets: Iterable[str] | str | None = None,
                    skip_ssm: bool = True) -> list[str]:
     """Full names of the adapted tensors, by layer then in target order.
 
-    ``targets`` may also be one comma/space separated string (as in a TOML or CLI value).
-    Raises :class:`LoraTargetError` for unknown names or when nothing matches (for example
-    ``attn_qkv`` with ``skip_ssm=True``), since a run that trains nothing is a mistake.
+    ``targets`` None: the architecture's default; or names, also as one comma/space separated
+    string (as in a TOML or CLI value).  Raises :class:`LoraTargetError` for names the
+    architecture does not have or when nothing matches (for example ``attn_qkv`` with
+    ``skip_ssm=True``), since a run that trains nothing is a mistake.
     """
-    wanted = _normalise(targets)
+    arch = models.get(config.arch)
+    wanted = _normalise(arch.default_targets if targets is None else targets, arch)
     shapes = config.tensor_shapes()
     names = []
     for i, recurrent in enumerate(config.recurrent):
@@ -61,7 +61,7 @@ def select_targets(config: ModelConfig, targets: Iterable[str] | str = DEFAULT_T
             if name in shapes:
                 names.append(name)
     if not names:
-        hint = " (the DeltaNet layers are skipped: skip_ssm=True)" if skip_ssm else ""
+        hint = " (the recurrent layers are skipped: skip_ssm=True)" if skip_ssm else ""
         raise LoraTargetError(f"LoRA targets {', '.join(wanted)} match no tensor of this "
                               f"model{hint}")
     return names

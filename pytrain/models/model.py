@@ -15,12 +15,13 @@ import numpy as np
 from pytrain import ggml
 from pytrain.errors import PytrainError
 from pytrain.ggml import lib
-from pytrain.formats.model_file import ModelFileError, open_model
+from pytrain.models.model_file import ModelFileError, open_model
 from pytrain import models
 from pytrain.models import Architecture
 from pytrain.data import pad_token_id
 from pytrain.data.tokenizer import Tokenizer
-from pytrain.models.weights import load_weights, open_reader
+from pytrain.formats.gguf_tensors import open_reader
+from pytrain.models.weights import load_weights
 
 
 class TokenIdError(PytrainError, ValueError):

@@ -4,7 +4,7 @@ What llama.cpp's src/models/qwen2.cpp computes differs from ``llama.py`` in two 
 
 * rope rotates the two halves of each head (NEOX mode, HF's ``rotate_half``): the converter
   (``Qwen2Model``) leaves the q/k rows in HF's order, where Llama's permutes them for NORM
-  rope.  So PEFT adapters move between the two layouts unchanged: no ``hf_pairs``.
+  rope.  So PEFT adapters move between the two layouts unchanged: no pair conversion.
 * q, k and v carry biases (``blk.N.attn_{q,k,v}.bias``); ``transformer.mm`` adds them.
 
 Sizes come from the ``qwen2.*`` keys, read as the Llama family's (``llama_config.py``).
@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar
 
+from pytrain.formats import hf_llama
 from pytrain.models import llama
 from pytrain.models.llama_config import LlamaConfig
 
@@ -44,7 +45,5 @@ ARCHITECTURE = dataclasses.replace(
     name="qwen2",
     config_from_metadata=Qwen2Config.from_metadata,
     graph=Qwen2Graph,
-    hf_pairs={},
-    hf_classes=("Qwen2ForCausalLM",),
-    hf_parent_library="transformers.models.qwen2.modeling_qwen2",
+    hf_layout=hf_llama.QWEN2,
 )

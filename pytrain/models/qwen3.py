@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar
 
+from pytrain.formats import hf_llama
 from pytrain.models import qwen2
 from pytrain.models.llama_config import LlamaConfig
 
@@ -33,6 +34,5 @@ ARCHITECTURE = dataclasses.replace(
     qwen2.ARCHITECTURE,
     name="qwen3",
     config_from_metadata=Qwen3Config.from_metadata,
-    hf_classes=("Qwen3ForCausalLM",),
-    hf_parent_library="transformers.models.qwen3.modeling_qwen3",
+    hf_layout=hf_llama.QWEN3,
 )

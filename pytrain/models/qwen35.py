@@ -20,11 +20,11 @@ import numpy as np
 
 from pytrain import ggml
 from pytrain.ggml import lib
-from pytrain.models import Architecture
+from pytrain.models import ATTENTION_TARGETS, FFN_TARGETS, Architecture
 from pytrain.models import delta_net as dn
-from pytrain.models import qwen35_hf
+from pytrain.formats import hf_qwen35
 from pytrain.models.qwen35_config import Qwen35Config
-from pytrain.models.transformer import (DecoderGraph, LoraFn, attention_input_values,
+from pytrain.models.transformer import (DecoderGraph, LoraFn, attention_input_values, sigmoid,
                                        softmax_attention, upload_inputs)
 
 
@@ -61,7 +61,7 @@ class Qwen35Graph(DecoderGraph):
                                            1.0, 0.0, 0.0)
         q, k = rope(q), rope(k)                                           # [hd, H, T·B]
         o = softmax_attention(ctx, q, k, v, inp.kq_mask, 1.0 / float(np.sqrt(hd)), B, T)
-        o = lib.ggml_mul(ctx, o, dn.sigmoid(ctx, gate))
+        o = lib.ggml_mul(ctx, o, sigmoid(ctx, gate))
         return self.mm(ctx, p + "attn_output.weight", o, lora)
 
     def delta_net(self, ctx, il: int, x, inp: GraphInputs, B: int, T: int, lora, C: int):
@@ -71,7 +71,7 @@ class Qwen35Graph(DecoderGraph):
         ch = c.conv_channels
         mixed = self.mm(ctx, p + "attn_qkv.weight", x, lora)              # [ch, T·B]
         z = self.mm(ctx, p + "attn_gate.weight", x, lora)                 # [dv·Hv, T·B]
-        beta = dn.sigmoid(ctx, self.mm(ctx, p + "ssm_beta.weight", x, lora))   # [Hv, T·B]
+        beta = sigmoid(ctx, self.mm(ctx, p + "ssm_beta.weight", x, lora))   # [Hv, T·B]
         alpha = self.mm(ctx, p + "ssm_alpha.weight", x, lora)
         g = lib.ggml_mul(ctx, lib.ggml_softplus(ctx, lib.ggml_add(ctx, alpha, self.w[p + "ssm_dt.bias"])),
                          self.w[p + "ssm_a"])                             # log decay <= 0
@@ -177,8 +177,6 @@ ARCHITECTURE = Architecture(
     set_inputs=set_inputs,
     padded_length=padded_length,
     layer_budget=layer_budget,
-    hf_modules=qwen35_hf.HF_MODULES,
-    hf_layer_kind_modules=qwen35_hf.LAYER_KIND_MODULES,
-    hf_pairs={t: qwen35_hf.convert_pair for t in qwen35_hf.DELTANET},
-    hf_classes=("Qwen3_5ForCausalLM",),
+    targets=ATTENTION_TARGETS + FFN_TARGETS + tuple(hf_qwen35.DELTANET),
+    hf_layout=hf_qwen35.QWEN35,
 )

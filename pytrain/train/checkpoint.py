@@ -30,6 +30,7 @@ import numpy as np
 from pytrain.errors import PytrainError
 from pytrain.formats.adapter_gguf import read_lora_gguf, write_lora_gguf
 from pytrain.formats.atomic import fsync_dir
+from pytrain.formats.gguf_tensors import open_reader
 
 FORMAT = 3          # 3: run_id, config.toml; 2: total_steps and resume_key; 1 and 2 still load
 
@@ -54,7 +55,6 @@ class TrainState:
 def base_fingerprint(path: str | os.PathLike) -> dict:
     """Size plus sha256 of the header and tensor index: a changed or different base model is
     caught without hashing gigabytes of weights."""
-    from pytrain.models.weights import open_reader
     p = Path(path)
     head = open_reader(p).data_offset
     with open(p, "rb") as f:

@@ -32,7 +32,7 @@ def pad_batch(B: int, T: int, tokens: np.ndarray, seg: np.ndarray, targets: np.n
 
 class GradGraph:
     def __init__(self, model: Model, adapter: LoraAdapter, B: int, T: int,
-                 acc: OptimizerState | None = None, keep_logit_grad: bool = False,
+                 opt_state: OptimizerState | None = None, keep_logit_grad: bool = False,
                  rows: int | None = None):
         """``rows``: run the LM head and the loss on that many positions, the micro-batch's
         targets (loss.select_rows), instead of all B·T; None: on all of them (needed by the
@@ -40,8 +40,8 @@ class GradGraph:
         assert rows is None or not keep_logit_grad, "logit gradients are kept for all rows only"
         self.rows = rows
         self.model, self.adapter = model, adapter
-        self.acc = acc or OptimizerState(model.runtime, adapter.params())
-        self.own_acc = acc is None
+        self.opt_state = opt_state or OptimizerState(model.runtime, adapter.params())
+        self.own_state = opt_state is None
         self.B, self.T = B, model.arch.padded_length(T)
         size = model.graph_budget(self.T)
         self.ctx = ggml.Context(n_tensors=size * 2, graph_size=size * 2, grads=True)
@@ -56,7 +56,7 @@ class GradGraph:
         seed = lib.ggml_new_tensor_1d(self.seed_ctx.ptr, lib.GGML_TYPE_F32, 1)
         self.seed_buf = model.runtime.alloc(self.seed_ctx)
         ggml.from_numpy(seed, np.ones(1, np.float32))
-        accs = {ggml.address(p): self.acc.grad[ggml.name(p)] for p in adapter.params()}
+        accs = {ggml.address(p): self.opt_state.grad[ggml.name(p)] for p in adapter.params()}
         self.graph = ggml.build_backward(self.ctx, gf, self.ce.loss, accs, seed)
         self.logit_grad = None
         if keep_logit_grad:
@@ -90,9 +90,9 @@ class GradGraph:
     def run(self, tokens: np.ndarray, seg: np.ndarray, targets: np.ndarray,
             n_valid_step: int | None = None, buggy: bool = False) -> dict:
         """Loss and fresh gradients of one micro-batch (zeroes the accumulators first)."""
-        self.acc.zero_grads()
+        self.opt_state.zero_grads()
         loss, n_valid = self.accumulate(tokens, seg, targets, n_valid_step, buggy)
-        out = {"loss": loss, "n_valid": n_valid, "grads": self.acc.grads()}
+        out = {"loss": loss, "n_valid": n_valid, "grads": self.opt_state.grads()}
         if self.logit_grad is not None:
             V = self.model.config.n_vocab
             out["logit_grad"] = ggml.to_numpy(self.logit_grad).reshape(self.B, self.T, V).copy()
@@ -103,8 +103,8 @@ class GradGraph:
         self.ce.close()
         self.model.runtime.free(self.seed_buf)
         self.seed_ctx.close()
-        if self.own_acc:
-            self.acc.close()
+        if self.own_state:
+            self.opt_state.close()
         self.ctx.close()
 
 

@@ -91,7 +91,8 @@ class OptimizerState:
 
 
 @dataclass
-class AdamW:
+class AdamWSettings:
+    """AdamW's hyperparameters and the clipping norm (the step itself is :class:`Optimizer`)."""
     lr: float = 1e-4
     beta1: float = 0.9
     beta2: float = 0.999
@@ -103,16 +104,16 @@ class AdamW:
 class Optimizer:
     """The gradient-norm graph and the AdamW update graph over an ``OptimizerState``."""
 
-    def __init__(self, runtime: ggml.Runtime, acc: OptimizerState, hp: AdamW):
-        self.rt, self.acc, self.hp = runtime, acc, hp
-        n = len(acc.params)
+    def __init__(self, runtime: ggml.Runtime, opt_state: OptimizerState, hp: AdamWSettings):
+        self.rt, self.opt_state, self.hp = runtime, opt_state, hp
+        n = len(opt_state.params)
         size = 16 * n + 64
         self.ctx = ggml.Context(n_tensors=size, graph_size=size)
         c = self.ctx.ptr
         # ||g||^2 = sum over tensors of sum(g^2)
         sq = None
-        for p in acc.params:
-            s = lib.ggml_sum(c, lib.ggml_sqr(c, acc.grad[ggml.name(p)]))
+        for p in opt_state.params:
+            s = lib.ggml_sum(c, lib.ggml_sqr(c, opt_state.grad[ggml.name(p)]))
             sq = s if sq is None else lib.ggml_add(c, sq, s)
         self.sumsq = sq
         lib.ggml_set_output(sq)
@@ -124,19 +125,19 @@ class Optimizer:
         lib.ggml_set_input(self.clip)
         lib.ggml_set_input(self.adamw_params)
         self.update_graph = ggml.new_graph(self.ctx, size)
-        for p in acc.params:
+        for p in opt_state.params:
             k = ggml.name(p)
-            g = lib.ggml_mul(c, acc.grad[k], self.clip)
+            g = lib.ggml_mul(c, opt_state.grad[k], self.clip)
             lib.ggml_build_forward_expand(
                 self.update_graph,
-                lib.ggml_opt_step_adamw(c, p, g, acc.m[k], acc.v[k], self.adamw_params))
+                lib.ggml_opt_step_adamw(c, p, g, opt_state.m[k], opt_state.v[k], self.adamw_params))
         # allocated once, beside the scheduler: the step graph stays allocated between steps
-        runtime.alloc_kept(self.norm_graph)
-        runtime.alloc_kept(self.update_graph)
+        runtime.alloc_resident(self.norm_graph)
+        runtime.alloc_resident(self.update_graph)
         self.t = 0
 
     def grad_norm(self) -> float:
-        self.rt.compute_kept(self.norm_graph)
+        self.rt.compute_resident(self.norm_graph)
         return math.sqrt(max(float(ggml.to_numpy(self.sumsq).reshape(-1)[0]), 0.0)) \
             if np.isfinite(ggml.to_numpy(self.sumsq)).all() else float("nan")
 
@@ -152,7 +153,7 @@ class Optimizer:
         b2h = 1.0 / (1.0 - hp.beta2 ** self.t)
         ggml.from_numpy(self.adamw_params, np.array(
             [lr, hp.beta1, hp.beta2, hp.eps, hp.weight_decay, b1h, b2h], np.float32))
-        self.rt.compute_kept(self.update_graph)
+        self.rt.compute_resident(self.update_graph)
         return clip
 
 

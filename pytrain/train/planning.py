@@ -16,7 +16,8 @@ from pytrain.ggml import ffi, lib
 from pytrain import models
 from pytrain.models.model import Model
 from pytrain.models import ModelConfig
-from pytrain.models.weights import is_elementwise, load_type
+from pytrain.formats.gguf_tensors import is_elementwise
+from pytrain.models.weights import load_type
 
 _PLACEHOLDER = ffi.cast("void *", 1 << 20)   # never dereferenced: shape models are not computed
 

@@ -66,11 +66,11 @@ class RecomputeGraph:
     shared accumulators and returns its share of the step loss."""
 
     def __init__(self, model: Model, adapter: LoraAdapter, B: int, T: int,
-                 acc: OptimizerState | None = None):
+                 opt_state: OptimizerState | None = None):
         cfg, rt = model.config, model.runtime
         self.model, self.adapter = model, adapter
-        self.acc = acc or OptimizerState(rt, adapter.params())
-        self.own_acc = acc is None
+        self.opt_state = opt_state or OptimizerState(rt, adapter.params())
+        self.own_state = opt_state is None
         self.B, self.T = B, model.arch.padded_length(T)
         self.l0 = first_adapted_layer(adapter.names)
         L, E, N, T = cfg.n_layer, cfg.n_embd, B * self.T, self.T
@@ -129,7 +129,7 @@ class RecomputeGraph:
             surrogate = lib.ggml_sum(bg.c, lib.ggml_mul(bg.c, y, g_in))
             gf = ggml.new_graph(bg.ctx, size * 2, grads=True)
             lib.ggml_build_forward_expand(gf, surrogate)
-            accs = {a: self.acc.grad[ggml.name(p)] for a, p in self.params.items()}
+            accs = {a: self.opt_state.grad[ggml.name(p)] for a, p in self.params.items()}
             bg.graph = ggml.build_backward(bg.ctx, gf, surrogate, accs, self.seed)
             if il > self.l0:           # the lowest adapted layer hands nothing further down
                 dx = ggml.grad_of(bg.graph, x_in)
@@ -177,9 +177,9 @@ class RecomputeGraph:
     def run(self, tokens: np.ndarray, seg: np.ndarray, targets: np.ndarray,
             n_valid_step: int | None = None) -> dict:
         """Loss and fresh gradients of one micro-batch (zeroes the accumulators first)."""
-        self.acc.zero_grads()
+        self.opt_state.zero_grads()
         loss, n_valid = self.accumulate(tokens, seg, targets, n_valid_step)
-        return {"loss": loss, "n_valid": n_valid, "grads": self.acc.grads()}
+        return {"loss": loss, "n_valid": n_valid, "grads": self.opt_state.grads()}
 
     def graphs(self) -> list:
         return [self.pre.graph, *(f.graph for f in self.fwd), self.head.graph,
@@ -193,5 +193,5 @@ class RecomputeGraph:
             gr.close()
         rt.free(self.pbuf)
         self.pctx.close()
-        if self.own_acc:
-            self.acc.close()
+        if self.own_state:
+            self.opt_state.close()

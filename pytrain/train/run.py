@@ -29,9 +29,9 @@ from pytrain.models import lora as lora_mod
 from pytrain.formats.adapter_gguf import write_lora_gguf
 from pytrain.config import Config
 from pytrain.data import DataSplits, load_data, make_batches
-from pytrain.models.lora_targets import select_targets
+from pytrain.models.lora_targets import LoraTargetError, select_targets
 from pytrain.models.model import Model, load_model
-from pytrain.train.optimizer import AdamW, schedule
+from pytrain.train.optimizer import AdamWSettings, schedule
 from pytrain.train.trainer import NonFiniteLoss, Trainer
 
 
@@ -49,7 +49,6 @@ class RunResult:
     adapter: Path
     steps: int
     final_eval: dict | None
-    stopped: str | None = None
 
 
 def output_dir(cfg: Config) -> Path:
@@ -285,13 +284,16 @@ def open_session(cfg: Config, out: Path, log: Callable[[str], None],
         log(runtime_summary(model) + (f"; {w.size} data-parallel ranks" if w.size > 1 else ""))
         splits = load_data(cfg.data, model.tokenizer)
         log(splits.train_stats.summary())
-        names = select_targets(model.config, cfg.lora.targets, cfg.lora.skip_ssm)
+        try:
+            names = select_targets(model.config, cfg.lora.targets, cfg.lora.skip_ssm)
+        except LoraTargetError as e:
+            raise cfg.error("lora", "targets", str(e)) from None
         adapter = lora_mod.create(
             model.runtime, model.config, names, cfg.lora.rank, cfg.lora.alpha,
             seed=cfg.lora.seed,                   # resolved by the config (train.seed if unset)
             init=cfg.lora.init)
         t = cfg.train
-        hp = AdamW(lr=t.lr, beta1=t.adam_beta1, beta2=t.adam_beta2, eps=t.adam_eps,
+        hp = AdamWSettings(lr=t.lr, beta1=t.adam_beta1, beta2=t.adam_beta2, eps=t.adam_eps,
                    weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm)
         trainer = Trainer(model, adapter, hp, buggy_loss=t.loss_bug_repro, recompute=t.recompute,
                           memory_bytes=int(t.memory_gib * 2**30) if t.memory_gib else None,
@@ -347,7 +349,7 @@ def resume_from(s: Session, where: Path, total: int) -> ckpt.TrainState:
               f"{t.schedule} schedule is recomputed over {total} steps; lr at step "
               f"{state.step + 1}: {before:.3g} -> {after:.3g}")
     s.adapter.set(tensors)
-    s.trainer.acc.set_moments(moments)
+    s.trainer.opt_state.set_moments(moments)
     s.trainer.opt.t = state.adam_t
     if s.world.is_main:
         metrics = s.out / "metrics.jsonl"
@@ -438,7 +440,7 @@ class Loop:
         state = ckpt.TrainState(self.step, epoch, index, s.trainer.opt.t, self.fingerprint,
                                 total_steps=self.total, resume_key=s.resume_key(),
                                 run_id=self.run_id)
-        return ckpt.save(self.ckpt_dir, self.step, s.adapter, s.trainer.acc.moments(), state,
+        return ckpt.save(self.ckpt_dir, self.step, s.adapter, s.trainer.opt_state.moments(), state,
                          keep=s.cfg.output.keep_checkpoints, arch=s.model.arch.name,
                          config_toml=s.cfg.to_toml())
 

@@ -13,7 +13,7 @@ from pytrain.train.distributed import World
 from pytrain.train.graphs import EvalGraph, GradGraph
 from pytrain.models.lora import LoraAdapter
 from pytrain.models.model import Model
-from pytrain.train.optimizer import OptimizerState, AdamW, Optimizer
+from pytrain.train.optimizer import OptimizerState, AdamWSettings, Optimizer
 from pytrain.train.memory import available_bytes
 from pytrain.train.planning import compute_bytes
 from pytrain.train.recompute import RecomputeGraph
@@ -42,7 +42,7 @@ class StepResult:
 
 
 class Trainer:
-    def __init__(self, model: Model, adapter: LoraAdapter, hp: AdamW, buggy_loss: bool = False,
+    def __init__(self, model: Model, adapter: LoraAdapter, hp: AdamWSettings, buggy_loss: bool = False,
                  max_graphs: int = 12, recompute: str = "auto", memory_bytes: int | None = None,
                  world=None):
         """``memory_bytes``: what ``recompute="auto"`` may plan a step for, weights included
@@ -56,8 +56,8 @@ class Trainer:
             raise ValueError(f"recompute must be auto, off or layers, got {recompute!r}")
         self.recompute = recompute
         self.memory_bytes = memory_bytes
-        self.acc = OptimizerState(model.runtime, adapter.params())
-        self.opt = Optimizer(model.runtime, self.acc, hp)
+        self.opt_state = OptimizerState(model.runtime, adapter.params())
+        self.opt = Optimizer(model.runtime, self.opt_state, hp)
         self.graphs: dict[tuple[int, int, int | None], GradGraph] = {}   # (B, T, rows)
         self.max_graphs = max_graphs
         self._auto: dict[tuple[int, int], bool] = {}
@@ -76,9 +76,9 @@ class Trainer:
             if len(self.graphs) >= self.max_graphs:   # drop the oldest shape
                 self._drop(next(iter(self.graphs)))
             if key[2] == "layers":
-                self.graphs[key] = RecomputeGraph(self.model, self.adapter, B, T, acc=self.acc)
+                self.graphs[key] = RecomputeGraph(self.model, self.adapter, B, T, opt_state=self.opt_state)
             else:
-                self.graphs[key] = GradGraph(self.model, self.adapter, B, T, acc=self.acc,
+                self.graphs[key] = GradGraph(self.model, self.adapter, B, T, opt_state=self.opt_state,
                                              rows=key[2])
         return self.graphs[key]
 
@@ -92,7 +92,7 @@ class Trainer:
         if self.recompute != "auto":
             return self.recompute == "layers"
         if (B, T) not in self._auto:
-            g = GradGraph(self.model, self.adapter, B, T, acc=self.acc,
+            g = GradGraph(self.model, self.adapter, B, T, opt_state=self.opt_state,
                           rows=loss_mod.rows_bucket(B * T, B * T))
             need = compute_bytes(self.model.runtime, g.graph)
             g.close()
@@ -124,7 +124,7 @@ class Trainer:
             n_step = w.sum(len(micro_batches))   # averaged over micro-batches as ggml-opt does
         if n_step == 0:
             return None
-        self.acc.zero_grads()
+        self.opt_state.zero_grads()
         total, tokens = 0.0, 0
         for b, tg, n in zip(micro_batches, tgts, counts):
             g = self.graph(*b.tokens.shape, None if self.buggy else n)
@@ -136,7 +136,7 @@ class Trainer:
             t1 = time.perf_counter()
             sums = w.allreduce_sum(np.array([total, tokens], np.float64))     # one message
             total, tokens = float(sums[0]), int(sums[1])
-            self.acc.allreduce_grads(w)    # before the NaN check, the norm and AdamW
+            self.opt_state.allreduce_grads(w)    # before the NaN check, the norm and AdamW
             t_comm = time.perf_counter() - t1
         if not math.isfinite(total):
             raise NonFiniteLoss(f"loss is {total}")

@@ -28,6 +28,8 @@ from typing import Any
 
 import numpy as np
 
+from pytrain.formats.hf_layout import HFLayout, PeftAdapterError
+
 ATTENTION = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
              "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj"}
 FFN = {"ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
@@ -39,31 +41,26 @@ HF_MODULES = {**ATTENTION, **FFN, **DELTANET}
 LAYER_KIND_MODULES = {False: frozenset(ATTENTION), True: frozenset(DELTANET)}
 
 
-def _error(message: str) -> Exception:
-    from pytrain.formats.adapter_peft import PeftAdapterError   # formats imports the registry
-    return PeftAdapterError(message)
-
-
 def _grouped_to_tiled(n_k: int, n_v: int, hd: int) -> np.ndarray:
     """The converter's ``_reorder_v_heads`` index: ``gguf[i] = hf[idx[i]]`` on an axis of
     ``n_v * hd`` entries."""
     if n_k <= 0 or n_v <= 0 or n_v % n_k:
-        raise _error(f"DeltaNet value heads ({n_v}) must be a multiple of key heads ({n_k})")
+        raise PeftAdapterError(f"DeltaNet value heads ({n_v}) must be a multiple of key heads ({n_k})")
     return np.arange(n_v * hd).reshape(n_k, n_v // n_k, hd).transpose(1, 0, 2).reshape(-1)
 
 
 def _deltanet_dims(model_config: Any, base: str, where: str) -> tuple[int, int, int, int]:
     if model_config is None:
-        raise _error(
+        raise PeftAdapterError(
             f"{where}: {base!r} is a DeltaNet tensor whose value heads llama.cpp's converter "
             f"re-orders; pass model_config (the model's Qwen35Config) to convert it exactly")
     try:
         n_k, n_v = int(model_config.ssm_k_heads), int(model_config.ssm_v_heads)
         dk, inner = int(model_config.ssm_state), int(model_config.ssm_inner)
     except AttributeError as e:
-        raise _error(f"{where}: model_config lacks the DeltaNet sizes ({e})") from None
+        raise PeftAdapterError(f"{where}: model_config lacks the DeltaNet sizes ({e})") from None
     if n_v <= 0 or inner % n_v:
-        raise _error(f"{where}: inconsistent DeltaNet sizes in model_config "
+        raise PeftAdapterError(f"{where}: inconsistent DeltaNet sizes in model_config "
                      f"(ssm_inner {inner}, ssm_v_heads {n_v})")
     return n_k, n_v, dk, inner // n_v
 
@@ -86,10 +83,14 @@ def convert_pair(base: str, a: np.ndarray, b: np.ndarray, model_config: Any, whe
         idx, axis = _grouped_to_tiled(n_k, n_v, dv), "cols"
     n = b.shape[0] if axis == "rows" else a.shape[1]
     if n != len(idx):
-        raise _error(
+        raise PeftAdapterError(
             f"{where}: {base!r} has {n} {'outputs' if axis == 'rows' else 'inputs'} but the "
             f"model's DeltaNet sizes give {len(idx)} (an adapter for a different model?)")
     perm = np.argsort(idx) if to_hf else idx     # hf = gguf[argsort(idx)], gguf = hf[idx]
     if axis == "rows":
         return a, np.ascontiguousarray(b[perm])
     return np.ascontiguousarray(a[:, perm]), b
+
+
+QWEN35 = HFLayout(HF_MODULES, LAYER_KIND_MODULES, {t: convert_pair for t in DELTANET},
+                  ("Qwen3_5ForCausalLM",))

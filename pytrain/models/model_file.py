@@ -14,7 +14,7 @@ from gguf import GGUFReader
 
 from pytrain.formats.gguf_meta import GGUFError, metadata_from_reader
 from pytrain import models
-from pytrain.models.weights import TensorInfo, open_reader, tensor_infos
+from pytrain.formats.gguf_tensors import TensorInfo, open_reader, tensor_infos
 
 
 class ModelFileError(GGUFError):
