@@ -16,8 +16,8 @@ What it makes:
 
 How (from the repo root, with the reference stack of scripts/requirements-reference.txt):
 
-    /opt/refenv/bin/python scripts/make_default_model.py --fresh         # everything (~12 min)
-    /opt/refenv/bin/python scripts/make_default_model.py --check-demo \
+    /opt/refenv/bin/python -m scripts.make_default_model --fresh         # everything (~12 min)
+    /opt/refenv/bin/python -m scripts.make_default_model --check-demo \
         --demo-rank 16 --demo-lr 5e-3 --demo-schedule constant --demo-steps 200   # 7/8 animals
 
 Stages cache their results in --work (default /tmp/pytrain-default-model): the tokenizer and the
@@ -40,8 +40,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import qwen35_reference as ref  # noqa: E402
+from scripts import qwen35_gguf as qg
+from scripts import qwen35_reference as ref
 
 VOCAB = 1024
 SEQ = 128
@@ -458,11 +458,11 @@ def main() -> int:
     model = Qwen3_5ForCausalLM.from_pretrained(str(hf_dir), attn_implementation="eager").float().eval()
 
     gguf_path = ref.convert_to_gguf(hf_dir, out / "default-model.gguf", "f32")
-    ref.check_gguf_layout(model, gguf_path)
+    qg.check_gguf_layout(model, gguf_path)
     probe = hf_tok.encode(ref.render_chat(hf_tok, [{"role": "user", "content": "What is 2+3?"}],
                                           add_generation_prompt=True), add_special_tokens=False)
-    err = float(np.abs(ref.numpy_forward_gguf(gguf_path, probe) - ref.hf_logprobs(model, probe)).max())
-    print(ref.gguf_summary(gguf_path).split("\n  ")[0])
+    err = float(np.abs(qg.numpy_forward_gguf(gguf_path, probe) - ref.hf_logprobs(model, probe)).max())
+    print(qg.gguf_summary(gguf_path).split("\n  ")[0])
     print(f"numpy-from-GGUF vs HF on a {len(probe)}-token prompt: max |dlogprob| {err:.2e}")
     assert err < 1e-3, err
 

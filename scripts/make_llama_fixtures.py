@@ -54,7 +54,7 @@ float64 CE of its logits; the float64 PEFT run computes in float64 only.
 
 How (repo root, with the reference stack of scripts/requirements-reference.txt):
 
-    /opt/refenv/bin/python scripts/make_llama_fixtures.py [--family qwen2,qwen3,gemma3]  # ~30 s each
+    /opt/refenv/bin/python -m scripts.make_llama_fixtures [--family qwen2,qwen3,gemma3]  # ~30 s each
 
 Deterministic: fixed seeds, one thread.
 """
@@ -62,19 +62,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-import llama_ref  # noqa: E402  (tests/llama_ref.py: the float64 numpy forward of a llama GGUF)
-import make_qwen35_fixtures as fx  # noqa: E402
-import qwen35_reference as ref  # noqa: E402
+from scripts import make_qwen35_fixtures as fx
+from scripts import native_build
+from scripts import qwen35_gguf as qg
+from scripts import qwen35_reference as ref
 
+# tests/llama_ref.py, the float64 numpy forward of a llama GGUF (tests/ is no package)
+llama_ref = native_build.import_file("llama_ref", ref.REPO / "tests" / "llama_ref.py")
 VOCAB = 512
 FIXTURES = ref.REPO / "tests" / "fixtures"
 # family -> (transformers config class, model class, modeling module, converter permutes q/k)
@@ -190,30 +189,6 @@ def true_float64(name: str):
 
 # --------------------------------------------------------------------------- GGUF side
 
-_CONVERT = r"""
-import sys, runpy
-llama, script = sys.argv[1], sys.argv[2]
-sys.path.insert(0, llama + "/gguf-py")
-sys.path.insert(0, llama)
-import conversion.base as _b
-# the converter recognises pre-tokenizers by a hash of a probe string's ids; the fixture
-# vocabulary (tests/fixtures/qwen35/tokenizer) is built with the qwen35 regex
-_b.TextModel.get_vocab_base_pre = lambda self, tokenizer: "qwen35"
-sys.argv = [llama + "/" + script] + sys.argv[3:]
-runpy.run_path(llama + "/" + script, run_name="__main__")
-"""
-
-
-def run_converter(script: str, args: list[str]) -> None:
-    env = dict(os.environ)
-    env.pop("NO_LOCAL_GGUF", None)
-    r = subprocess.run([sys.executable, "-c", _CONVERT, str(ref.llama_cpp_dir()), script, *args],
-                       capture_output=True, text=True, env=env)
-    if r.returncode != 0:
-        sys.stderr.write(r.stdout[-4000:] + r.stderr[-8000:])
-        raise RuntimeError(f"{script} {' '.join(args)} failed")
-
-
 def permute_rows(w, n_heads: int):
     """Our statement of the converter's q/k transform: within each head, rows
     [x_0..x_{d/2-1} | y_0..y_{d/2-1}] -> [x_0, y_0, x_1, y_1, ...]."""
@@ -226,7 +201,7 @@ def permute_rows(w, n_heads: int):
 def check_layout(name: str, model, path: Path) -> None:
     """Every tensor of an F32 GGUF is the HF tensor under the documented transforms."""
     import numpy as np
-    G = ref.gguf_tensors_f32(path)
+    G = qg.gguf_tensors_f32(path)
     cfg = model.config
     exp = {}
     sd = {k: v.detach().double().numpy() for k, v in model.state_dict().items()}
@@ -345,9 +320,9 @@ def peft_gradients(name: str, hf_dir: Path, seqs: list[list[int]], pad_id: int, 
                                                else np.float32)
                        for k, v in tensors.items()}, str(d / "adapter_model.safetensors"))
         out = tmp / f"lora-{name}-{what}.gguf"
-        run_converter("convert_lora_to_gguf.py", ["--outfile", str(out), "--outtype", "f32",
+        ref.run_converter("convert_lora_to_gguf.py", ["--outfile", str(out), "--outtype", "f32",
                                                   "--base", str(hf_dir), str(d)])
-        folders[what] = (d, ref.gguf_tensors_f32(out), ref.gguf_fields(out))
+        folders[what] = (d, qg.gguf_tensors_f32(out), qg.gguf_fields(out))
     res = {"input_ids": input_ids, "attention_mask": attn, "labels": labels,
            "n_valid": np.int64(n_valid), "loss": np.float64(loss32), "loss64": np.float64(loss64)}
     conv, fields = folders["values"][1], folders["values"][2]
@@ -372,11 +347,7 @@ def main() -> int:
     unknown = set(families) - set(FAMILIES)
     if unknown:
         ap.error(f"--family: unknown {sorted(unknown)}; known {sorted(FAMILIES)}")
-    if os.environ.get("PYTHONHASHSEED") != "0":
-        # PEFT writes target_modules in set order: fixed string hashes make the folder's
-        # adapter_config.json the same bytes on every run
-        os.execve(sys.executable, [sys.executable, *sys.argv],
-                  {**os.environ, "PYTHONHASHSEED": "0"})
+    ref.fix_hash_seed(__spec__.name)
 
     import numpy as np
     import torch
@@ -414,13 +385,13 @@ def main() -> int:
                                                                 sort_keys=True)))
             for ot in spec["outtypes"]:
                 path = out / f"{name}-{ot}.gguf"
-                run_converter("convert_hf_to_gguf.py", [str(hf_dir), "--outfile", str(path),
+                ref.run_converter("convert_hf_to_gguf.py", [str(hf_dir), "--outfile", str(path),
                                                         "--outtype", ot])
                 assert path.stat().st_size < 1_000_000, path
                 if ot == "f32":
                     check_layout(name, model, path)
                 f64 = np.zeros_like(logprobs)
-                ref.use_pinned_gguf()
+                qg.pinned_gguf()
                 contents = llama_ref.gguf_contents(path)
                 for i, s in enumerate(seqs):
                     f64[i, :len(s)] = llama_ref.forward(*contents, s)

@@ -46,7 +46,7 @@ Measured when made: PEFT float32 vs float64 loss -1.8e-6; gradients up to 4.6e-5
 tensor's max on layer 1 (whose gradients cross DeltaNet layer 2 and attention layer 3), 7e-6 on
 layer 3.  HF float32 logits of a padded row vs the row run alone: 1.8e-5 (float64: 3e-14).
 
-How (repo root):  /opt/refenv/bin/python scripts/make_peft_golden.py
+How (repo root):  /opt/refenv/bin/python -m scripts.make_peft_golden
 Deterministic (fixed seeds, one thread; a rerun writes the same bytes); ~10 s on 2 cores.
 """
 from __future__ import annotations
@@ -55,9 +55,9 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import make_qwen35_fixtures as fx  # noqa: E402
-import qwen35_reference as ref  # noqa: E402
+from scripts import make_qwen35_fixtures as fx
+from scripts import qwen35_gguf as qg
+from scripts import qwen35_reference as ref
 
 FIX = ref.REPO / "tests" / "fixtures" / "qwen35"
 RANK, ALPHA = 4, 8
@@ -88,7 +88,7 @@ def match_gguf_weights(model, gguf_path) -> None:
     tensor against the GGUF (``expected_gguf_tensors`` under true_float64 is float64 exact)."""
     import numpy as np
     import torch
-    G = ref.gguf_tensors_f32(gguf_path)
+    G = qg.gguf_tensors_f32(gguf_path)
     cfg = model.config
     nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     grouped_of_tiled = np.arange(nv).reshape(nk, nv // nk).T.reshape(-1)
@@ -109,7 +109,7 @@ def match_gguf_weights(model, gguf_path) -> None:
                 v = np.empty(nv)
                 v[grouped_of_tiled] = a
                 p.copy_(torch.tensor(np.log(-v)))
-    exp = ref.expected_gguf_tensors(model)
+    exp = qg.expected_gguf_tensors(model)
     assert set(exp) == set(G)
     for k, e in exp.items():
         assert e.dtype == np.float64, k
@@ -237,7 +237,7 @@ def main() -> int:
         toks = gold["tokens"][4, :100].tolist()
         with torch.no_grad():
             lp64 = torch.log_softmax(model64(input_ids=torch.tensor([toks]), use_cache=False).logits[0], -1)
-        e = float(np.abs(lp64.numpy() - ref.numpy_forward_gguf(gguf, toks)).max())
+        e = float(np.abs(lp64.numpy() - qg.numpy_forward_gguf(gguf, toks)).max())
         print(f"HF float64 on the GGUF weights vs numpy_forward_gguf (float64), sequence 4: "
               f"max |dlogprob| = {e:.2g}")
         assert e < 1e-6, e

@@ -48,7 +48,7 @@ Output keys (tokens: gqa.npz's first 100 columns; per adapter set S in {all, spa
     also S/peft_saved_bf16/<file> (the PeftModel cast to bfloat16 first).
 
 How (repo root):
-    PYTHONPATH=$PWD /opt/refenv/bin/python scripts/make_peft_logits_golden.py
+    /opt/refenv/bin/python -m scripts.make_peft_logits_golden
 (refenv needs numpy and safetensors for pytrain.formats.adapter_peft; gguf is the pinned gguf-py.)
 Deterministic (fixed seeds, one thread, PYTHONHASHSEED=0 set by re-exec): a rerun writes the
 same bytes; ~20 s on 2 cores.
@@ -56,20 +56,16 @@ same bytes; ~20 s on 2 cores.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import make_peft_golden as mg  # noqa: E402
-import qwen35_reference as ref  # noqa: E402
-
-sys.path.insert(0, str(ref.REPO))
-from pytrain.formats.adapter_peft import (hf_tables, peft_module_name, read_peft_adapter,  # noqa: E402
-                                  write_peft_adapter)
-from pytrain.models.qwen35_config import Qwen35Config  # noqa: E402
+from pytrain.formats.adapter_peft import (hf_tables, peft_module_name, read_peft_adapter,
+                                          write_peft_adapter)
+from pytrain.models.qwen35_config import Qwen35Config
+from scripts import make_peft_golden as mg
+from scripts import qwen35_gguf as qg
+from scripts import qwen35_reference as ref
 
 FIX = ref.REPO / "tests" / "fixtures" / "qwen35"
 GGUF = FIX / "gqa-f32.gguf"
@@ -79,21 +75,9 @@ SPARSE = ["blk.3.attn_q.weight", "blk.3.attn_v.weight", "blk.1.attn_output.weigh
 SETS = {"all": dict(rank=4, alpha=8.0, seed=11, names=None),
         "sparse": dict(rank=2, alpha=3.5, seed=12, names=SPARSE)}
 
-_CONVERT_LORA = r"""
-import sys, runpy
-llama = sys.argv[1]
-sys.path.insert(0, llama + "/gguf-py")
-sys.path.insert(0, llama)
-import conversion.base as _b
-_b.ModelBase.no_mtp = True     # the Qwen3.5 class asserts on MTP layers otherwise
-sys.argv = [llama + "/convert_lora_to_gguf.py"] + sys.argv[2:]
-runpy.run_path(llama + "/convert_lora_to_gguf.py", run_name="__main__")
-"""
-
-
 def gguf_config() -> Qwen35Config:
-    fields = ref.gguf_fields(GGUF)
-    names = set(ref.gguf_tensors_f32(GGUF))
+    fields = qg.gguf_fields(GGUF)
+    names = set(qg.gguf_tensors_f32(GGUF))
     return Qwen35Config.from_metadata(fields, names, source=str(GGUF))
 
 
@@ -127,18 +111,11 @@ def hf_logits(model, gold):
 
 
 def convert_with_llama_cpp(folder: Path, hf_dir: Path, out: Path) -> dict:
-    llama = ref.llama_cpp_dir()
-    cmd = [sys.executable, "-c", _CONVERT_LORA, str(llama), "--base", str(hf_dir),
-           "--outfile", str(out), "--outtype", "f32", str(folder)]
-    env = dict(os.environ)
-    env.pop("NO_LOCAL_GGUF", None)
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    if r.returncode != 0:
-        sys.stderr.write(r.stdout[-4000:] + r.stderr[-8000:])
-        raise RuntimeError(f"convert_lora_to_gguf failed for {folder}")
-    fields = ref.gguf_fields(out)
+    ref.run_converter("convert_lora_to_gguf.py", ["--base", str(hf_dir), "--outfile", str(out),
+                                                  "--outtype", "f32", str(folder)], patch=ref.NO_MTP)
+    fields = qg.gguf_fields(out)
     assert fields["general.type"] == "adapter" and fields["adapter.type"] == "lora", fields
-    return {"alpha": float(fields["adapter.lora.alpha"]), "tensors": ref.gguf_tensors_f32(out)}
+    return {"alpha": float(fields["adapter.lora.alpha"]), "tensors": qg.gguf_tensors_f32(out)}
 
 
 def main() -> int:
@@ -265,9 +242,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    if os.environ.get("PYTHONHASHSEED") != "0":
-        # PEFT saves target_modules from a set of strings: fix the hash seed so a rerun
-        # writes the same bytes
-        os.execve(sys.executable, [sys.executable] + sys.argv,
-                  {**os.environ, "PYTHONHASHSEED": "0"})
+    ref.fix_hash_seed(__spec__.name)
     sys.exit(main())
