@@ -22,8 +22,8 @@ data) measures what the adapter taught.  Steps:
    bench_results/demo_real.md and .json (demo_real-gemma3-270m.* for Gemma; with --results)
    and printed.
 
-Usage:  python scripts/demo_real.py [--model smollm2|gemma3-270m] [--results bench_results]
-                                    [--set SECTION.KEY=VALUE ...]
+Usage:  python -m scripts.demo_real [--model smollm2|gemma3-270m] [--results bench_results]
+                                     [--set SECTION.KEY=VALUE ...]
 """
 from __future__ import annotations
 
@@ -37,15 +37,12 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
+from pytrain.config import load_config
+from pytrain.data.chat_template import render
+from pytrain.models.model import load_model
+from scripts import build_llama_cpp, fetch_model
 
-import build_llama_cpp  # noqa: E402
-import fetch_model  # noqa: E402
-from pytrain.config import load_config  # noqa: E402
-from pytrain.data.chat_template import render  # noqa: E402
-from pytrain.models.model import load_model  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 # per model: its config, how the report names it and its weights, the results' file name
 MODELS = {
@@ -241,7 +238,7 @@ def markdown(r: dict) -> str:
     lines = [
         f"# demo-real: {title} learns a fixed answer format",
         "",
-        f"Made by `python scripts/demo_real.py{flag} --results bench_results` at "
+        f"Made by `python -m scripts.demo_real{flag} --results bench_results` at "
         f"commit {r['commit']}, {r['date']}, on {r['threads']} threads of an {r['cpu']}.  Task: a "
         f"date in words, asked for as YYYY-MM-DD, answered with exactly that; "
         f"{r['train_examples']} training chats, {n} held-out prompts whose dates are in no "

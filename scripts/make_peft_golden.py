@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 
 from scripts import make_qwen35_fixtures as fx
 from scripts import qwen35_gguf as qg

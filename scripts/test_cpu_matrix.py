@@ -108,7 +108,7 @@ def run_cell(variant: str, blas: str, threads: str, tests: list[str], k: str | N
 
 
 def markdown(cells: list[dict], cpu: str, commit: str, cmd: str) -> str:
-    lines = [f"# Numerically sensitive tests under several CPU configurations",
+    lines = ["# Numerically sensitive tests under several CPU configurations",
              "",
              f"Made by `{cmd}` at commit {commit}, on {cpu}.",
              "",
