@@ -209,7 +209,8 @@ def turn_endings(model, convs: list[dict], lora=None, max_new: int = 32) -> dict
     eot = model.tokenizer.token_to_id("<|im_end|>")
     ends = right = empty = 0
     for c in convs:
-        out = model.generate(demo_real.prompt_ids(model, c, model.tokenizer.chat_template), max_new, stop_ids=[], lora=lora)
+        prompt = demo_real.prompt_ids(model, c, model.tokenizer.chat_template)
+        out = model.generate(prompt, max_new, stop_ids=[], lora=lora)
         if eot in out:
             ends += 1
             k = out.index(eot)
