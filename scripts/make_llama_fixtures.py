@@ -256,24 +256,12 @@ def lora_values(mods: dict) -> dict:
 
 def peft_run(pm, mods: dict, values: dict, batch: dict, dtype) -> tuple[float, dict]:
     """PEFT's loss (checked against a float64 CE of its logits) and LoRA gradients on ``batch``."""
-    import torch
-    ids_t, attn_t, lab_t = (torch.tensor(batch[k]) for k in ("input_ids", "attention_mask", "labels"))
-    with torch.no_grad():
-        for n, m in mods.items():
-            m.lora_A["default"].weight.copy_(torch.tensor(values[n + ".lora_A.weight"], dtype=dtype))
-            m.lora_B["default"].weight.copy_(torch.tensor(values[n + ".lora_B.weight"], dtype=dtype))
-    out = pm(input_ids=ids_t, attention_mask=attn_t, labels=lab_t, use_cache=False)
-    out.loss.backward()
-    with torch.no_grad():
-        lp = torch.log_softmax(out.logits.double(), -1)[:, :-1]
-        tgt = lab_t[:, 1:]
-        ok = tgt != -100
-        mine = float(-lp[ok, tgt[ok]].mean())
+    a_b = {n: (values[n + ".lora_A.weight"], values[n + ".lora_B.weight"]) for n in mods}
+    out, mine = mg.lora_backward(pm, mods, a_b, batch, dtype)
     assert abs(mine - out.loss.item()) < 1e-5, (mine, out.loss.item())
     grads = {}
-    for n, m in mods.items():
-        grads[n + ".lora_A.weight"] = m.lora_A["default"].weight.grad.detach().double().numpy()
-        grads[n + ".lora_B.weight"] = m.lora_B["default"].weight.grad.detach().double().numpy()
+    for n, (ga, gb) in mg.lora_grads(mods).items():
+        grads[n + ".lora_A.weight"], grads[n + ".lora_B.weight"] = ga, gb
     return out.loss.item(), grads
 
 

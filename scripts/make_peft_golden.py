@@ -187,29 +187,48 @@ def padded_batch(src, pad_id: int) -> dict:
     return {"input_ids": input_ids, "attention_mask": attn, "labels": labels, "n_valid": n_valid}
 
 
-def run_peft(pm, adapted: dict, values: dict, batch: dict, dtype) -> tuple[float, dict]:
-    """Loss and LoRA gradients of one forward/backward on ``batch``, with the loss convention
-    checked three ways and the padded rows against each row run alone."""
+def lora_backward(pm, mods: dict, a_b: dict, batch: dict, dtype):
+    """PEFT's forward and backward on ``batch`` with each module's lora_A / lora_B set to
+    ``a_b[name]``: its output, and a float64 CE of its logits over the labelled targets."""
     import torch
     ids_t, attn_t, lab_t = (torch.tensor(batch[k]) for k in ("input_ids", "attention_mask", "labels"))
-    n_valid = batch["n_valid"]
     with torch.no_grad():
-        for base, mod in adapted.items():
-            mod.lora_A["default"].weight.copy_(torch.tensor(values[base + ".lora_a"], dtype=dtype))
-            mod.lora_B["default"].weight.copy_(torch.tensor(values[base + ".lora_b"], dtype=dtype))
+        for n, mod in mods.items():
+            a, b = a_b[n]
+            mod.lora_A["default"].weight.copy_(torch.tensor(a, dtype=dtype))
+            mod.lora_B["default"].weight.copy_(torch.tensor(b, dtype=dtype))
     out = pm(input_ids=ids_t, attention_mask=attn_t, labels=lab_t, use_cache=False)
     out.loss.backward()
-    assert out.logits.dtype == out.loss.dtype == dtype
-    # the loss convention: mean over valid shifted targets == sum / num_items_in_batch
-    # == a float64 CE computed here from the logits
     with torch.no_grad():
-        out2 = pm(input_ids=ids_t, attention_mask=attn_t, labels=lab_t, use_cache=False,
-                  num_items_in_batch=torch.tensor(n_valid))
-        assert torch.equal(out2.logits, out.logits)
         lp = torch.log_softmax(out.logits.double(), -1)[:, :-1]
         tgt = lab_t[:, 1:]
         ok = tgt != -100
         mine = float(-lp[ok, tgt[ok]].mean())
+    return out, mine
+
+
+def lora_grads(mods: dict) -> dict:
+    """name -> (d loss / d lora_A, d loss / d lora_B) as float64 arrays."""
+    return {n: (mod.lora_A["default"].weight.grad.detach().double().numpy(),
+                mod.lora_B["default"].weight.grad.detach().double().numpy())
+            for n, mod in mods.items()}
+
+
+def run_peft(pm, adapted: dict, values: dict, batch: dict, dtype) -> tuple[float, dict]:
+    """Loss and LoRA gradients of one forward/backward on ``batch``, with the loss convention
+    checked three ways and the padded rows against each row run alone."""
+    import torch
+    a_b = {base: (values[base + ".lora_a"], values[base + ".lora_b"]) for base in adapted}
+    out, mine = lora_backward(pm, adapted, a_b, batch, dtype)
+    assert out.logits.dtype == out.loss.dtype == dtype
+    # the loss convention: mean over valid shifted targets == sum / num_items_in_batch
+    # == a float64 CE computed from the logits
+    ids_t, attn_t, lab_t = (torch.tensor(batch[k]) for k in ("input_ids", "attention_mask", "labels"))
+    n_valid = batch["n_valid"]
+    with torch.no_grad():
+        out2 = pm(input_ids=ids_t, attention_mask=attn_t, labels=lab_t, use_cache=False,
+                  num_items_in_batch=torch.tensor(n_valid))
+        assert torch.equal(out2.logits, out.logits)
         # padding does not change the real rows: each row alone (no padding, no mask)
         pad_err = max(float((pm(input_ids=ids_t[b:b + 1, :n], use_cache=False).logits[0]
                              - out.logits[b, :n]).abs().max()) for b, n in enumerate(LENGTHS))
@@ -220,9 +239,8 @@ def run_peft(pm, adapted: dict, values: dict, batch: dict, dtype) -> tuple[float
     assert abs(mine - out.loss.item()) < 1e-5
     assert pad_err < 1e-4
     grads = {}
-    for base, mod in adapted.items():
-        grads[base + ".lora_a"] = mod.lora_A["default"].weight.grad.detach().double().numpy()
-        grads[base + ".lora_b"] = mod.lora_B["default"].weight.grad.detach().double().numpy()
+    for base, (ga, gb) in lora_grads(adapted).items():
+        grads[base + ".lora_a"], grads[base + ".lora_b"] = ga, gb
     return out.loss.item(), grads
 
 
