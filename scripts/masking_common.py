@@ -130,6 +130,13 @@ def plt():
     return pyplot
 
 
+def save_plot(p, fig, png: Path) -> None:
+    """Lay the figure out, write it at the experiments' resolution and free it."""
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    p.close(fig)
+
+
 def save_results(folder: Path, name: str, res: dict, markdown: str) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "results.md").write_text(markdown + "\n")

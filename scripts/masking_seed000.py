@@ -13,7 +13,8 @@ from pytrain.data import make_batches, pad_token_id
 from pytrain.models.model import load_model
 from pytrain.train import loss as L
 from scripts.masking_common import (checkpoints, config, load_adapter_into, log_softmax, md_table,
-                                    metrics, model_path, plt, quiet, save_results, write_jsonl)
+                                    metrics, model_path, plt, quiet, save_plot, save_results,
+                                    write_jsonl)
 
 
 # ============================================================================ (b) seed 000
@@ -181,9 +182,7 @@ def seed000_plot(res: dict, png: Path) -> None:
         a.set_xlabel("epoch")
         a.legend(fontsize=8)
         a.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(png, dpi=110)
-    p.close(fig)
+    save_plot(p, fig, png)
 
 
 # ============================================================================ (d) a real model
@@ -335,6 +334,4 @@ def real_plot(res: dict, png: Path) -> None:
     for a in axs:
         a.legend(fontsize=7)
         a.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(png, dpi=110)
-    p.close(fig)
+    save_plot(p, fig, png)

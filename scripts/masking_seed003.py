@@ -14,9 +14,9 @@ import numpy as np
 from pytrain.data import load_examples
 from pytrain.models.model import load_model
 from pytrain.train import loss as L
-from scripts.masking_common import (batch_logits, chat, checkpoints, config, load_adapter_into,
-                                    log_softmax, md_table, metrics, model_path, plt, quiet,
-                                    save_results, SYSTEM, WORDS, write_jsonl)
+from scripts.masking_common import (SYSTEM, WORDS, batch_logits, chat, checkpoints, config,
+                                    load_adapter_into, log_softmax, md_table, metrics, model_path,
+                                    plt, quiet, save_plot, save_results, write_jsonl)
 
 
 # ============================================================================ (a) seed 003
@@ -207,6 +207,4 @@ def seed003_plot(res: dict, png: Path) -> None:
     bx.set_ylim(0, 1)
     bx.set_ylabel("free generations writing a new question")
     bx.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(png, dpi=110)
-    p.close(fig)
+    save_plot(p, fig, png)

@@ -11,7 +11,7 @@ from pytrain.data import Batch, load_examples, make_batches, pad_token_id
 from pytrain.models.model import load_model
 from pytrain.train import loss as L
 from scripts.masking_common import (config, cosine, flat, make_adapter, md_table, model_path, plt,
-                                    rel, save_results, write_jsonl)
+                                    rel, save_plot, save_results, write_jsonl)
 from scripts.masking_seed000 import varied_chats
 
 
@@ -97,9 +97,7 @@ def run_padwidth(out: Path, overrides=(), *, n_examples: int = 4, widths=None, b
         ax.set_ylabel("loss")
         ax.legend()
         ax.grid(alpha=0.3)
-        fig.tight_layout()
-        fig.savefig(folder / "padwidth.png", dpi=110)
-        p.close(fig)
+        save_plot(p, fig, folder / "padwidth.png")
     return res
 
 
@@ -180,9 +178,7 @@ def run_accum(out: Path, overrides=(), *, n_pairs: int = 6, b_std: float = 0.02,
         ax.set_ylabel("‖Δ gradient‖ / ‖gradient‖")
         ax.legend()
         ax.grid(alpha=0.3)
-        fig.tight_layout()
-        fig.savefig(folder / "accum.png", dpi=110)
-        p.close(fig)
+        save_plot(p, fig, folder / "accum.png")
     return res
 
 
@@ -256,7 +252,5 @@ def run_packing(out: Path, overrides=(), *, n_rows: int | None = None, b_std: fl
         ax.set_ylabel("‖Δ gradient‖ / ‖gradient‖ vs samples alone")
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3, axis="y")
-        fig.tight_layout()
-        fig.savefig(folder / "packing.png", dpi=110)
-        p.close(fig)
+        save_plot(p, fig, folder / "packing.png")
     return res
