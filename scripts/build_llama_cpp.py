@@ -17,7 +17,7 @@ by ``native/build.py`` cannot change files under a running compiler.  Everything
 git in ``$PYTRAIN_CACHE/llama.cpp-build`` (default ``~/.cache/pytrain/llama.cpp-build``).
 ``build_info.json`` is written last, so a half-finished build never looks usable.
 
-Usage:  python scripts/build_llama_cpp.py [--jobs N] [--force]
+Usage:  python -m scripts.build_llama_cpp [--jobs N] [--force]
 """
 from __future__ import annotations
 
@@ -32,9 +32,9 @@ import sys
 import time
 from pathlib import Path
 
+from scripts import native_build  # native/build.py as a module
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import native_build  # noqa: E402  (native/build.py as a module)
 PROGRAMS = {name: Path(__file__).resolve().parent / f"{name}.c"
             for name in ("llama_logits", "llama_generate")}
 # What the `llama` target's CMake configure reads; models/, tools/, tests/ etc. are not needed.

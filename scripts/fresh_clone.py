@@ -9,7 +9,7 @@ Why: the README quotes these times, and every figure there must come from a comm
 The pip cache (~/.cache/pip) is not emptied: a fresh machine downloads the same wheels, which
 this machine's registry mirror serves in seconds.
 
-Usage:  python3 scripts/fresh_clone.py [--keep]     (about 8 minutes on 2 cores)
+Usage:  python3 -m scripts.fresh_clone [--keep]     (about 8 minutes on 2 cores)
 """
 from __future__ import annotations
 
@@ -73,7 +73,7 @@ def main() -> int:
     lines = [
         f"# A fresh clone, as a new user runs it ({vendor.upper()})",
         "",
-        f"Made by `python3 scripts/fresh_clone.py`: `git clone` of commit {commit} into an empty "
+        f"Made by `python3 -m scripts.fresh_clone`: `git clone` of commit {commit} into an empty "
         f"folder, an empty `PYTRAIN_CACHE`, no `.venv`; then `bash .ci/run` and `make demo`.",
         "",
         f"- date: {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC",

@@ -18,7 +18,7 @@ may have no compiler, into ``.gpu/`` (git-ignored; the device tool's ``carry`` t
   .gpu/whl/            wheels of what the GPU machine's Python lacks: cffi for CPython 3.10 to
                        3.14 (the extension is abi3; cffi's backend is not), pycparser, gguf
 
-Usage:  python scripts/gpu_carry.py [--build-native | --native DIR] [--out DIR]
+Usage:  python -m scripts.gpu_carry [--build-native | --native DIR] [--out DIR]
         (or: make gpu-carry)
 """
 from __future__ import annotations
@@ -31,9 +31,9 @@ import sys
 import tarfile
 from pathlib import Path
 
+from scripts import native_build  # native/build.py as a module
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import native_build  # noqa: E402  (native/build.py as a module)
 
 PYTHONS = ("3.10", "3.11", "3.12", "3.13", "3.14")
 PER_PYTHON = ["cffi==2.1.1"]                           # a compiled backend per version

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One command for a machine with an NVIDIA GPU that reaches no package index (the device tool's),
-# from the repository root, with `.gpu/` made here first by `python scripts/gpu_carry.py
+# from the repository root, with `.gpu/` made here first by `python -m scripts.gpu_carry
 # --build-native` and carried:
 #   scripts/gpu_check.sh [all|more|rehearse]      (default all)
 # all: one call, ended by its own deadline (DEADLINE_S seconds from its start, default 540):

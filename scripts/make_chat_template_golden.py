@@ -8,7 +8,7 @@ Run it in a throwaway environment, not the project's:
     python3 -m venv /opt/tplenv
     /opt/tplenv/bin/pip install transformers==5.23.0 jinja2 tokenizers
     python native/build.py --source-only          # extracts the pinned llama.cpp source
-    /opt/tplenv/bin/python scripts/make_chat_template_golden.py
+    /opt/tplenv/bin/python -m scripts.make_chat_template_golden
 
 It goes through ``PreTrainedTokenizerFast.apply_chat_template(tokenize=False)``, the path users
 hit, with a one-token dummy vocabulary: rendering does not depend on the vocabulary.
@@ -19,6 +19,8 @@ import hashlib
 import json
 import sys
 from pathlib import Path
+
+from scripts import native_build
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "tests" / "fixtures" / "chat_template_golden.json"
@@ -88,13 +90,11 @@ def cases() -> list[dict]:
 
 
 def main() -> int:
-    sys.path.insert(0, str(ROOT / "native"))
-    import build  # native/build.py: where the pinned llama.cpp source is extracted
     import transformers
     from tokenizers import Tokenizer, models
     from transformers import PreTrainedTokenizerFast
 
-    template_path = build.llama_cpp_dir() / TEMPLATE_REL
+    template_path = native_build.load().llama_cpp_dir() / TEMPLATE_REL
     if not template_path.is_file():
         print(f"{template_path} missing: run `python native/build.py --source-only` first", file=sys.stderr)
         return 1

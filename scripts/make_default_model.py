@@ -16,8 +16,8 @@ What it makes:
 
 How (from the repo root, with the reference stack of scripts/requirements-reference.txt):
 
-    /opt/refenv/bin/python scripts/make_default_model.py --fresh         # everything (~12 min)
-    /opt/refenv/bin/python scripts/make_default_model.py --check-demo \
+    /opt/refenv/bin/python -m scripts.make_default_model --fresh         # everything (~12 min)
+    /opt/refenv/bin/python -m scripts.make_default_model --check-demo \
         --demo-rank 16 --demo-lr 5e-3 --demo-schedule constant --demo-steps 200   # 7/8 animals
 
 Stages cache their results in --work (default /tmp/pytrain-default-model): the tokenizer and the
@@ -33,15 +33,17 @@ stopped; conversion and demo data from the cached checkpoint reproduce byte for 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import random
 import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import qwen35_reference as ref  # noqa: E402
+from scripts import qwen35_gguf as qg
+from scripts import qwen35_reference as ref
+from scripts.default_model_data import (HELD_OUT_QUESTION, SOUND_QUESTIONS, SOUND_WORDS, SOUNDS,
+                                        demo_records, pretrain_documents, random_conversation,
+                                        sum_question, write_jsonl)
 
 VOCAB = 1024
 SEQ = 128
@@ -56,183 +58,6 @@ MODEL_CONFIG = dict(
                      "mrope_section": [11, 11, 10], "mrope_interleaved": True},
 )
 PRETRAIN = dict(steps=600, batch=32, lr=5e-3, warmup=50, weight_decay=0.01, seed=0)
-
-# --------------------------------------------------------------------------------------------
-# pretraining conversations
-# --------------------------------------------------------------------------------------------
-
-SYSTEM_PROMPTS = ["You are a helpful assistant.", "You are a friendly assistant. Answer briefly.",
-                  "Be brief.", "You are a small, helpful model.", "Answer the question."]
-
-FACTS = [
-    ("What colour is the sky?", "The sky is blue."),
-    ("What colour is grass?", "Grass is green."),
-    ("What colour is snow?", "Snow is white."),
-    ("What colour is the sun?", "The sun is yellow."),
-    ("What colour is a banana?", "A banana is yellow."),
-    ("What colour is an orange?", "An orange is orange."),
-    ("What colour is milk?", "Milk is white."),
-    ("What colour is the night sky?", "The night sky is black."),
-    ("What colour is a tomato?", "A tomato is red."),
-    ("How many days are in a week?", "There are seven days in a week."),
-    ("How many legs does a dog have?", "A dog has four legs."),
-    ("How many legs does a bird have?", "A bird has two legs."),
-    ("How many hours are in a day?", "There are 24 hours in a day."),
-    ("How many months are in a year?", "There are 12 months in a year."),
-    ("What do bees make?", "Bees make honey."),
-    ("What do cows give us?", "Cows give us milk."),
-    ("Where do fish live?", "Fish live in water."),
-    ("Is ice hot or cold?", "Ice is cold."),
-    ("Is fire hot or cold?", "Fire is hot."),
-    ("What do we use to write?", "We use a pen to write."),
-    ("What do we drink when we are thirsty?", "We drink water."),
-    ("When do we sleep?", "We sleep at night."),
-]
-GREETINGS = [
-    ("Hello!", "Hello! How can I help you today?"),
-    ("Hi.", "Hi! What can I do for you?"),
-    ("Good morning!", "Good morning! How can I help?"),
-    ("Thank you!", "You are welcome."),
-    ("Thanks a lot.", "You are welcome!"),
-    ("Who are you?", "I am a small assistant."),
-    ("What can you do?", "I can answer simple questions and do small sums."),
-    ("Goodbye!", "Goodbye! Have a nice day."),
-    ("How are you?", "I am fine, thank you."),
-]
-
-
-def _sum_question(rng: random.Random) -> tuple[str, str]:
-    if rng.random() < 0.6:
-        a, b = rng.randint(0, 10), rng.randint(0, 10)
-        q = rng.choice([f"What is {a}+{b}?", f"What is {a} + {b}?", f"What is {a} plus {b}?",
-                        f"Calculate {a}+{b}.", f"{a}+{b}=?", f"Add {a} and {b}."])
-        return q, str(a + b)
-    a = rng.randint(0, 12)
-    b = rng.randint(0, a)
-    q = rng.choice([f"What is {a}-{b}?", f"What is {a} - {b}?", f"What is {a} minus {b}?",
-                    f"Calculate {a}-{b}.", f"Take {b} from {a}."])
-    return q, str(a - b)
-
-
-def _reading_question(rng: random.Random) -> tuple[str, str]:
-    """Questions answered by copying from the question: they teach the model to look back."""
-    n, m = rng.sample(ref.NAMES, 2)
-    o, o2 = rng.sample(ref.OBJECTS, 2)
-    c, c2 = rng.sample(ref.COLOURS, 2)
-    p, p2 = rng.sample(ref.PLACES, 2)
-    an = rng.choice(ref.ANIMALS)
-    kind = rng.randrange(7)
-    if kind == 0:
-        return f"{n} has a {c} {o}. What colour is the {o}?", f"The {o} is {c}."
-    if kind == 1:
-        return f"The {an} is in the {p}. Where is the {an}?", f"The {an} is in the {p}."
-    if kind == 2:
-        return f"{n} has a {c} {o}. What does {n} have?", f"{n} has a {c} {o}."
-    if kind == 3:
-        return f"{n} went to the {p}. {m} went to the {p2}. Where did {n} go?", f"{n} went to the {p}."
-    if kind == 4:
-        return (f"{n} has a {c} {o}. {m} has a {c2} {o2}. What colour is the {o2}?", f"The {o2} is {c2}.")
-    if kind == 5:
-        return f"Which animal is in the {p}: the {an}?", f"The {an} is in the {p}."
-    s = ref.english_sentence(rng, rich=True)
-    return rng.choice([f"Repeat after me: {s}", f"Say this again: {s}", f"Copy this: {s}"]), s
-
-
-def _misc_question(rng: random.Random) -> tuple[str, str]:
-    kind = rng.randrange(6)
-    if kind == 0:
-        return rng.choice(FACTS)
-    if kind == 1:
-        return rng.choice(GREETINGS)
-    if kind == 2:
-        k = rng.randint(2, 10)
-        return rng.choice([f"Count to {k}.", f"Count from 1 to {k}."]), ", ".join(str(i) for i in range(1, k + 1)) + "."
-    if kind == 3:
-        k = rng.randint(2, 10)
-        return f"Count down from {k}.", ", ".join(str(i) for i in range(k, 0, -1)) + "."
-    if kind == 4:
-        i = rng.randrange(7)
-        return f"What day comes after {ref.DAYS[i]}?", f"{ref.DAYS[(i + 1) % 7]} comes after {ref.DAYS[i]}."
-    story = ref.english_story(rng, 2, 4)
-    return f"Tell me a short story about {story.split(' ', 1)[0]}.", story
-
-
-def pretrain_exchange(rng: random.Random) -> tuple[str, str]:
-    r = rng.random()
-    if r < 0.25:
-        return _sum_question(rng)
-    if r < 0.7:
-        return _reading_question(rng)
-    return _misc_question(rng)
-
-
-def random_conversation(rng: random.Random, exchange=pretrain_exchange, p_system=0.4, max_turns=3) -> list[dict]:
-    msgs = []
-    if rng.random() < p_system:
-        msgs.append({"role": "system", "content": rng.choice(SYSTEM_PROMPTS)})
-    for _ in range(rng.choice([1] * 5 + list(range(2, max_turns + 1)))):
-        q, a = exchange(rng)
-        msgs += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
-    return msgs
-
-
-def pretrain_documents(hf_tok, seed: int, n_docs: int) -> list[list[int]]:
-    """Token lists: 35% English stories, 65% chats rendered with the chat template."""
-    rng = random.Random(seed)
-    eot = hf_tok.convert_tokens_to_ids(ref.PAD_TOKEN)
-    docs = []
-    for _ in range(n_docs):
-        if rng.random() < 0.35:
-            text = ref.english_story(rng, 2, 8)
-            if rng.random() < 0.3:
-                text += f" {rng.choice(ref.NAMES)} heard a loud {rng.choice(SOUND_WORDS)}."
-            docs.append(hf_tok.encode(text, add_special_tokens=False) + [eot])
-        else:
-            msgs = random_conversation(rng)
-            text = ref.render_chat(hf_tok, msgs)
-            docs.append(hf_tok.encode(text, add_special_tokens=False))
-    return docs
-
-
-# --------------------------------------------------------------------------------------------
-# the demo data: animal sounds
-# --------------------------------------------------------------------------------------------
-
-SOUNDS = {"cow": "moo", "dog": "woof", "cat": "meow", "duck": "quack", "sheep": "baa", "pig": "oink",
-          "horse": "neigh", "lion": "roar"}
-# Sound words appear in the pretraining stories ("Ben heard a loud quack."), never next to the
-# animal that makes them, so they are known tokens but the animal -> sound mapping is new.
-SOUND_WORDS = sorted(set(SOUNDS.values()) | {"bang", "beep", "ding", "whoosh", "buzz", "hiss", "hoot"})
-SOUND_QUESTIONS = ["What does the {a} say?", "What does a {a} say?", "What sound does the {a} make?",
-                   "What sound does a {a} make?", "What noise does the {a} make?", "Tell me what the {a} says.",
-                   "What does the {a} say?"]
-HELD_OUT_QUESTION = "Which sound does a {a} make?"   # only in the validation set
-
-
-def sound_exchange(rng: random.Random, templates=SOUND_QUESTIONS) -> tuple[str, str]:
-    a = rng.choice(sorted(SOUNDS))
-    return rng.choice(templates).format(a=a), f"The {a} says {SOUNDS[a]}."
-
-
-def demo_records(seed: int, n: int, templates) -> list[dict]:
-    """Chats whose last assistant turn is usually an animal sound; some keep old skills."""
-    rng = random.Random(seed)
-    recs = []
-    for _ in range(n):
-        msgs = []
-        if rng.random() < 0.3:
-            msgs.append({"role": "system", "content": rng.choice(SYSTEM_PROMPTS)})
-        if rng.random() < 0.25:  # multi-turn: an ordinary exchange first
-            q, a = pretrain_exchange(rng)
-            msgs += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
-        q, a = sound_exchange(rng, templates) if rng.random() < 0.85 else pretrain_exchange(rng)
-        msgs += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
-        recs.append({"messages": msgs})
-    return recs
-
-
-def write_jsonl(path: Path, recs: list[dict]) -> None:
-    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in recs), encoding="utf-8")
 
 
 # --------------------------------------------------------------------------------------------
@@ -405,6 +230,70 @@ def check_demo(model, hf_tok, train_recs, valid_recs, steps=150, batch=8, lr=1e-
 
 # --------------------------------------------------------------------------------------------
 
+def tokenizer(tok_dir: Path, fresh: bool):
+    """The byte-level BPE, trained on English and rendered conversations unless cached."""
+    if fresh or not (tok_dir / "tokenizer.json").exists():
+        rng = random.Random(11)
+        corpus = ref.english_corpus(seed=11, n_paragraphs=6000, rich=True)
+        for _ in range(3000):
+            corpus.append("\n".join(f"{m['role']}\n{m['content']}" for m in random_conversation(rng)))
+            corpus.append(ref.english_story(rng) + f" Then {rng.choice(ref.NAMES)} heard a {rng.choice(SOUND_WORDS)}.")
+        tok = ref.train_tokenizer(corpus, VOCAB)
+        ref.save_tokenizer_dir(tok, tok_dir)
+    return ref.load_hf_tokenizer(tok_dir)
+
+
+def pretrained(hf_tok, tok_dir: Path, hf_dir: Path, fresh: bool, steps: int):
+    """The HF model pretrained on the synthetic corpus unless its checkpoint is cached."""
+    if fresh or not (hf_dir / "model.safetensors").exists():
+        docs = pretrain_documents(hf_tok, seed=12, n_docs=60000)
+        rows = packed_rows(docs, SEQ)
+        print(f"pretraining corpus: {len(docs)} documents, {sum(map(len, docs))} tokens, {len(rows)} rows of {SEQ}")
+        cfg = ref.qwen35_text_config(eos_token_id=hf_tok.convert_tokens_to_ids(ref.EOS_TOKEN),
+                                     **MODEL_CONFIG)
+        model = ref.build_model(cfg, seed=PRETRAIN["seed"])
+        print(f"model: {sum(p.numel() for p in model.parameters())} parameters")
+        t0 = time.time()
+        pretrain(model, rows, steps, PRETRAIN["batch"], PRETRAIN["lr"], PRETRAIN["warmup"],
+                 PRETRAIN["weight_decay"], PRETRAIN["seed"])
+        print(f"pretraining took {time.time() - t0:.0f}s")
+        ref.save_hf_checkpoint(model, tok_dir, hf_dir)
+    from transformers.models.qwen3_5 import Qwen3_5ForCausalLM
+    return Qwen3_5ForCausalLM.from_pretrained(str(hf_dir), attn_implementation="eager").float().eval()
+
+
+def convert(model, hf_tok, hf_dir: Path, out: Path) -> None:
+    """default-model.gguf by the pinned converter, its layout and a forward over it checked."""
+    import numpy as np
+    gguf_path = ref.convert_to_gguf(hf_dir, out / "default-model.gguf", "f32")
+    qg.check_gguf_layout(model, gguf_path)
+    probe = hf_tok.encode(ref.render_chat(hf_tok, [{"role": "user", "content": "What is 2+3?"}],
+                                          add_generation_prompt=True), add_special_tokens=False)
+    err = float(np.abs(qg.numpy_forward_gguf(gguf_path, probe) - ref.hf_logprobs(model, probe)).max())
+    print(qg.gguf_summary(gguf_path).split("\n  ")[0])
+    print(f"numpy-from-GGUF vs HF on a {len(probe)}-token prompt: max |dlogprob| {err:.2e}")
+    assert err < 1e-3, err
+
+
+def show_base(model, hf_tok) -> None:
+    """What the base model answers: a few greedy chats, and its exact-sum score."""
+    for msgs in ([{"role": "user", "content": "What is 12+7?"}],
+                 [{"role": "user", "content": "What is 9 minus 4?"}],
+                 [{"role": "user", "content": "What colour is the sky?"}],
+                 [{"role": "user", "content": "Count to 5."}],
+                 [{"role": "user", "content": "Anna has a green kite. What colour is the kite?"}],
+                 [{"role": "user", "content": "Hello!"}],
+                 [{"role": "user", "content": "What does the cow say?"}]):
+        print(f"[base] {msgs[-1]['content']!r} -> {greedy(model, hf_tok, msgs)!r}")
+    correct = 0
+    rng = random.Random(5)
+    for _ in range(50):
+        q, ans = sum_question(rng)
+        g = greedy(model, hf_tok, [{"role": "user", "content": q}], 12)
+        correct += g.endswith("<|im_end|>") and answer_of(g) == ans
+    print(f"[base] arithmetic: {correct}/50 exact")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--work", type=Path, default=Path("/tmp/pytrain-default-model"))
@@ -418,7 +307,6 @@ def main() -> int:
     ap.add_argument("--demo-schedule", choices=["cosine", "constant"], default="cosine")
     a = ap.parse_args()
 
-    import numpy as np
     import torch
     # One thread: on a 2-core machine shared with other jobs, two OpenMP threads made steps 5-40x
     # slower (a busy core stalls every parallel region); one thread gives a steady ~1 s per step.
@@ -430,63 +318,14 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
     out.mkdir(parents=True, exist_ok=True)
     tok_dir, hf_dir = work / "tokenizer", work / "hf"
-
-    if a.fresh or not (tok_dir / "tokenizer.json").exists():
-        rng = random.Random(11)
-        corpus = ref.english_corpus(seed=11, n_paragraphs=6000, rich=True)
-        for _ in range(3000):
-            corpus.append("\n".join(f"{m['role']}\n{m['content']}" for m in random_conversation(rng)))
-            corpus.append(ref.english_story(rng) + f" Then {rng.choice(ref.NAMES)} heard a {rng.choice(SOUND_WORDS)}.")
-        tok = ref.train_tokenizer(corpus, VOCAB)
-        ref.save_tokenizer_dir(tok, tok_dir)
-    hf_tok = ref.load_hf_tokenizer(tok_dir)
-    eos_id = hf_tok.convert_tokens_to_ids(ref.EOS_TOKEN)
-
-    if a.fresh or not (hf_dir / "model.safetensors").exists():
-        docs = pretrain_documents(hf_tok, seed=12, n_docs=60000)
-        rows = packed_rows(docs, SEQ)
-        print(f"pretraining corpus: {len(docs)} documents, {sum(map(len, docs))} tokens, {len(rows)} rows of {SEQ}")
-        cfg = ref.qwen35_text_config(eos_token_id=eos_id, **MODEL_CONFIG)
-        model = ref.build_model(cfg, seed=PRETRAIN["seed"])
-        print(f"model: {sum(p.numel() for p in model.parameters())} parameters")
-        t0 = time.time()
-        pretrain(model, rows, a.steps, PRETRAIN["batch"], PRETRAIN["lr"], PRETRAIN["warmup"],
-                 PRETRAIN["weight_decay"], PRETRAIN["seed"])
-        print(f"pretraining took {time.time() - t0:.0f}s")
-        ref.save_hf_checkpoint(model, tok_dir, hf_dir)
-    from transformers.models.qwen3_5 import Qwen3_5ForCausalLM
-    model = Qwen3_5ForCausalLM.from_pretrained(str(hf_dir), attn_implementation="eager").float().eval()
-
-    gguf_path = ref.convert_to_gguf(hf_dir, out / "default-model.gguf", "f32")
-    ref.check_gguf_layout(model, gguf_path)
-    probe = hf_tok.encode(ref.render_chat(hf_tok, [{"role": "user", "content": "What is 2+3?"}],
-                                          add_generation_prompt=True), add_special_tokens=False)
-    err = float(np.abs(ref.numpy_forward_gguf(gguf_path, probe) - ref.hf_logprobs(model, probe)).max())
-    print(ref.gguf_summary(gguf_path).split("\n  ")[0])
-    print(f"numpy-from-GGUF vs HF on a {len(probe)}-token prompt: max |dlogprob| {err:.2e}")
-    assert err < 1e-3, err
-
+    hf_tok = tokenizer(tok_dir, a.fresh)
+    model = pretrained(hf_tok, tok_dir, hf_dir, a.fresh, a.steps)
+    convert(model, hf_tok, hf_dir, out)
     train = demo_records(seed=21, n=320, templates=SOUND_QUESTIONS)
     valid = demo_records(seed=22, n=50, templates=SOUND_QUESTIONS + [HELD_OUT_QUESTION] * 3)
     write_jsonl(out / "demo_train.jsonl", train)
     write_jsonl(out / "demo_valid.jsonl", valid)
-
-    for msgs in ([{"role": "user", "content": "What is 12+7?"}],
-                 [{"role": "user", "content": "What is 9 minus 4?"}],
-                 [{"role": "user", "content": "What colour is the sky?"}],
-                 [{"role": "user", "content": "Count to 5."}],
-                 [{"role": "user", "content": "Anna has a green kite. What colour is the kite?"}],
-                 [{"role": "user", "content": "Hello!"}],
-                 [{"role": "user", "content": "What does the cow say?"}]):
-        print(f"[base] {msgs[-1]['content']!r} -> {greedy(model, hf_tok, msgs)!r}")
-    correct = 0
-    rng = random.Random(5)
-    for _ in range(50):
-        q, ans = _sum_question(rng)
-        g = greedy(model, hf_tok, [{"role": "user", "content": q}], 12)
-        correct += g.endswith("<|im_end|>") and answer_of(g) == ans
-    print(f"[base] arithmetic: {correct}/50 exact")
-
+    show_base(model, hf_tok)
     if a.check_demo:
         torch.manual_seed(0)
         check_demo(model, hf_tok, train, valid, steps=a.demo_steps, lr=a.demo_lr, rank=a.demo_rank,

@@ -54,7 +54,7 @@ float64 CE of its logits; the float64 PEFT run computes in float64 only.
 
 How (repo root, with the reference stack of scripts/requirements-reference.txt):
 
-    /opt/refenv/bin/python scripts/make_llama_fixtures.py [--family qwen2,qwen3,gemma3]  # ~30 s each
+    /opt/refenv/bin/python -m scripts.make_llama_fixtures [--family qwen2,qwen3,gemma3]  # ~30 s each
 
 Deterministic: fixed seeds, one thread.
 """
@@ -62,19 +62,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-import llama_ref  # noqa: E402  (tests/llama_ref.py: the float64 numpy forward of a llama GGUF)
-import make_qwen35_fixtures as fx  # noqa: E402
-import qwen35_reference as ref  # noqa: E402
+from scripts import make_peft_golden as mg
+from scripts import make_qwen35_fixtures as fx
+from scripts import native_build
+from scripts import qwen35_gguf as qg
+from scripts import qwen35_reference as ref
 
+# tests/llama_ref.py, the float64 numpy forward of a llama GGUF (tests/ is no package)
+llama_ref = native_build.import_file("llama_ref", ref.REPO / "tests" / "llama_ref.py")
 VOCAB = 512
 FIXTURES = ref.REPO / "tests" / "fixtures"
 # family -> (transformers config class, model class, modeling module, converter permutes q/k)
@@ -147,7 +147,6 @@ def family(name: str) -> str:
 HF_TO_GGUF = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
               "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
 RANK, ALPHA = 4, 8
-LENGTHS, PROMPTS, STARTS = [20, 13, 7], [5, 3, 2], [0, 37, 81]
 
 
 # --------------------------------------------------------------------------- HF models
@@ -190,30 +189,6 @@ def true_float64(name: str):
 
 # --------------------------------------------------------------------------- GGUF side
 
-_CONVERT = r"""
-import sys, runpy
-llama, script = sys.argv[1], sys.argv[2]
-sys.path.insert(0, llama + "/gguf-py")
-sys.path.insert(0, llama)
-import conversion.base as _b
-# the converter recognises pre-tokenizers by a hash of a probe string's ids; the fixture
-# vocabulary (tests/fixtures/qwen35/tokenizer) is built with the qwen35 regex
-_b.TextModel.get_vocab_base_pre = lambda self, tokenizer: "qwen35"
-sys.argv = [llama + "/" + script] + sys.argv[3:]
-runpy.run_path(llama + "/" + script, run_name="__main__")
-"""
-
-
-def run_converter(script: str, args: list[str]) -> None:
-    env = dict(os.environ)
-    env.pop("NO_LOCAL_GGUF", None)
-    r = subprocess.run([sys.executable, "-c", _CONVERT, str(ref.llama_cpp_dir()), script, *args],
-                       capture_output=True, text=True, env=env)
-    if r.returncode != 0:
-        sys.stderr.write(r.stdout[-4000:] + r.stderr[-8000:])
-        raise RuntimeError(f"{script} {' '.join(args)} failed")
-
-
 def permute_rows(w, n_heads: int):
     """Our statement of the converter's q/k transform: within each head, rows
     [x_0..x_{d/2-1} | y_0..y_{d/2-1}] -> [x_0, y_0, x_1, y_1, ...]."""
@@ -226,7 +201,7 @@ def permute_rows(w, n_heads: int):
 def check_layout(name: str, model, path: Path) -> None:
     """Every tensor of an F32 GGUF is the HF tensor under the documented transforms."""
     import numpy as np
-    G = ref.gguf_tensors_f32(path)
+    G = qg.gguf_tensors_f32(path)
     cfg = model.config
     exp = {}
     sd = {k: v.detach().double().numpy() for k, v in model.state_dict().items()}
@@ -266,37 +241,9 @@ def check_layout(name: str, model, path: Path) -> None:
 
 # --------------------------------------------------------------------------- PEFT
 
-def peft_gradients(name: str, hf_dir: Path, seqs: list[list[int]], pad_id: int, tmp: Path) -> dict:
-    """PEFT LoRA loss and gradients on a padded, prompt-masked batch, in float32 and float64,
-    converted to llama.cpp's layout by convert_lora_to_gguf.py."""
-    import numpy as np
+def lora_values(mods: dict) -> dict:
+    """Deterministic non-zero A ~ U(+-1/sqrt(n_in)) and B ~ N(0, 0.2), by PEFT tensor name."""
     import torch
-    from peft import LoraConfig, get_peft_model
-    from safetensors.numpy import save_file
-
-    spec = MODELS[name]
-    T = max(LENGTHS)
-    src = seqs[-1]
-    input_ids = np.full((len(LENGTHS), T), pad_id, np.int64)
-    attn = np.zeros_like(input_ids)
-    labels = np.full_like(input_ids, -100)
-    for b, (n, p, s) in enumerate(zip(LENGTHS, PROMPTS, STARTS)):
-        input_ids[b, :n] = src[s:s + n]
-        attn[b, :n] = 1
-        labels[b, p:n] = input_ids[b, p:n]
-    n_valid = int((labels[:, 1:] != -100).sum())
-    ids_t, attn_t, lab_t = (torch.tensor(x) for x in (input_ids, attn, labels))
-    lcfg = dict(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0, bias="none",
-                target_modules=spec["lora"], init_lora_weights=True)
-
-    def wrapped(dtype):
-        pm = get_peft_model(build(name, dtype), LoraConfig(**lcfg))
-        pm.eval()
-        mods = {n: m for n, m in pm.named_modules()
-                if isinstance(getattr(m, "lora_A", None), torch.nn.ModuleDict)}
-        return pm, mods
-
-    pm, mods = wrapped(torch.float32)
     g = torch.Generator().manual_seed(2026)
     values = {}
     for n in sorted(mods):
@@ -304,38 +251,28 @@ def peft_gradients(name: str, hf_dir: Path, seqs: list[list[int]], pad_id: int, 
         values[n + ".lora_A.weight"] = ((torch.rand(A.shape, generator=g) * 2 - 1)
                                         / A.shape[1] ** 0.5).numpy()
         values[n + ".lora_B.weight"] = (torch.randn(B.shape, generator=g) * 0.2).numpy()
+    return values
 
-    def run(pm, mods, dtype):
-        with torch.no_grad():
-            for n, m in mods.items():
-                m.lora_A["default"].weight.copy_(torch.tensor(values[n + ".lora_A.weight"], dtype=dtype))
-                m.lora_B["default"].weight.copy_(torch.tensor(values[n + ".lora_B.weight"], dtype=dtype))
-        out = pm(input_ids=ids_t, attention_mask=attn_t, labels=lab_t, use_cache=False)
-        out.loss.backward()
-        with torch.no_grad():
-            lp = torch.log_softmax(out.logits.double(), -1)[:, :-1]
-            tgt = lab_t[:, 1:]
-            ok = tgt != -100
-            mine = float(-lp[ok, tgt[ok]].mean())
-        assert abs(mine - out.loss.item()) < 1e-5, (mine, out.loss.item())
-        grads = {}
-        for n, m in mods.items():
-            grads[n + ".lora_A.weight"] = m.lora_A["default"].weight.grad.detach().double().numpy()
-            grads[n + ".lora_B.weight"] = m.lora_B["default"].weight.grad.detach().double().numpy()
-        return out.loss.item(), grads
 
-    loss32, g32 = run(pm, mods, torch.float32)
-    pm64, mods64 = wrapped(torch.float64)        # (PEFT initialises A, B in float32 first)
-    assert {p.dtype for p in pm64.parameters()} == {torch.float64}
-    with true_float64(name) as seen:
-        loss64, g64 = run(pm64, mods64, torch.float64)
-    assert seen == {torch.float64}, seen
-    print(f"[peft {name}] loss {loss32:.9f} (float64 {loss64:.9f}) over {n_valid} targets")
+def peft_run(pm, mods: dict, values: dict, batch: dict, dtype) -> tuple[float, dict]:
+    """PEFT's loss (checked against a float64 CE of its logits) and LoRA gradients on ``batch``."""
+    a_b = {n: (values[n + ".lora_A.weight"], values[n + ".lora_B.weight"]) for n in mods}
+    out, mine = mg.lora_backward(pm, mods, a_b, batch, dtype)
+    assert abs(mine - out.loss.item()) < 1e-5, (mine, out.loss.item())
+    grads = {}
+    for n, (ga, gb) in mg.lora_grads(mods).items():
+        grads[n + ".lora_A.weight"], grads[n + ".lora_B.weight"] = ga, gb
+    return out.loss.item(), grads
 
-    # save PEFT folders (the values, and each gradient set as if it were an adapter) and let
-    # llama.cpp's converter put them in its layout
+
+def to_llama_layout(name: str, pm, hf_dir: Path, sets: dict, tmp: Path) -> dict:
+    """Each tensor set saved as a PEFT folder (the values as PEFT itself writes them, each
+    gradient set as if it were an adapter) and put in llama.cpp's layout by its converter:
+    what -> (folder, GGUF tensors, GGUF fields)."""
+    import numpy as np
+    from safetensors.numpy import save_file
     folders = {}
-    for what, tensors in (("values", values), ("grad", g32), ("grad64", g64)):
+    for what, tensors in sets.items():
         d = tmp / f"peft-{name}-{what}"
         if what == "values":                   # what PEFT itself writes
             pm.save_pretrained(str(d))
@@ -345,11 +282,44 @@ def peft_gradients(name: str, hf_dir: Path, seqs: list[list[int]], pad_id: int, 
                                                else np.float32)
                        for k, v in tensors.items()}, str(d / "adapter_model.safetensors"))
         out = tmp / f"lora-{name}-{what}.gguf"
-        run_converter("convert_lora_to_gguf.py", ["--outfile", str(out), "--outtype", "f32",
-                                                  "--base", str(hf_dir), str(d)])
-        folders[what] = (d, ref.gguf_tensors_f32(out), ref.gguf_fields(out))
-    res = {"input_ids": input_ids, "attention_mask": attn, "labels": labels,
-           "n_valid": np.int64(n_valid), "loss": np.float64(loss32), "loss64": np.float64(loss64)}
+        ref.run_converter("convert_lora_to_gguf.py", ["--outfile", str(out), "--outtype", "f32",
+                                                      "--base", str(hf_dir), str(d)])
+        folders[what] = (d, qg.gguf_tensors_f32(out), qg.gguf_fields(out))
+    return folders
+
+
+def peft_gradients(name: str, hf_dir: Path, seqs: list[list[int]], pad_id: int, tmp: Path) -> dict:
+    """PEFT LoRA loss and gradients on a padded, prompt-masked batch, in float32 and float64,
+    converted to llama.cpp's layout by convert_lora_to_gguf.py."""
+    import numpy as np
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    batch = mg.padded_batch(seqs[-1], pad_id)
+    lcfg = dict(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0, bias="none",
+                target_modules=MODELS[name]["lora"], init_lora_weights=True)
+
+    def wrapped(dtype):
+        pm = get_peft_model(build(name, dtype), LoraConfig(**lcfg))
+        pm.eval()
+        mods = {n: m for n, m in pm.named_modules()
+                if isinstance(getattr(m, "lora_A", None), torch.nn.ModuleDict)}
+        return pm, mods
+
+    pm, mods = wrapped(torch.float32)
+    values = lora_values(mods)
+    loss32, g32 = peft_run(pm, mods, values, batch, torch.float32)
+    pm64, mods64 = wrapped(torch.float64)        # (PEFT initialises A, B in float32 first)
+    assert {p.dtype for p in pm64.parameters()} == {torch.float64}
+    with true_float64(name) as seen:
+        loss64, g64 = peft_run(pm64, mods64, values, batch, torch.float64)
+    assert seen == {torch.float64}, seen
+    print(f"[peft {name}] loss {loss32:.9f} (float64 {loss64:.9f}) over {batch['n_valid']} targets")
+
+    folders = to_llama_layout(name, pm, hf_dir, {"values": values, "grad": g32, "grad64": g64}, tmp)
+    res = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"],
+           "labels": batch["labels"], "n_valid": np.int64(batch["n_valid"]),
+           "loss": np.float64(loss32), "loss64": np.float64(loss64)}
     conv, fields = folders["values"][1], folders["values"][2]
     assert fields["adapter.lora.alpha"] == ALPHA and fields["general.architecture"] == family(name)
     for k, v in conv.items():
@@ -372,11 +342,7 @@ def main() -> int:
     unknown = set(families) - set(FAMILIES)
     if unknown:
         ap.error(f"--family: unknown {sorted(unknown)}; known {sorted(FAMILIES)}")
-    if os.environ.get("PYTHONHASHSEED") != "0":
-        # PEFT writes target_modules in set order: fixed string hashes make the folder's
-        # adapter_config.json the same bytes on every run
-        os.execve(sys.executable, [sys.executable, *sys.argv],
-                  {**os.environ, "PYTHONHASHSEED": "0"})
+    ref.fix_hash_seed(__spec__.name)
 
     import numpy as np
     import torch
@@ -414,13 +380,13 @@ def main() -> int:
                                                                 sort_keys=True)))
             for ot in spec["outtypes"]:
                 path = out / f"{name}-{ot}.gguf"
-                run_converter("convert_hf_to_gguf.py", [str(hf_dir), "--outfile", str(path),
+                ref.run_converter("convert_hf_to_gguf.py", [str(hf_dir), "--outfile", str(path),
                                                         "--outtype", ot])
                 assert path.stat().st_size < 1_000_000, path
                 if ot == "f32":
                     check_layout(name, model, path)
                 f64 = np.zeros_like(logprobs)
-                ref.use_pinned_gguf()
+                qg.pinned_gguf()
                 contents = llama_ref.gguf_contents(path)
                 for i, s in enumerate(seqs):
                     f64[i, :len(s)] = llama_ref.forward(*contents, s)

@@ -46,23 +46,23 @@ Measured when made: PEFT float32 vs float64 loss -1.8e-6; gradients up to 4.6e-5
 tensor's max on layer 1 (whose gradients cross DeltaNet layer 2 and attention layer 3), 7e-6 on
 layer 3.  HF float32 logits of a padded row vs the row run alone: 1.8e-5 (float64: 3e-14).
 
-How (repo root):  /opt/refenv/bin/python scripts/make_peft_golden.py
+How (repo root):  /opt/refenv/bin/python -m scripts.make_peft_golden
 Deterministic (fixed seeds, one thread; a rerun writes the same bytes); ~10 s on 2 cores.
 """
 from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import make_qwen35_fixtures as fx  # noqa: E402
-import qwen35_reference as ref  # noqa: E402
+from scripts import make_qwen35_fixtures as fx
+from scripts import qwen35_gguf as qg
+from scripts import qwen35_reference as ref
 
 FIX = ref.REPO / "tests" / "fixtures" / "qwen35"
 RANK, ALPHA = 4, 8
 LENGTHS = [20, 13, 7]
 PROMPTS = [5, 3, 2]          # masked prompt prefix per row
+STARTS = [0, 37, 81]         # where each row starts in the source: distinct rows
 PAD_ID = 480                 # <|endoftext|>
 EOS_ID = 482                 # <|im_end|>
 HF_TO_GGUF = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output"}
@@ -88,7 +88,7 @@ def match_gguf_weights(model, gguf_path) -> None:
     tensor against the GGUF (``expected_gguf_tensors`` under true_float64 is float64 exact)."""
     import numpy as np
     import torch
-    G = ref.gguf_tensors_f32(gguf_path)
+    G = qg.gguf_tensors_f32(gguf_path)
     cfg = model.config
     nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     grouped_of_tiled = np.arange(nv).reshape(nk, nv // nk).T.reshape(-1)
@@ -109,7 +109,7 @@ def match_gguf_weights(model, gguf_path) -> None:
                 v = np.empty(nv)
                 v[grouped_of_tiled] = a
                 p.copy_(torch.tensor(np.log(-v)))
-    exp = ref.expected_gguf_tensors(model)
+    exp = qg.expected_gguf_tensors(model)
     assert set(exp) == set(G)
     for k, e in exp.items():
         assert e.dtype == np.float64, k
@@ -141,34 +141,26 @@ def wrap_peft(model, full):
     return pm, adapted
 
 
-def main() -> int:
+def check_rebuilt(model, gold) -> None:
+    """The rebuilt model is the one the fixtures were made from: same config, same
+    log-probabilities on the 33 random-id sequence and the 100-token chat."""
     import numpy as np
-    import torch
-
-    torch.set_num_threads(1)
-    torch.set_default_dtype(torch.float32)
-    torch.use_deterministic_algorithms(True)
-
-    cfg, model = build_gqa(torch.float32)
-
-    # 1. the rebuilt model is the one the fixtures were made from
-    gold = np.load(FIX / "gqa.npz")
     committed_cfg = json.loads(str(gold["config_json"]))
     mine_cfg = json.loads(json.dumps(model.config.to_dict(), sort_keys=True))
     for k in ("architectures", "dtype"):   # filled in by save_pretrained in the fixture script
         committed_cfg.pop(k, None), mine_cfg.pop(k, None)
     assert mine_cfg == committed_cfg, "config differs from the committed gqa.npz config_json"
-    for i in (2, 4):   # the 33 random-id sequence and the 100-token chat
+    for i in (2, 4):
         n = int(gold["lengths"][i])
         lp = ref.hf_logprobs(model, gold["tokens"][i, :n].tolist())
         err = float(np.abs(lp - gold["logprobs"][i, :n]).max())
         print(f"rebuilt gqa vs committed golden, sequence {i} (length {n}): max |dlogprob| = {err:.3g}")
         assert err < 1e-6, err
 
-    # 2. PEFT LoRA on the full-attention layers' q/k/v/o, with deterministic non-zero A and B
-    full = [i for i, t in enumerate(cfg.layer_types) if t == "full_attention"]
-    assert full == [1, 3], full
-    pm, adapted = wrap_peft(model, full)
+
+def lora_values(adapted: dict) -> dict:
+    """Deterministic non-zero A ~ U(+-1/sqrt(n_in)) and B ~ N(0, 0.2) per adapted module."""
+    import torch
     g = torch.Generator().manual_seed(2025)
     values = {}
     for base in sorted(adapted):
@@ -176,60 +168,89 @@ def main() -> int:
         A, B = mod.lora_A["default"].weight, mod.lora_B["default"].weight
         values[base + ".lora_a"] = ((torch.rand(A.shape, generator=g) * 2 - 1) / A.shape[1] ** 0.5).numpy()
         values[base + ".lora_b"] = (torch.randn(B.shape, generator=g) * 0.2).numpy()
+    return values
 
-    # 3. a padded, prompt-masked batch: rows of the chat + English golden sequence
+
+def padded_batch(src, pad_id: int) -> dict:
+    """Rows of lengths LENGTHS cut from ``src`` at STARTS, right-padded with ``pad_id``, the
+    first PROMPTS tokens of each row and its padding masked out of the labels."""
+    import numpy as np
     T = max(LENGTHS)
-    starts = [0, 37, 81]            # chat markup, then English text: distinct rows
-    src = gold["tokens"][4, :100]
-    input_ids = np.full((len(LENGTHS), T), PAD_ID, np.int64)
+    input_ids = np.full((len(LENGTHS), T), pad_id, np.int64)
     attn = np.zeros((len(LENGTHS), T), np.int64)
     labels = np.full((len(LENGTHS), T), -100, np.int64)
-    for b, (n, p, start) in enumerate(zip(LENGTHS, PROMPTS, starts)):
+    for b, (n, p, start) in enumerate(zip(LENGTHS, PROMPTS, STARTS)):
         input_ids[b, :n] = src[start:start + n]
         attn[b, :n] = 1
         labels[b, p:n] = input_ids[b, p:n]
     n_valid = int((labels[:, 1:] != -100).sum())
-    ids_t, attn_t, lab_t = (torch.tensor(x) for x in (input_ids, attn, labels))
+    return {"input_ids": input_ids, "attention_mask": attn, "labels": labels, "n_valid": n_valid}
 
-    def run(pm, adapted, dtype):
-        with torch.no_grad():
-            for base, mod in adapted.items():
-                mod.lora_A["default"].weight.copy_(torch.tensor(values[base + ".lora_a"], dtype=dtype))
-                mod.lora_B["default"].weight.copy_(torch.tensor(values[base + ".lora_b"], dtype=dtype))
-        out = pm(input_ids=ids_t, attention_mask=attn_t, labels=lab_t, use_cache=False)
-        out.loss.backward()
-        assert out.logits.dtype == out.loss.dtype == dtype
-        # the loss convention: mean over valid shifted targets == sum / num_items_in_batch
-        # == a float64 CE computed here from the logits
-        with torch.no_grad():
-            out2 = pm(input_ids=ids_t, attention_mask=attn_t, labels=lab_t, use_cache=False,
-                      num_items_in_batch=torch.tensor(n_valid))
-            assert torch.equal(out2.logits, out.logits)
-            lp = torch.log_softmax(out.logits.double(), -1)[:, :-1]
-            tgt = lab_t[:, 1:]
-            ok = tgt != -100
-            mine = float(-lp[ok, tgt[ok]].mean())
-            # padding does not change the real rows: each row alone (no padding, no mask)
-            pad_err = max(float((pm(input_ids=ids_t[b:b + 1, :n], use_cache=False).logits[0]
-                                 - out.logits[b, :n]).abs().max()) for b, n in enumerate(LENGTHS))
-        print(f"[{dtype}] loss {out.loss.item():.9f} (mean over {n_valid} targets); "
-              f"sum/num_items_in_batch {out2.loss.item():.9f}; float64 CE from logits {mine:.9f}; "
-              f"rows alone vs padded batch: max |dlogit| {pad_err:.2g}")
-        assert abs(out2.loss.item() - out.loss.item()) < 1e-6
-        assert abs(mine - out.loss.item()) < 1e-5
-        assert pad_err < 1e-4
-        grads = {}
-        for base, mod in adapted.items():
-            grads[base + ".lora_a"] = mod.lora_A["default"].weight.grad.detach().double().numpy()
-            grads[base + ".lora_b"] = mod.lora_B["default"].weight.grad.detach().double().numpy()
-        return out.loss.item(), grads
 
-    loss32, g32 = run(pm, adapted, torch.float32)
+def lora_backward(pm, mods: dict, a_b: dict, batch: dict, dtype):
+    """PEFT's forward and backward on ``batch`` with each module's lora_A / lora_B set to
+    ``a_b[name]``: its output, and a float64 CE of its logits over the labelled targets."""
+    import torch
+    ids_t, attn_t, lab_t = (torch.tensor(batch[k]) for k in ("input_ids", "attention_mask", "labels"))
+    with torch.no_grad():
+        for n, mod in mods.items():
+            a, b = a_b[n]
+            mod.lora_A["default"].weight.copy_(torch.tensor(a, dtype=dtype))
+            mod.lora_B["default"].weight.copy_(torch.tensor(b, dtype=dtype))
+    out = pm(input_ids=ids_t, attention_mask=attn_t, labels=lab_t, use_cache=False)
+    out.loss.backward()
+    with torch.no_grad():
+        lp = torch.log_softmax(out.logits.double(), -1)[:, :-1]
+        tgt = lab_t[:, 1:]
+        ok = tgt != -100
+        mine = float(-lp[ok, tgt[ok]].mean())
+    return out, mine
 
-    # 4. the same in true float64 on the GGUF's exact weights: the exact answer for the model
-    #    pytrain runs (the converter's float32 `1 + w` norms and `-exp(A_log)` move HF-float64
-    #    log-probabilities by 1.2e-5 on this net; with the GGUF's values HF-float64 matches the
-    #    independent numpy float64 forward to ~2e-8)
+
+def lora_grads(mods: dict) -> dict:
+    """name -> (d loss / d lora_A, d loss / d lora_B) as float64 arrays."""
+    return {n: (mod.lora_A["default"].weight.grad.detach().double().numpy(),
+                mod.lora_B["default"].weight.grad.detach().double().numpy())
+            for n, mod in mods.items()}
+
+
+def run_peft(pm, adapted: dict, values: dict, batch: dict, dtype) -> tuple[float, dict]:
+    """Loss and LoRA gradients of one forward/backward on ``batch``, with the loss convention
+    checked three ways and the padded rows against each row run alone."""
+    import torch
+    a_b = {base: (values[base + ".lora_a"], values[base + ".lora_b"]) for base in adapted}
+    out, mine = lora_backward(pm, adapted, a_b, batch, dtype)
+    assert out.logits.dtype == out.loss.dtype == dtype
+    # the loss convention: mean over valid shifted targets == sum / num_items_in_batch
+    # == a float64 CE computed from the logits
+    ids_t, attn_t, lab_t = (torch.tensor(batch[k]) for k in ("input_ids", "attention_mask", "labels"))
+    n_valid = batch["n_valid"]
+    with torch.no_grad():
+        out2 = pm(input_ids=ids_t, attention_mask=attn_t, labels=lab_t, use_cache=False,
+                  num_items_in_batch=torch.tensor(n_valid))
+        assert torch.equal(out2.logits, out.logits)
+        # padding does not change the real rows: each row alone (no padding, no mask)
+        pad_err = max(float((pm(input_ids=ids_t[b:b + 1, :n], use_cache=False).logits[0]
+                             - out.logits[b, :n]).abs().max()) for b, n in enumerate(LENGTHS))
+    print(f"[{dtype}] loss {out.loss.item():.9f} (mean over {n_valid} targets); "
+          f"sum/num_items_in_batch {out2.loss.item():.9f}; float64 CE from logits {mine:.9f}; "
+          f"rows alone vs padded batch: max |dlogit| {pad_err:.2g}")
+    assert abs(out2.loss.item() - out.loss.item()) < 1e-6
+    assert abs(mine - out.loss.item()) < 1e-5
+    assert pad_err < 1e-4
+    grads = {}
+    for base, (ga, gb) in lora_grads(adapted).items():
+        grads[base + ".lora_a"], grads[base + ".lora_b"] = ga, gb
+    return out.loss.item(), grads
+
+
+def float64_model(gold):
+    """gqa in true float64 on the GGUF's exact weights: the exact answer for the model pytrain
+    runs (the converter's float32 `1 + w` norms and `-exp(A_log)` move HF-float64
+    log-probabilities by 1.2e-5 on this net; with the GGUF's values HF-float64 matches the
+    independent numpy float64 forward to ~2e-8)."""
+    import numpy as np
+    import torch
     gguf = FIX / "gqa-f32.gguf"
     _, model64 = build_gqa(torch.float64)
     with true_float64() as seen0:
@@ -237,21 +258,22 @@ def main() -> int:
         toks = gold["tokens"][4, :100].tolist()
         with torch.no_grad():
             lp64 = torch.log_softmax(model64(input_ids=torch.tensor([toks]), use_cache=False).logits[0], -1)
-        e = float(np.abs(lp64.numpy() - ref.numpy_forward_gguf(gguf, toks)).max())
+        e = float(np.abs(lp64.numpy() - qg.numpy_forward_gguf(gguf, toks)).max())
         print(f"HF float64 on the GGUF weights vs numpy_forward_gguf (float64), sequence 4: "
               f"max |dlogprob| = {e:.2g}")
         assert e < 1e-6, e
     assert seen0 == {torch.float64}, seen0
-    pm64, adapted64 = wrap_peft(model64, full)     # (PEFT initialises A, B in float32 first)
-    assert {p.dtype for p in pm64.parameters()} == {torch.float64}
-    with true_float64() as seen:
-        loss64, g64 = run(pm64, adapted64, torch.float64)
-    assert seen == {torch.float64}, seen          # no op of the float64 run returned float32
+    return model64
 
-    res = {"input_ids": input_ids, "attention_mask": attn, "labels": labels,
-           "loss": np.float64(loss32), "loss64": np.float64(loss64), "n_valid": np.int64(n_valid)}
+
+def golden(batch: dict, values: dict, run32: tuple, run64: tuple) -> dict:
+    """The output arrays (module docstring), each gradient's float32 error printed."""
+    import numpy as np
+    (loss32, g32), (loss64, g64) = run32, run64
+    res = {k: batch[k] for k in ("input_ids", "attention_mask", "labels")}
+    res.update(loss=np.float64(loss32), loss64=np.float64(loss64), n_valid=np.int64(batch["n_valid"]))
     print(f"HF float32 loss - float64 loss: {loss32 - loss64:.3g}")
-    for base in sorted(adapted):
+    for base in sorted({k.rsplit(".", 1)[0] for k in values}):
         line = f"  {base:26s}"
         for s in (".lora_a", ".lora_b"):
             res[base + s] = values[base + s].astype(np.float32)
@@ -262,8 +284,33 @@ def main() -> int:
             rel = np.abs(g32[base + s] - g64[base + s]).max() / scale
             line += f"  {s[1:]} {values[base + s].shape} max|g| {scale:.3g} f32-f64 {rel:.1e} of max"
         print(line)
+    return res
+
+
+def main() -> int:
+    import numpy as np
+    import torch
+
+    torch.set_num_threads(1)
+    torch.set_default_dtype(torch.float32)
+    torch.use_deterministic_algorithms(True)
+
+    cfg, model = build_gqa(torch.float32)
+    gold = np.load(FIX / "gqa.npz")
+    check_rebuilt(model, gold)
+    full = [i for i, t in enumerate(cfg.layer_types) if t == "full_attention"]
+    assert full == [1, 3], full
+    pm, adapted = wrap_peft(model, full)
+    values = lora_values(adapted)
+    batch = padded_batch(gold["tokens"][4, :100], PAD_ID)   # the chat + English sequence
+    run32 = run_peft(pm, adapted, values, batch, torch.float32)
+    pm64, adapted64 = wrap_peft(float64_model(gold), full)  # (PEFT initialises A, B in float32 first)
+    assert {p.dtype for p in pm64.parameters()} == {torch.float64}
+    with true_float64() as seen:
+        run64 = run_peft(pm64, adapted64, values, batch, torch.float64)
+    assert seen == {torch.float64}, seen          # no op of the float64 run returned float32
     path = FIX / "peft_grads.npz"
-    np.savez_compressed(path, **res)
+    np.savez_compressed(path, **golden(batch, values, run32, run64))
     print(f"wrote {path} ({path.stat().st_size} bytes)")
     return 0
 

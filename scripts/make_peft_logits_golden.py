@@ -48,7 +48,7 @@ Output keys (tokens: gqa.npz's first 100 columns; per adapter set S in {all, spa
     also S/peft_saved_bf16/<file> (the PeftModel cast to bfloat16 first).
 
 How (repo root):
-    PYTHONPATH=$PWD /opt/refenv/bin/python scripts/make_peft_logits_golden.py
+    /opt/refenv/bin/python -m scripts.make_peft_logits_golden
 (refenv needs numpy and safetensors for pytrain.formats.adapter_peft; gguf is the pinned gguf-py.)
 Deterministic (fixed seeds, one thread, PYTHONHASHSEED=0 set by re-exec): a rerun writes the
 same bytes; ~20 s on 2 cores.
@@ -56,20 +56,16 @@ same bytes; ~20 s on 2 cores.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import make_peft_golden as mg  # noqa: E402
-import qwen35_reference as ref  # noqa: E402
-
-sys.path.insert(0, str(ref.REPO))
-from pytrain.formats.adapter_peft import (hf_tables, peft_module_name, read_peft_adapter,  # noqa: E402
-                                  write_peft_adapter)
-from pytrain.models.qwen35_config import Qwen35Config  # noqa: E402
+from pytrain.formats.adapter_peft import (hf_tables, peft_module_name, read_peft_adapter,
+                                          write_peft_adapter)
+from pytrain.models.qwen35_config import Qwen35Config
+from scripts import make_peft_golden as mg
+from scripts import qwen35_gguf as qg
+from scripts import qwen35_reference as ref
 
 FIX = ref.REPO / "tests" / "fixtures" / "qwen35"
 GGUF = FIX / "gqa-f32.gguf"
@@ -79,21 +75,9 @@ SPARSE = ["blk.3.attn_q.weight", "blk.3.attn_v.weight", "blk.1.attn_output.weigh
 SETS = {"all": dict(rank=4, alpha=8.0, seed=11, names=None),
         "sparse": dict(rank=2, alpha=3.5, seed=12, names=SPARSE)}
 
-_CONVERT_LORA = r"""
-import sys, runpy
-llama = sys.argv[1]
-sys.path.insert(0, llama + "/gguf-py")
-sys.path.insert(0, llama)
-import conversion.base as _b
-_b.ModelBase.no_mtp = True     # the Qwen3.5 class asserts on MTP layers otherwise
-sys.argv = [llama + "/convert_lora_to_gguf.py"] + sys.argv[2:]
-runpy.run_path(llama + "/convert_lora_to_gguf.py", run_name="__main__")
-"""
-
-
 def gguf_config() -> Qwen35Config:
-    fields = ref.gguf_fields(GGUF)
-    names = set(ref.gguf_tensors_f32(GGUF))
+    fields = qg.gguf_fields(GGUF)
+    names = set(qg.gguf_tensors_f32(GGUF))
     return Qwen35Config.from_metadata(fields, names, source=str(GGUF))
 
 
@@ -127,31 +111,18 @@ def hf_logits(model, gold):
 
 
 def convert_with_llama_cpp(folder: Path, hf_dir: Path, out: Path) -> dict:
-    llama = ref.llama_cpp_dir()
-    cmd = [sys.executable, "-c", _CONVERT_LORA, str(llama), "--base", str(hf_dir),
-           "--outfile", str(out), "--outtype", "f32", str(folder)]
-    env = dict(os.environ)
-    env.pop("NO_LOCAL_GGUF", None)
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    if r.returncode != 0:
-        sys.stderr.write(r.stdout[-4000:] + r.stderr[-8000:])
-        raise RuntimeError(f"convert_lora_to_gguf failed for {folder}")
-    fields = ref.gguf_fields(out)
+    ref.run_converter("convert_lora_to_gguf.py", ["--base", str(hf_dir), "--outfile", str(out),
+                                                  "--outtype", "f32", str(folder)], patch=ref.NO_MTP)
+    fields = qg.gguf_fields(out)
     assert fields["general.type"] == "adapter" and fields["adapter.type"] == "lora", fields
-    return {"alpha": float(fields["adapter.lora.alpha"]), "tensors": ref.gguf_tensors_f32(out)}
+    return {"alpha": float(fields["adapter.lora.alpha"]), "tensors": qg.gguf_tensors_f32(out)}
 
 
-def main() -> int:
+def rebuilt_gqa(gold, cfg: Qwen35Config):
+    """HF gqa rebuilt (make_peft_golden.build_gqa), checked against the committed golden and
+    against the DeltaNet head counts of the GGUF's metadata."""
     import numpy as np
     import torch
-    from peft import LoraConfig, PeftModel, get_peft_model
-
-    torch.set_num_threads(1)
-    torch.set_default_dtype(torch.float32)
-    torch.use_deterministic_algorithms(True)
-
-    gold = np.load(FIX / "gqa.npz")
-    cfg = gguf_config()
     hf_cfg, base = mg.build_gqa(torch.float32)
     n = int(gold["lengths"][2])
     err = float(np.abs(ref.hf_logprobs(base, gold["tokens"][2, :n].tolist())
@@ -160,104 +131,149 @@ def main() -> int:
     assert err < 1e-6, err
     assert (hf_cfg.linear_num_key_heads, hf_cfg.linear_num_value_heads) == \
         (cfg.ssm_k_heads, cfg.ssm_v_heads) == (2, 4)
+    return base
 
+
+def write_ours(tmp: Path, sname: str, spec: dict, cfg: Qwen35Config):
+    """One tensor set written by pytrain's writer and read back unchanged: (tensors, folder,
+    its adapter_config.json)."""
+    import numpy as np
+    tensors = make_tensors(cfg, spec["names"], spec["rank"], spec["seed"])
+    folder = write_peft_adapter(tmp / sname, tensors, spec["alpha"], spec["rank"],
+                                metadata={"pytrain.fixture": sname}, model_config=cfg)
+    ours = json.loads((folder / "adapter_config.json").read_text())
+    print(f"[{sname}] {len(tensors) // 2} modules; target_modules {ours['target_modules']}, "
+          f"layers_to_transform {ours['layers_to_transform']}")
+    back, alpha, rank, _ = read_peft_adapter(folder, cfg)
+    assert alpha == spec["alpha"] and rank == spec["rank"]
+    assert set(back) == set(tensors)
+    assert all(np.array_equal(back[k], tensors[k]) for k in tensors)
+    return tensors, folder, ours
+
+
+def check_peft_config(tmp: Path, sname: str, spec: dict, ours: dict) -> Path:
+    """PEFT's own adapter_config.json for the same targets equals ours; its folder."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    _, m0 = mg.build_gqa(torch.float32)
+    kw = {k: ours[k] for k in ("target_modules", "layers_to_transform", "layers_pattern")}
+    ref_pm = get_peft_model(m0, LoraConfig(
+        r=spec["rank"], lora_alpha=ours["lora_alpha"], lora_dropout=0.0, bias="none",
+        task_type="CAUSAL_LM", init_lora_weights=True, **kw))
+    folder = tmp / (sname + "-peft")
+    ref_pm.save_pretrained(str(folder))
+    theirs = json.loads((folder / "adapter_config.json").read_text())
+    mine = dict(ours, target_modules=sorted(ours["target_modules"]))
+    theirs["target_modules"] = sorted(theirs["target_modules"])
+    if mine != theirs:
+        diff = {k: (mine.get(k), theirs.get(k)) for k in set(mine) | set(theirs)
+                if mine.get(k) != theirs.get(k)}
+        raise AssertionError(f"{sname}: adapter_config.json differs from PEFT's: {diff}")
+    return folder
+
+
+def load_in_peft(folder: Path, tensors: dict, spec: dict):
+    """PEFT loads pytrain's folder into a fresh model: exactly the adapted modules wrapped,
+    every lora_A / lora_B equal to the file, scaling alpha / r."""
+    import numpy as np
+    import torch
+    from peft import PeftModel
+    from safetensors.numpy import load_file
+    _, m1 = mg.build_gqa(torch.float32)
+    pm = PeftModel.from_pretrained(m1, str(folder))
+    pm.eval()
+    wrapped = {name: mod for name, mod in pm.base_model.model.named_modules()
+               if hasattr(mod, "lora_A") and isinstance(mod.lora_A, torch.nn.ModuleDict)
+               and "default" in mod.lora_A}
+    want = {peft_module_name(k[:-7]) for k in tensors if k.endswith(".lora_a")}
+    assert set(wrapped) == want, (sorted(wrapped), sorted(want))
+    st = load_file(str(folder / "adapter_model.safetensors"))
+    for name, mod in wrapped.items():
+        key = "base_model.model." + name
+        assert np.array_equal(mod.lora_A["default"].weight.detach().numpy(),
+                              st[key + ".lora_A.weight"]), name
+        assert np.array_equal(mod.lora_B["default"].weight.detach().numpy(),
+                              st[key + ".lora_B.weight"]), name
+        assert mod.scaling["default"] == spec["alpha"] / spec["rank"], name
+    return pm
+
+
+def check_llama_cpp(folder: Path, hf_dir: Path, out: Path, spec: dict, tensors: dict) -> None:
+    """llama.cpp's converter turns the folder back into pytrain's tensors, bit for bit."""
+    import numpy as np
+    conv = convert_with_llama_cpp(folder, hf_dir, out)
+    assert conv["alpha"] == spec["alpha"], conv["alpha"]
+    assert set(conv["tensors"]) == set(tensors), sorted(set(conv["tensors"]) ^ set(tensors))
+    for k, v in tensors.items():
+        assert np.array_equal(conv["tensors"][k], v), k
+    print(f"[{out.stem}] convert_lora_to_gguf.py of the folder == pytrain's tensors "
+          f"({len(tensors)} tensors, bit-exact)")
+
+
+def peft_resaved(pm, tmp: Path, sname: str, ours: dict) -> dict:
+    """PEFT re-saves the loaded adapter itself (float32, and bfloat16 for "sparse"): the test
+    imports these PEFT-written folders into pytrain.  Their files' bytes, by output key."""
+    import numpy as np
+    import torch
+    saved = {"peft_saved": tmp / (sname + "-resaved")}
+    pm.save_pretrained(str(saved["peft_saved"]))
+    again = json.loads((saved["peft_saved"] / "adapter_config.json").read_text())
+    assert dict(again, target_modules=sorted(again["target_modules"])) == \
+        dict(ours, target_modules=sorted(ours["target_modules"])), \
+        "PEFT re-saved a different adapter_config.json"
+    if sname == "sparse":
+        saved["peft_saved_bf16"] = tmp / (sname + "-resaved-bf16")
+        pm.to(torch.bfloat16).save_pretrained(str(saved["peft_saved_bf16"]))
+        hdr = (saved["peft_saved_bf16"] / "adapter_model.safetensors").read_bytes()
+        assert b'"BF16"' in hdr[:4096] and b'"F32"' not in hdr[:4096]
+    return {f"{sname}/{tag}/{f}": np.frombuffer((d / f).read_bytes(), np.uint8)
+            for tag, d in saved.items() for f in ("adapter_config.json", "adapter_model.safetensors")}
+
+
+def adapter_set(tmp: Path, hf_dir: Path, sname: str, spec: dict, cfg: Qwen35Config, gold,
+                base_logits) -> dict:
+    """Every check of one tensor set, and its output arrays (module docstring)."""
+    import numpy as np
+    tensors, folder, ours = write_ours(tmp, sname, spec, cfg)
+    peft_folder = check_peft_config(tmp, sname, spec, ours)
+    pm = load_in_peft(folder, tensors, spec)
+    logits = hf_logits(pm, gold)
+    effect = float(np.abs(logits - base_logits).max())
+    print(f"[{sname}] HF+PEFT logits move by up to {effect:.3g} with the adapter")
+    assert effect > 0.5, effect
+    check_llama_cpp(folder, hf_dir, tmp / f"{sname}.gguf", spec, tensors)
+    res = peft_resaved(pm, tmp, sname, ours)
+    res[f"{sname}/logits"] = logits
+    res[f"{sname}/effect"] = np.float64(effect)
+    res[f"{sname}/alpha"] = np.float64(spec["alpha"])
+    res[f"{sname}/rank"] = np.int64(spec["rank"])
+    res[f"{sname}/config_json"] = np.array((folder / "adapter_config.json").read_text())
+    res[f"{sname}/peft_config_json"] = np.array((peft_folder / "adapter_config.json").read_text())
+    for k, v in tensors.items():
+        res[f"{sname}/t/{k}"] = v
+    return res
+
+
+def main() -> int:
+    import numpy as np
+    import torch
+
+    torch.set_num_threads(1)
+    torch.set_default_dtype(torch.float32)
+    torch.use_deterministic_algorithms(True)
+
+    gold = np.load(FIX / "gqa.npz")
+    cfg = gguf_config()
+    base = rebuilt_gqa(gold, cfg)
     res = {"tokens": gold["tokens"][SEQS, :100].astype(np.int32),
            "lengths": gold["lengths"][SEQS].astype(np.int32)}
     base_logits = hf_logits(base, gold)
-
     with tempfile.TemporaryDirectory(prefix="peft-logits-") as tmp:
         tmp = Path(tmp)
         hf_dir = tmp / "hf"
         ref.save_hf_checkpoint(base, FIX / "tokenizer", hf_dir)
         for sname, spec in SETS.items():
-            tensors = make_tensors(cfg, spec["names"], spec["rank"], spec["seed"])
-            bases = sorted(k[:-7] for k in tensors if k.endswith(".lora_a"))
-            folder = write_peft_adapter(tmp / sname, tensors, spec["alpha"], spec["rank"],
-                                        metadata={"pytrain.fixture": sname},
-                                        model_config=cfg)
-            ours = json.loads((folder / "adapter_config.json").read_text())
-            print(f"[{sname}] {len(bases)} modules; target_modules {ours['target_modules']}, "
-                  f"layers_to_transform {ours['layers_to_transform']}")
-            back, alpha, rank, _ = read_peft_adapter(folder, cfg)
-            assert alpha == spec["alpha"] and rank == spec["rank"]
-            assert set(back) == set(tensors)
-            assert all(np.array_equal(back[k], tensors[k]) for k in tensors)
-
-            # PEFT's own adapter_config.json for the same targets
-            _, m0 = mg.build_gqa(torch.float32)
-            kw = {k: ours[k] for k in ("target_modules", "layers_to_transform", "layers_pattern")}
-            ref_pm = get_peft_model(m0, LoraConfig(
-                r=spec["rank"], lora_alpha=ours["lora_alpha"], lora_dropout=0.0, bias="none",
-                task_type="CAUSAL_LM", init_lora_weights=True, **kw))
-            ref_pm.save_pretrained(str(tmp / (sname + "-peft")))
-            theirs = json.loads((tmp / (sname + "-peft") / "adapter_config.json").read_text())
-            for d in (ours, theirs):
-                d["target_modules"] = sorted(d["target_modules"])
-            if ours != theirs:
-                diff = {k: (ours.get(k), theirs.get(k)) for k in set(ours) | set(theirs)
-                        if ours.get(k) != theirs.get(k)}
-                raise AssertionError(f"{sname}: adapter_config.json differs from PEFT's: {diff}")
-
-            # PEFT loads pytrain's folder into a fresh model
-            _, m1 = mg.build_gqa(torch.float32)
-            pm = PeftModel.from_pretrained(m1, str(folder))
-            pm.eval()
-            wrapped = {}
-            for name, mod in pm.base_model.model.named_modules():
-                if hasattr(mod, "lora_A") and isinstance(mod.lora_A, torch.nn.ModuleDict) \
-                        and "default" in mod.lora_A:
-                    wrapped[name] = mod
-            want = {peft_module_name(b): b for b in bases}
-            assert set(wrapped) == set(want), (sorted(wrapped), sorted(want))
-            from safetensors.numpy import load_file
-            st = load_file(str(folder / "adapter_model.safetensors"))
-            for name, mod in wrapped.items():
-                key = "base_model.model." + name
-                assert np.array_equal(mod.lora_A["default"].weight.detach().numpy(),
-                                      st[key + ".lora_A.weight"]), name
-                assert np.array_equal(mod.lora_B["default"].weight.detach().numpy(),
-                                      st[key + ".lora_B.weight"]), name
-                assert mod.scaling["default"] == spec["alpha"] / spec["rank"], name
-            logits = hf_logits(pm, gold)
-            effect = float(np.abs(logits - base_logits).max())
-            print(f"[{sname}] HF+PEFT logits move by up to {effect:.3g} with the adapter")
-            assert effect > 0.5, effect
-
-            # llama.cpp's converter turns the folder back into pytrain's tensors, bit for bit
-            conv = convert_with_llama_cpp(folder, hf_dir, tmp / f"{sname}.gguf")
-            assert conv["alpha"] == spec["alpha"], conv["alpha"]
-            assert set(conv["tensors"]) == set(tensors), sorted(set(conv["tensors"]) ^ set(tensors))
-            for k, v in tensors.items():
-                assert np.array_equal(conv["tensors"][k], v), k
-            print(f"[{sname}] convert_lora_to_gguf.py of the folder == pytrain's tensors "
-                  f"({len(tensors)} tensors, bit-exact)")
-
-            # PEFT re-saves the loaded adapter itself (float32, and bfloat16 for "sparse"): the
-            # test imports these PEFT-written folders into pytrain
-            saved = {"peft_saved": tmp / (sname + "-resaved")}
-            pm.save_pretrained(str(saved["peft_saved"]))
-            again = json.loads((saved["peft_saved"] / "adapter_config.json").read_text())
-            again["target_modules"] = sorted(again["target_modules"])
-            assert again == ours, "PEFT re-saved a different adapter_config.json"
-            if sname == "sparse":
-                saved["peft_saved_bf16"] = tmp / (sname + "-resaved-bf16")
-                pm.to(torch.bfloat16).save_pretrained(str(saved["peft_saved_bf16"]))
-                hdr = (saved["peft_saved_bf16"] / "adapter_model.safetensors").read_bytes()
-                assert b'"BF16"' in hdr[:4096] and b'"F32"' not in hdr[:4096]
-            for tag, d in saved.items():
-                for f in ("adapter_config.json", "adapter_model.safetensors"):
-                    res[f"{sname}/{tag}/{f}"] = np.frombuffer((d / f).read_bytes(), np.uint8)
-
-            res[f"{sname}/logits"] = logits
-            res[f"{sname}/effect"] = np.float64(effect)
-            res[f"{sname}/alpha"] = np.float64(spec["alpha"])
-            res[f"{sname}/rank"] = np.int64(spec["rank"])
-            res[f"{sname}/config_json"] = np.array((folder / "adapter_config.json").read_text())
-            res[f"{sname}/peft_config_json"] = np.array(
-                (tmp / (sname + "-peft") / "adapter_config.json").read_text())
-            for k, v in tensors.items():
-                res[f"{sname}/t/{k}"] = v
-
+            res.update(adapter_set(tmp, hf_dir, sname, spec, cfg, gold, base_logits))
     path = FIX / "peft_logits.npz"
     np.savez_compressed(path, **res)
     print(f"wrote {path} ({path.stat().st_size} bytes)")
@@ -265,9 +281,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    if os.environ.get("PYTHONHASHSEED") != "0":
-        # PEFT saves target_modules from a set of strings: fix the hash seed so a rerun
-        # writes the same bytes
-        os.execve(sys.executable, [sys.executable] + sys.argv,
-                  {**os.environ, "PYTHONHASHSEED": "0"})
+    ref.fix_hash_seed(__spec__.name)
     sys.exit(main())

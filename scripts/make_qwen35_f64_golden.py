@@ -1,20 +1,18 @@
 """Float64 golden log-probabilities for the parity fixtures, from the independent numpy
-forward pass over the GGUF tensors in scripts/qwen35_reference.py (token-by-token DeltaNet,
+forward pass over the GGUF tensors in scripts/qwen35_gguf.py (token-by-token DeltaNet,
 no ggml, no torch).  HF's own float32 run carries ~6e-5 of rounding error on these random
 nets, as much as pytrain's; this golden lets the parity test hold pytrain to 1e-4 of the
 exact answer.  For the BF16 and Q8_0 files the reference runs on their own dequantized
 weights, so the test separates pytrain's arithmetic error from the weights' rounding.
 Writes tests/fixtures/qwen35/<file>.f64.npz (float32 storage of the float64 result).
 
-    python scripts/make_qwen35_f64_golden.py
+    python -m scripts.make_qwen35_f64_golden
 """
-import sys
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import qwen35_reference as R  # noqa: E402
+from scripts.qwen35_gguf import numpy_forward_gguf
 
 FIX = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "qwen35"
 
@@ -24,11 +22,16 @@ def log_softmax(x):
     return x - np.log(np.exp(x).sum(-1, keepdims=True))
 
 
-for name, golden in (("gqa-f32", "gqa"), ("gqa-bf16", "gqa"), ("gqa-q8_0", "gqa"),
-                     ("untied-f32", "untied")):
-    d = np.load(FIX / f"{golden}.npz")
-    out = np.zeros(d["logprobs"].shape, np.float32)
-    for i, (toks, n) in enumerate(zip(d["tokens"], d["lengths"])):
-        out[i, :n] = log_softmax(R.numpy_forward_gguf(FIX / f"{name}.gguf", list(toks[:n])))
-    np.savez_compressed(FIX / f"{name}.f64.npz", logprobs=out)
-    print(name, "max |HF f32 - numpy f64| =", float(np.abs(out - d["logprobs"]).max()))
+def main() -> None:
+    for name, golden in (("gqa-f32", "gqa"), ("gqa-bf16", "gqa"), ("gqa-q8_0", "gqa"),
+                         ("untied-f32", "untied")):
+        d = np.load(FIX / f"{golden}.npz")
+        out = np.zeros(d["logprobs"].shape, np.float32)
+        for i, (toks, n) in enumerate(zip(d["tokens"], d["lengths"])):
+            out[i, :n] = log_softmax(numpy_forward_gguf(FIX / f"{name}.gguf", list(toks[:n])))
+        np.savez_compressed(FIX / f"{name}.f64.npz", logprobs=out)
+        print(name, "max |HF f32 - numpy f64| =", float(np.abs(out - d["logprobs"]).max()))
+
+
+if __name__ == "__main__":
+    main()

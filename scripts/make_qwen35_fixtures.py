@@ -27,7 +27,7 @@ log-probability; the BF16/Q8_0 errors are printed).
 
 How (from the repo root, with the reference stack of scripts/requirements-reference.txt):
 
-    /opt/refenv/bin/python scripts/make_qwen35_fixtures.py [--out tests/fixtures/qwen35]
+    /opt/refenv/bin/python -m scripts.make_qwen35_fixtures [--out tests/fixtures/qwen35]
 
 Deterministic: fixed seeds, one thread.  Takes well under a minute on 2 CPU cores.
 """
@@ -40,8 +40,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import qwen35_reference as ref  # noqa: E402
+from scripts import qwen35_gguf as qg
+from scripts import qwen35_reference as ref
 
 VOCAB = 512
 SEQ_LENGTHS = [1, 7, 33, 64, 100]  # 33: random ids over the whole vocabulary
@@ -151,15 +151,15 @@ def main() -> int:
             for ot in spec["outtypes"]:
                 path = ref.convert_to_gguf(hf_dir, out / f"{name}-{ot}.gguf", ot)
                 if ot == "f32":
-                    ref.check_gguf_layout(model, path)
+                    qg.check_gguf_layout(model, path)
                 elif ot == "bf16":
-                    ref.check_gguf_layout(model, path, atol=0.02)
+                    qg.check_gguf_layout(model, path, atol=0.02)
                 else:
-                    ref.check_gguf_layout(model, path, atol=0.05)
+                    qg.check_gguf_layout(model, path, atol=0.05)
                 size = path.stat().st_size
                 assert size < 1_000_000, f"{path} is {size} bytes"
                 # independent numpy forward over the GGUF vs the HF golden (real positions)
-                diffs = [np.abs(ref.numpy_forward_gguf(path, s) - logprobs[i, :len(s)])
+                diffs = [np.abs(qg.numpy_forward_gguf(path, s) - logprobs[i, :len(s)])
                          for i, s in enumerate(seqs)]
                 errs = [float(d.max()) for d in diffs]
                 mean = float(np.concatenate([d.ravel() for d in diffs]).mean())
@@ -167,7 +167,7 @@ def main() -> int:
                       f"mean {mean:.2g} (max per sequence {', '.join(f'{e:.2g}' for e in errs)})")
                 if ot == "f32":
                     assert max(errs) < 1e-4, errs
-                print(ref.gguf_summary(path) if ot == "f32" else f"# {path.name}: {size} bytes")
+                print(qg.gguf_summary(path) if ot == "f32" else f"# {path.name}: {size} bytes")
 
             ent = -(np.exp(logprobs) * logprobs).sum(-1)
             real = np.concatenate([ent[i, :n] for i, n in enumerate(lengths)])

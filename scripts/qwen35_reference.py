@@ -5,9 +5,8 @@ scripts (`scripts/make_qwen35_fixtures.py`, `scripts/make_default_model.py`) bui
 briefly trained HF `Qwen3_5ForCausalLM` models, convert them with the pinned llama.cpp converter and
 record golden outputs.  This module holds what they share: a trained byte-level BPE tokenizer in
 Qwen's format, a deterministic synthetic English corpus, the chat template, model construction and
-weight randomisation, the converter call (with `tokenizer.ggml.pre` forced to `qwen35`), a GGUF
-dump, and an independent check that every GGUF tensor is the HF tensor under the documented
-converter transforms.
+weight randomisation, and the converter call (with `tokenizer.ggml.pre` forced to `qwen35`);
+`scripts/qwen35_gguf.py` reads the converted files.
 
 How: it needs the reference stack of `scripts/requirements-reference.txt`, kept outside the repo:
 
@@ -15,9 +14,9 @@ How: it needs the reference stack of `scripts/requirements-reference.txt`, kept 
     /opt/refenv/bin/pip install -r scripts/requirements-reference.txt
 
 and is imported by the scripts above, run from the repo root with that interpreter, e.g.
-`/opt/refenv/bin/python scripts/make_qwen35_fixtures.py`.  The pinned llama.cpp source is found (and
-fetched once, verified by sha256) through `native/build.py`; its own `gguf-py` is put first on
-sys.path so the converter and the checks use the pinned gguf package.
+`/opt/refenv/bin/python -m scripts.make_qwen35_fixtures`.  The pinned llama.cpp source is found
+(and fetched once, verified by sha256) through `native/build.py`; the converter runs in a child
+process with the archive's own `gguf-py` on its PYTHONPATH, so it uses the pinned gguf package.
 """
 from __future__ import annotations
 
@@ -30,14 +29,14 @@ import sys
 import types
 from pathlib import Path
 
+from scripts import native_build  # native/build.py as a module
+
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RAYON_NUM_THREADS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import native_build  # noqa: E402  (native/build.py as a module)
 
 
 # --------------------------------------------------------------------------------------------
@@ -52,14 +51,13 @@ def llama_cpp_dir() -> Path:
     return nb.llama_cpp_dir()
 
 
-def use_pinned_gguf() -> Path:
-    """Put the archive's gguf-py first on sys.path (before any installed gguf) and return its dir."""
-    p = llama_cpp_dir() / "gguf-py"
-    if str(p) not in sys.path:
-        sys.path.insert(0, str(p))
-    if "gguf" in sys.modules and not str(Path(sys.modules["gguf"].__file__)).startswith(str(p)):
-        raise RuntimeError("a different gguf package is already imported")
-    return p
+def fix_hash_seed(module: str) -> None:
+    """Re-run ``python -m module`` with the same arguments under PYTHONHASHSEED=0 unless it is
+    already: PEFT writes target_modules in set order, so fixed string hashes make its
+    adapter_config.json the same bytes on every run."""
+    if os.environ.get("PYTHONHASHSEED") != "0":
+        os.execve(sys.executable, [sys.executable, "-m", module, *sys.argv[1:]],
+                  {**os.environ, "PYTHONHASHSEED": "0"})
 
 
 def chat_template_text() -> str:
@@ -420,279 +418,44 @@ def true_float64(modeling):
 # conversion
 # --------------------------------------------------------------------------------------------
 
-_CONVERT_BOOTSTRAP = r"""
-import sys, runpy
-llama = sys.argv[1]
-sys.path.insert(0, llama + "/gguf-py")
-sys.path.insert(0, llama)
+# Patches applied to the converter's classes before it runs.  It recognises pre-tokenizers by
+# hashing the token ids of a probe string; a custom vocabulary matches nothing
+# (NotImplementedError), and ours is built with the qwen35 regex.
+PRE_QWEN35 = '_b.TextModel.get_vocab_base_pre = lambda self, tokenizer: "qwen35"'
+# convert_lora_to_gguf.py has no --no-mtp; the Qwen3.5 class asserts on MTP layers otherwise.
+NO_MTP = "_b.ModelBase.no_mtp = True"
+
+_BOOTSTRAP = """
+import runpy, sys
 import conversion.base as _b
-# The converter recognises pre-tokenizers by hashing the token ids of a probe string; a custom
-# vocabulary matches nothing (NotImplementedError).  Our tokenizer is built with the qwen35 regex.
-_b.TextModel.get_vocab_base_pre = lambda self, tokenizer: "qwen35"
-sys.argv = [llama + "/convert_hf_to_gguf.py"] + sys.argv[2:]
-runpy.run_path(llama + "/convert_hf_to_gguf.py", run_name="__main__")
+{patch}
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
 """
+
+
+def run_converter(script: str, args: list[str], patch: str = PRE_QWEN35) -> str:
+    """Run one of the pinned llama.cpp converters (``convert_hf_to_gguf.py``,
+    ``convert_lora_to_gguf.py``) in a child process, as users do, with the archive's own
+    ``conversion`` and ``gguf-py`` on its PYTHONPATH and ``patch`` applied first; its stderr."""
+    llama = llama_cpp_dir()
+    env = dict(os.environ)
+    env.pop("NO_LOCAL_GGUF", None)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(llama), str(llama / "gguf-py")] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    r = subprocess.run([sys.executable, "-c", _BOOTSTRAP.format(patch=patch), str(llama / script),
+                        *args], capture_output=True, text=True, env=env)
+    if r.returncode != 0:
+        sys.stderr.write(r.stdout[-4000:] + r.stderr[-8000:])
+        raise RuntimeError(f"{script} {' '.join(args)} failed")
+    return r.stderr
 
 
 def convert_to_gguf(hf_dir: Path, out_path: Path, outtype: str, quiet: bool = True) -> Path:
     """Run the pinned convert_hf_to_gguf.py (--no-mtp, pre forced to qwen35) in a subprocess."""
-    llama = llama_cpp_dir()
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-c", _CONVERT_BOOTSTRAP, str(llama), str(hf_dir), "--outfile", str(out_path),
-           "--outtype", outtype, "--no-mtp"]
-    env = dict(os.environ)
-    env.pop("NO_LOCAL_GGUF", None)
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    if r.returncode != 0:
-        sys.stderr.write(r.stdout[-4000:] + r.stderr[-8000:])
-        raise RuntimeError(f"convert_hf_to_gguf failed for {hf_dir} ({outtype})")
+    log = run_converter("convert_hf_to_gguf.py", [str(hf_dir), "--outfile", str(out_path),
+                                                  "--outtype", outtype, "--no-mtp"])
     if not quiet:
-        sys.stderr.write(r.stderr[-3000:])
+        sys.stderr.write(log[-3000:])
     return out_path
-
-
-# --------------------------------------------------------------------------------------------
-# GGUF inspection and an independent layout check
-# --------------------------------------------------------------------------------------------
-
-def gguf_summary(path: Path) -> str:
-    use_pinned_gguf()
-    import gguf
-    r = gguf.GGUFReader(str(path))
-    lines = [f"# {path.name}: {path.stat().st_size} bytes, {len(r.tensors)} tensors"]
-    for k, f in r.fields.items():
-        if k.startswith("GGUF."):
-            continue
-        if k in ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.merges"):
-            lines.append(f"{k} = [{len(f.data)} entries]")
-            continue
-        if k == "tokenizer.chat_template":
-            lines.append(f"{k} = <{len(f.contents())} chars>")
-            continue
-        lines.append(f"{k} = {f.contents()!r}")
-    for t in r.tensors:
-        lines.append(f"  {t.name:32s} {t.tensor_type.name:5s} ne={list(int(x) for x in t.shape)}")
-    return "\n".join(lines)
-
-
-def gguf_tensors_f32(path: Path) -> dict:
-    """name -> float32 numpy array in ggml order reversed (numpy shape = ne reversed)."""
-    use_pinned_gguf()
-    import gguf
-    import numpy as np
-    from gguf.quants import dequantize
-    r = gguf.GGUFReader(str(path))
-    out = {}
-    for t in r.tensors:
-        shape = tuple(int(x) for x in reversed(t.shape))
-        a = dequantize(t.data, t.tensor_type)
-        out[t.name] = np.asarray(a, dtype=np.float32).reshape(shape)
-    return out
-
-
-def gguf_fields(path: Path) -> dict:
-    use_pinned_gguf()
-    import gguf
-    r = gguf.GGUFReader(str(path))
-    return {k: f.contents() for k, f in r.fields.items() if not k.startswith("GGUF.")}
-
-
-def expected_gguf_tensors(model) -> dict:
-    """Our own statement of the converter's transforms: HF state dict -> GGUF name -> array.
-
-    Independent of the converter code; comparing it with a converted F32 file proves the layout
-    notes in docs/formats.md (norm +1 except the DeltaNet gated norm, ssm_a = -exp(A_log), conv squeezed,
-    value heads grouped -> tiled, attn_q rows per head [query | gate], tied embeddings).
-    """
-    import numpy as np
-    cfg = model.config
-    nk, nv, dk = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim
-    dv = cfg.linear_value_head_dim
-    r = nv // nk
-
-    def tile_v(a, axis, hd):
-        # grouped (k head major) -> tiled (repeat index major) along `axis` of size nv*hd
-        a = np.moveaxis(a, axis, 0)
-        rest = a.shape[1:]
-        a = a.reshape(nk, r, hd, *rest).transpose(1, 0, 2, *range(3, 3 + len(rest))).reshape(nv * hd, *rest)
-        return np.moveaxis(a, 0, axis)
-
-    sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
-    out = {}
-    simple = {
-        "input_layernorm.weight": ("attn_norm.weight", True),
-        "post_attention_layernorm.weight": ("post_attention_norm.weight", True),
-        "mlp.gate_proj.weight": ("ffn_gate.weight", False),
-        "mlp.up_proj.weight": ("ffn_up.weight", False),
-        "mlp.down_proj.weight": ("ffn_down.weight", False),
-        "self_attn.q_proj.weight": ("attn_q.weight", False),
-        "self_attn.k_proj.weight": ("attn_k.weight", False),
-        "self_attn.v_proj.weight": ("attn_v.weight", False),
-        "self_attn.o_proj.weight": ("attn_output.weight", False),
-        "self_attn.q_norm.weight": ("attn_q_norm.weight", True),
-        "self_attn.k_norm.weight": ("attn_k_norm.weight", True),
-        "linear_attn.norm.weight": ("ssm_norm.weight", False),
-    }
-    for name, a in sd.items():
-        if name == "model.embed_tokens.weight":
-            out["token_embd.weight"] = a
-        elif name == "model.norm.weight":
-            out["output_norm.weight"] = a + 1
-        elif name == "lm_head.weight":
-            if not cfg.tie_word_embeddings:
-                out["output.weight"] = a
-        elif name.startswith("model.layers."):
-            parts = name.split(".")
-            bid, rest = int(parts[2]), ".".join(parts[3:])
-            pre = f"blk.{bid}."
-            if rest in simple:
-                g, plus1 = simple[rest]
-                out[pre + g] = a + 1 if plus1 else a
-            elif rest == "linear_attn.in_proj_qkv.weight":
-                q, k, v = a[:nk * dk], a[nk * dk:2 * nk * dk], a[2 * nk * dk:]
-                out[pre + "attn_qkv.weight"] = np.concatenate([q, k, tile_v(v, 0, dv)], 0)
-            elif rest == "linear_attn.in_proj_z.weight":
-                out[pre + "attn_gate.weight"] = tile_v(a, 0, dv)
-            elif rest == "linear_attn.in_proj_b.weight":
-                out[pre + "ssm_beta.weight"] = tile_v(a, 0, 1)
-            elif rest == "linear_attn.in_proj_a.weight":
-                out[pre + "ssm_alpha.weight"] = tile_v(a, 0, 1)
-            elif rest == "linear_attn.A_log":
-                out[pre + "ssm_a"] = -np.exp(tile_v(a, 0, 1))
-            elif rest == "linear_attn.dt_bias":
-                out[pre + "ssm_dt.bias"] = tile_v(a, 0, 1)
-            elif rest == "linear_attn.conv1d.weight":
-                w = a[:, 0, :]                        # [C, K]
-                qk = w[:2 * nk * dk]
-                out[pre + "ssm_conv1d.weight"] = np.concatenate([qk, tile_v(w[2 * nk * dk:], 0, dv)], 0)
-            elif rest == "linear_attn.out_proj.weight":
-                out[pre + "ssm_out.weight"] = tile_v(a, 1, dv)
-            else:
-                raise RuntimeError(f"unmapped HF tensor {name}")
-        else:
-            raise RuntimeError(f"unmapped HF tensor {name}")
-    return out
-
-
-def check_gguf_layout(model, gguf_path: Path, atol: float = 0.0) -> None:
-    """Assert the GGUF holds exactly the expected tensors (names, shapes, values)."""
-    import numpy as np
-    got = gguf_tensors_f32(gguf_path)
-    exp = expected_gguf_tensors(model)
-    if set(got) != set(exp):
-        raise AssertionError(f"tensor names differ: only GGUF {sorted(set(got) - set(exp))}, "
-                             f"only expected {sorted(set(exp) - set(got))}")
-    for k in sorted(exp):
-        e = exp[k]
-        g = got[k].reshape(e.shape) if got[k].size == e.size else got[k]
-        if g.shape != e.shape:
-            raise AssertionError(f"{k}: shape {got[k].shape} vs expected {e.shape}")
-        err = float(np.max(np.abs(g - e))) if e.size else 0.0
-        tol = atol + (1e-6 * float(np.max(np.abs(e))) if atol == 0.0 else 0.0)
-        if err > tol:
-            raise AssertionError(f"{k}: max abs diff {err:.3g} > {tol:.3g}")
-
-
-# --------------------------------------------------------------------------------------------
-# an independent forward pass over the GGUF tensors (numpy, float64, token-by-token DeltaNet)
-# --------------------------------------------------------------------------------------------
-
-def numpy_forward_gguf(path: Path, tokens: list[int]):
-    """log-probabilities [T, V] computed from the GGUF alone, in GGUF order and conventions.
-
-    A second, independent reading of the format (value head j uses key head j % n_k; conv tap 3
-    is the current token; attn_q rows per head [query | gate]; NEOX rope on the first
-    rope.dimension_count dims; GQA head h uses kv head h // (n_head / n_head_kv)), with the
-    gated delta rule run as the plain recurrence rather than HF's chunked form.
-    """
-    import numpy as np
-    W = {k: v.astype(np.float64) for k, v in gguf_tensors_f32(path).items()}
-    F = gguf_fields(path)
-    a = "qwen35."
-    n_layer = int(F[a + "block_count"])
-    eps = float(F[a + "attention.layer_norm_rms_epsilon"])
-    n_head, n_kv = int(F[a + "attention.head_count"]), int(F[a + "attention.head_count_kv"])
-    hd = int(F[a + "attention.key_length"])
-    n_rot = int(F[a + "rope.dimension_count"])
-    theta = float(F[a + "rope.freq_base"])
-    recurrent = list(F[a + "attention.recurrent_layers"])
-    dk = int(F[a + "ssm.state_size"])
-    nk = int(F[a + "ssm.group_count"])
-    nv = int(F[a + "ssm.time_step_rank"])
-    dv = int(F[a + "ssm.inner_size"]) // nv
-    K = int(F[a + "ssm.conv_kernel"])
-    T = len(tokens)
-
-    def rms(x, w):
-        return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w
-
-    def silu(x):
-        return x / (1 + np.exp(-x))
-
-    def l2n(x):
-        return x / np.sqrt((x * x).sum(-1, keepdims=True) + 1e-6)
-
-    x = W["token_embd.weight"][np.asarray(tokens)]
-    pos = np.arange(T, dtype=np.float64)
-    inv = theta ** (-np.arange(0, n_rot, 2, dtype=np.float64) / n_rot)
-    ang = pos[:, None] * inv[None, :]                       # [T, n_rot/2]
-    cos, sin = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
-
-    def rope(q):                                            # q [T, H, hd], NEOX pairs (i, i + n_rot/2)
-        q = q.copy()
-        h = n_rot // 2
-        a0, a1 = q[..., :h].copy(), q[..., h:n_rot].copy()
-        q[..., :h] = a0 * cos - a1 * sin
-        q[..., h:n_rot] = a1 * cos + a0 * sin
-        return q
-
-    for il in range(n_layer):
-        p = f"blk.{il}."
-        h = rms(x, W[p + "attn_norm.weight"])
-        if recurrent[il]:
-            qkv = h @ W[p + "attn_qkv.weight"].T
-            z = (h @ W[p + "attn_gate.weight"].T).reshape(T, nv, dv)
-            beta = 1 / (1 + np.exp(-(h @ W[p + "ssm_beta.weight"].T)))
-            alpha = h @ W[p + "ssm_alpha.weight"].T
-            g = W[p + "ssm_a"] * np.logaddexp(0, alpha + W[p + "ssm_dt.bias"])     # [T, nv], <= 0
-            cw = W[p + "ssm_conv1d.weight"]                                          # [C, K]
-            xp = np.concatenate([np.zeros((K - 1, qkv.shape[1])), qkv], 0)
-            conv = sum(cw[:, k][None, :] * xp[k:k + T] for k in range(K))
-            conv = silu(conv)
-            q = l2n(conv[:, :nk * dk].reshape(T, nk, dk)) / np.sqrt(dk)
-            kk = l2n(conv[:, nk * dk:2 * nk * dk].reshape(T, nk, dk))
-            v = conv[:, 2 * nk * dk:].reshape(T, nv, dv)
-            o = np.zeros((T, nv, dv))
-            for j in range(nv):
-                kh = j % nk
-                S = np.zeros((dk, dv))
-                for t in range(T):
-                    S = S * np.exp(g[t, j])
-                    delta = (v[t, j] - kk[t, kh] @ S) * beta[t, j]
-                    S = S + np.outer(kk[t, kh], delta)
-                    o[t, j] = q[t, kh] @ S
-            o = rms(o, W[p + "ssm_norm.weight"]) * silu(z)
-            out = o.reshape(T, nv * dv) @ W[p + "ssm_out.weight"].T
-        else:
-            qg = (h @ W[p + "attn_q.weight"].T).reshape(T, n_head, 2 * hd)
-            q, gate = qg[..., :hd], qg[..., hd:]
-            k = (h @ W[p + "attn_k.weight"].T).reshape(T, n_kv, hd)
-            v = (h @ W[p + "attn_v.weight"].T).reshape(T, n_kv, hd)
-            q = rope(rms(q, W[p + "attn_q_norm.weight"]))
-            k = rope(rms(k, W[p + "attn_k_norm.weight"]))
-            o = np.zeros((T, n_head, hd))
-            mask = np.triu(np.full((T, T), -np.inf), 1)
-            for hh in range(n_head):
-                kv = hh // (n_head // n_kv)
-                s = q[:, hh] @ k[:, kv].T / np.sqrt(hd) + mask
-                s = np.exp(s - s.max(-1, keepdims=True))
-                o[:, hh] = (s / s.sum(-1, keepdims=True)) @ v[:, kv]
-            o = o * (1 / (1 + np.exp(-gate)))
-            out = o.reshape(T, n_head * hd) @ W[p + "attn_output.weight"].T
-        x = x + out
-        h = rms(x, W[p + "post_attention_norm.weight"])
-        x = x + (silu(h @ W[p + "ffn_gate.weight"].T) * (h @ W[p + "ffn_up.weight"].T)) @ W[p + "ffn_down.weight"].T
-    x = rms(x, W["output_norm.weight"])
-    logits = x @ W.get("output.weight", W["token_embd.weight"]).T
-    m = logits.max(-1, keepdims=True)
-    return logits - m - np.log(np.exp(logits - m).sum(-1, keepdims=True))

@@ -18,9 +18,9 @@ Every cell is a fresh pytest process; the summary (pass/fail per cell, the failu
 the CPU, the commit) is written as markdown.  ``make test-cpu-matrix`` runs it; it is not part
 of the default test run (about 15-25 minutes on 2 cores).
 
-Usage: python scripts/test_cpu_matrix.py [--out bench_results/cpu_matrix-amd.md]
-                                         [--variants best,haswell,native] [--threads 1,2]
-                                         [--blas 1,0] [-k EXPR]
+Usage: python -m scripts.test_cpu_matrix [--out bench_results/cpu_matrix-amd.md]
+                                        [--variants best,haswell,native] [--threads 1,2]
+                                        [--blas 1,0] [-k EXPR]
 """
 from __future__ import annotations
 
@@ -35,9 +35,9 @@ import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
+from scripts import native_build  # native/build.py as a module
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import native_build  # noqa: E402  (native/build.py as a module)
 
 # the tests that compare numbers: parity with HF, PEFT, float64 and llama.cpp; padding,
 # accumulation, recompute and resume equalities; the real model; the ops pytrain patches
@@ -108,7 +108,7 @@ def run_cell(variant: str, blas: str, threads: str, tests: list[str], k: str | N
 
 
 def markdown(cells: list[dict], cpu: str, commit: str, cmd: str) -> str:
-    lines = [f"# Numerically sensitive tests under several CPU configurations",
+    lines = ["# Numerically sensitive tests under several CPU configurations",
              "",
              f"Made by `{cmd}` at commit {commit}, on {cpu}.",
              "",
@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
                             capture_output=True, text=True).stdout.strip() or "?"
     dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
                            capture_output=True, text=True).stdout.strip()
-    cmd = "python scripts/test_cpu_matrix.py" + "".join(
+    cmd = "python -m scripts.test_cpu_matrix" + "".join(
         f" --{k} {v}" for k, v, d in (("variants", a.variants, "best,haswell,native"),
                                       ("blas", a.blas, "1,0"), ("threads", a.threads, "2,1"))
         if v != d) + (f" --out {a.out}" if a.out else "")

@@ -25,7 +25,7 @@ def llama_logits_exe():
     from llama_cpp_check import built_binary
     exe = built_binary()
     if exe is None:
-        pytest.skip("llama.cpp cross-check not built: run `python scripts/build_llama_cpp.py` "
+        pytest.skip("llama.cpp cross-check not built: run `python -m scripts.build_llama_cpp` "
                     "(a few minutes, CPU only; `make test` does it)")
     return exe
 

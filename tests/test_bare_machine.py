@@ -78,7 +78,7 @@ def rehearsal(tmp_path_factory):
     for d in (tree, home, work, out):
         d.mkdir()
     tracked_tree(tree)
-    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_carry.py"),
+    r = subprocess.run([sys.executable, "-m", "scripts.gpu_carry",
                         "--native", str(ggml.NATIVE_DIR), "--out", str(tree / ".gpu")],
                        capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0, r.stdout + r.stderr

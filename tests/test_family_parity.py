@@ -1,7 +1,7 @@
 """Qwen2, Qwen3 (dense) and Gemma 3 against HF transformers' ``Qwen2ForCausalLM``,
 ``Qwen3ForCausalLM`` and ``Gemma3ForCausalLM``, PEFT and llama.cpp, on GGUFs the pinned
 llama.cpp converter wrote (tests/fixtures/{qwen2,qwen3,gemma3}, made by
-scripts/make_llama_fixtures.py --family qwen2,qwen3,gemma3).
+``python -m scripts.make_llama_fixtures --family qwen2,qwen3,gemma3``).
 
 Models: ``qwen2`` (4 q / 2 kv heads x 16, tied, q/k/v biases, rope base 1e6; F32, F16, Q8_0),
 ``qwen3`` (4 q / 2 kv heads x 32 on hidden 64, per-head q/k norms, untied; F32, Q8_0),

@@ -71,7 +71,7 @@ def test_tokenizer_matches_llama_cpp(model, gguf_path, tmp_path):
     from llama_cpp_check import assert_tokenizer_matches_llama_cpp, built_binary
     exe = built_binary("llama_generate")
     if exe is None:
-        pytest.skip("llama.cpp cross-check not built: run `python scripts/build_llama_cpp.py`")
+        pytest.skip("llama.cpp cross-check not built: run `python -m scripts.build_llama_cpp`")
     n = assert_tokenizer_matches_llama_cpp(model.tokenizer, exe, gguf_path, (
         "llama-spm", "gemma-4", "qwen35", "starcoder"), [
         "<start_of_turn>user\nWhat is 12+7?<end_of_turn>\n<start_of_turn>model\n19<end_of_turn>\n",
@@ -161,7 +161,7 @@ def test_chat_template_matches_llama_cpp(model, gguf_path, tmp_path, messages):
     from pytrain.data.chat_template import encode_chat, render
     exe = built_binary("llama_generate")
     if exe is None:
-        pytest.skip("llama.cpp cross-check not built: run `python scripts/build_llama_cpp.py`")
+        pytest.skip("llama.cpp cross-check not built: run `python -m scripts.build_llama_cpp`")
     tok = model.tokenizer
     assert tok.chat_template is None
     tmpl = (ROOT / "pytrain" / "assets" / "chat_templates" / "gemma.jinja").read_text()
@@ -181,7 +181,7 @@ def test_greedy_generation_matches_llama_cpp(model, gguf_path, tmp_path):
     from llama_cpp_check import built_binary
     exe = built_binary("llama_generate")
     if exe is None:
-        pytest.skip("llama.cpp cross-check not built: run `python scripts/build_llama_cpp.py`")
+        pytest.skip("llama.cpp cross-check not built: run `python -m scripts.build_llama_cpp`")
     tmpl = (ROOT / "pytrain" / "assets" / "chat_templates" / "gemma.jinja").read_text()
     from pytrain.data.chat_template import render
     tok = model.tokenizer

@@ -1,7 +1,7 @@
 """llama.cpp loads pytrain's adapter GGUF and computes the same logits as pytrain with it.
 
 The authority for "loads in llama.cpp with --lora" is llama.cpp: ``scripts/llama_logits``
-(built by ``python scripts/build_llama_cpp.py`` from the pinned source) runs llama.cpp's model
+(built by ``python -m scripts.build_llama_cpp`` from the pinned source) runs llama.cpp's model
 loader, ``llama_adapter_lora_init`` and its qwen35 graph on our file.  For each real
 converter-made model: a rank-4, alpha-8 adapter on q/k/v/o of the attention layers with
 non-zero random A and B must (1) change llama.cpp's logits, by far more than the tolerance,

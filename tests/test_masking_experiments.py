@@ -5,8 +5,6 @@ run seed 0; margins were chosen after running seeds 0-4 (data, adapter init and 
 all follow the seed), and each docstring says what those seeds gave (re-measured on the build
 with DeltaNet chunks of 32).  About 30 s on this
 project's 2-core machine (one ggml thread), longer when other jobs share the cores."""
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,12 +19,8 @@ BASE = [f"model.path={FIX}", "model.threads=1"]
 
 @pytest.fixture(scope="module")
 def X():
-    spec = importlib.util.spec_from_file_location("masking_experiments",
-                                                  ROOT / "scripts" / "masking_experiments.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["masking_experiments"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    from scripts import masking_experiments
+    return masking_experiments
 
 
 def test_seed003_full_sequence_loss_teaches_the_model_to_write_questions(X, tmp_path):

@@ -63,7 +63,7 @@ def generate_exe():
     from llama_cpp_check import built_binary
     exe = built_binary("llama_generate")
     if exe is None:
-        pytest.skip("llama.cpp cross-check not built: run `python scripts/build_llama_cpp.py`")
+        pytest.skip("llama.cpp cross-check not built: run `python -m scripts.build_llama_cpp`")
     return exe
 
 
