@@ -349,3 +349,64 @@ def run_result(cmd: list[str], env: dict | None = None, timeout: float | None = 
         if line.startswith("RESULT "):
             res = json.loads(line[7:])
     return res, r
+
+
+def hf_side(path, dtype: str, attn: str, device: str, seed: int, batch: tuple[int, int]):
+    """HF + PEFT's side of the step (LoRA r 16 on q/k/v/o, AdamW, clipping) on the benchmark's
+    batch: a namespace with ``one()`` (one step, returns the loss), the model, the trainable
+    parameters, the labels and the library versions."""
+    from types import SimpleNamespace
+
+    import peft
+    import torch
+    import transformers
+    from peft import LoraConfig, get_peft_model
+    from transformers.models.qwen3_5 import Qwen3_5ForCausalLM
+    dev = torch.device(device)
+    model = Qwen3_5ForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype),
+                                               attn_implementation=attn).to(dev)
+    pm = get_peft_model(model, LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0,
+                                          bias="none", task_type="CAUSAL_LM",
+                                          target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+    pm.train()
+    params = [p for p in pm.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+    tokens, train, _seg = make_batch(model.config.vocab_size, *batch, seed)
+    ids = torch.from_numpy(tokens).to(dev)
+    labels = ids.clone()
+    labels[torch.from_numpy(~train).to(dev)] = -100
+
+    def one() -> float:
+        loss = pm(input_ids=ids, labels=labels, use_cache=False).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, MAX_NORM)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return float(loss.detach())
+
+    cuda = dev.type == "cuda"
+    facts = dict(tokens=batch[0] * batch[1], n_targets=int((labels[:, 1:] != -100).sum()),
+                 lora_params=sum(p.numel() for p in params),
+                 lora_names=sum(1 for n, _ in pm.named_modules() if n.endswith(".lora_A.default")),
+                 lora_dtypes=sorted({str(p.dtype).replace("torch.", "") for p in params}),
+                 attn=model.config._attn_implementation, dtype=dtype, torch=torch.__version__,
+                 transformers=transformers.__version__, peft=peft.__version__)
+    return SimpleNamespace(one=one, cuda=cuda, facts=facts,
+                           sync=torch.cuda.synchronize if cuda else (lambda: None))
+
+
+def hf_profile(hf, top: int = 20) -> dict:
+    """One HF step under torch.profiler: top ops by self device (GPU) or CPU time, as
+    (name, seconds, calls)."""
+    from torch.profiler import ProfilerActivity, profile
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if hf.cuda else [])
+    with profile(activities=acts) as prof:
+        hf.sync()
+        t1 = time.perf_counter()
+        hf.one()
+        hf.sync()
+        wall = time.perf_counter() - t1
+    key = "self_device_time_total" if hf.cuda else "self_cpu_time_total"
+    ka = sorted(prof.key_averages(), key=lambda e: -getattr(e, key, 0))
+    return dict(wall=wall, total_s=sum(getattr(e, key, 0) for e in ka) / 1e6, key=key,
+                top=[(e.key, getattr(e, key, 0) / 1e6, int(e.count)) for e in ka[:top]])
