@@ -15,6 +15,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -250,6 +251,50 @@ def command_line(script: str, argv: list[str] | None = None) -> str:
 
 def fmt_gib(b) -> str:
     return f"{b / 2**30:.2f} GiB" if b is not None else "-"
+
+
+class GpuMemory:
+    """The device's used memory (MiB) every 100 ms from ``nvidia-smi -lms``, while a worker runs;
+    nothing (None) on a machine without nvidia-smi."""
+
+    CMD = ["nvidia-smi", "--id=0", "--query-gpu=memory.used", "--format=csv,noheader,nounits"]
+
+    def __init__(self):
+        self.idle = self._once() if shutil.which("nvidia-smi") else None
+        self.samples: list[int] = []
+        self.proc = None
+
+    def _once(self) -> int | None:
+        try:
+            return int(subprocess.check_output(self.CMD, text=True, timeout=30).split()[0])
+        except (subprocess.SubprocessError, ValueError, IndexError):
+            return None
+
+    def __enter__(self):
+        if self.idle is not None:
+            self.proc = subprocess.Popen(self.CMD + ["-lms", "100"], stdout=subprocess.PIPE,
+                                         text=True)
+            threading.Thread(target=self._read, daemon=True).start()
+        return self
+
+    def _read(self):
+        for line in self.proc.stdout:
+            try:
+                self.samples.append(int(line.split()[0]))
+            except (ValueError, IndexError):
+                pass
+
+    def __exit__(self, *exc):
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait(timeout=30)
+
+    def result(self) -> dict | None:
+        if self.idle is None or not self.samples:
+            return None
+        peak = max(self.samples)
+        return dict(idle_mib=self.idle, peak_mib=peak, peak_above_idle_mib=peak - self.idle,
+                    n_samples=len(self.samples))
 
 
 def worker_env(threads: int, **extra: str) -> dict:

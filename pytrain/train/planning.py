@@ -144,14 +144,17 @@ def _weight_groups(files: dict[str, tuple[str, str, int]], model: Model) -> list
     return sorted(groups.values(), key=lambda g: -g["loaded_bytes"])
 
 
-def _step_buffers(model: Model, adapter, acc, B: int, T: int) -> tuple[int, dict | None]:
-    """Compute buffer of the one-graph step (the head and loss on every row, as the trainer's
-    recompute = auto measures it), and of layer-wise recompute's graphs (None where the
-    adapter has tensors outside the blocks, which layer-wise recompute refuses)."""
+def step_buffers(model: Model, adapter, acc, B: int, T: int, n_targets: int | None = None
+                 ) -> tuple[int, dict | None]:
+    """Compute buffer of the one-graph step with the head and loss on the rows of
+    ``n_targets`` targets (None: every row, as the trainer's recompute = auto measures it), and
+    of layer-wise recompute's graphs (None where the adapter has tensors outside the blocks,
+    which layer-wise recompute refuses)."""
     from pytrain.train import loss as loss_mod
     from pytrain.train.graphs import GradGraph
     from pytrain.train.recompute import RecomputeGraph
-    g = GradGraph(model, adapter, B, T, acc=acc, rows=loss_mod.rows_bucket(B * T, B * T))
+    g = GradGraph(model, adapter, B, T, acc=acc,
+                  rows=loss_mod.rows_bucket(n_targets or B * T, B * T))
     try:
         one = compute_bytes(model.runtime, g.graph)
     finally:
@@ -203,7 +206,7 @@ def plan_run(cfg) -> RunPlan:
         ad = lora.create(model.runtime, model.config, names, cfg.lora.rank, cfg.lora.alpha)
         acc = OptimizerState(model.runtime, ad.params())
         B, T = cfg.train.batch_size, bucket_length(model, cfg.data.max_seq_len)
-        one, lw = _step_buffers(model, ad, acc, B, T)
+        one, lw = step_buffers(model, ad, acc, B, T)
         adapter = sum(int(lib.ggml_nbytes(p)) for p in ad.params())
         weights = model.weights.loaded_bytes
     finally:

@@ -182,15 +182,13 @@ def profile_step(trainer, micro_batches: list, lr: float, steps: int = 1) -> Ste
         labels.update(label_graph(g, trainer.model.config, recompute=kind == "bwd"))
     recs: list[tuple[str, str, str, float]] = []
     state = {"t": 0.0}
-    gpu = rt.gpu
 
     @ffi.callback("bool(struct ggml_tensor *, bool, void *)")
     def cb(t, ask, _ud):
         if ask:
             state["t"] = time.perf_counter()
             return True
-        if gpu is not None:
-            lib.ggml_backend_synchronize(gpu)
+        # (the scheduler synchronises the backend before this call)
         recs.append((labels.get(ggml.address(t), "optimizer"), ggml.op_name(t),
                      rt.node_backend(t), time.perf_counter() - state["t"]))
         return True
