@@ -11,12 +11,9 @@ Usage:  python -m scripts.report_llama_parity      (about a minute; needs the ll
 """
 from __future__ import annotations
 
-import argparse
 import sys
-from pathlib import Path
 
 from scripts import report_measured
-from scripts.bench_common import REPO
 
 SECTIONS = {
     "tests/test_llama_parity.py":
@@ -34,14 +31,9 @@ SECTIONS = {
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, default=REPO / "bench_results" / "llama_parity.md")
-    a = ap.parse_args()
-    cmd = "python -m scripts.report_llama_parity" + (
-        "" if a.out == REPO / "bench_results" / "llama_parity.md"
-        else f" --out {a.out.as_posix()}")
-    return report_measured.report("Llama parity: pytrain against HF, float64, PEFT and "
-                                  "llama.cpp", a.out, list(SECTIONS), cmd, SECTIONS)
+    return report_measured.sections_main(
+        "report_llama_parity", __doc__, "Llama parity: pytrain against HF, float64, PEFT and "
+        "llama.cpp", "llama_parity.md", SECTIONS)
 
 
 if __name__ == "__main__":

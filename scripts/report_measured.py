@@ -89,6 +89,18 @@ def report(title: str, out: Path, tests: list[str], cmd: str,
     return 0
 
 
+def sections_main(script: str, doc: str, title: str, out_name: str,
+                  sections: dict[str, str]) -> int:
+    """The command line of a report over fixed test files (``python -m scripts.SCRIPT [--out
+    FILE]``, default bench_results/OUT_NAME), one section per file."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    default = ROOT / "bench_results" / out_name
+    ap.add_argument("--out", type=Path, default=default)
+    a = ap.parse_args()
+    cmd = f"python -m scripts.{script}" + ("" if a.out == default else f" --out {a.out.as_posix()}")
+    return report(title, a.out, list(sections), cmd, sections)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("tests", nargs="+")

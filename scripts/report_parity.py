@@ -12,12 +12,9 @@ scripts/build_llama_cpp.py; its tests skip without it, and their section says so
 """
 from __future__ import annotations
 
-import argparse
 import sys
-from pathlib import Path
 
 from scripts import report_measured
-from scripts.bench_common import REPO
 
 SECTIONS = {
     "tests/test_qwen35_parity.py":
@@ -39,13 +36,9 @@ SECTIONS = {
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, default=REPO / "bench_results" / "parity.md")
-    a = ap.parse_args()
-    cmd = "python -m scripts.report_parity" + (
-        "" if a.out == REPO / "bench_results" / "parity.md" else f" --out {a.out.as_posix()}")
-    return report_measured.report("Qwen3.5 parity: pytrain against float64, HF, PEFT and "
-                                  "llama.cpp", a.out, list(SECTIONS), cmd, SECTIONS)
+    return report_measured.sections_main(
+        "report_parity", __doc__, "Qwen3.5 parity: pytrain against float64, HF, PEFT and "
+        "llama.cpp", "parity.md", SECTIONS)
 
 
 if __name__ == "__main__":
