@@ -5,15 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 
+from pytrain.train.planning import size
+
 NOT_FIT = 3     # exit status of a run that does not fit (1 is an error)
-
-
-def size(n: int) -> str:
-    """Bytes as B / KiB / MiB / GiB."""
-    for unit, k in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if abs(n) >= 1 << k:
-            return f"{n / (1 << k):.2f} {unit}"
-    return f"{n} B"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -176,6 +176,14 @@ def step_buffers(model: Model, adapter, acc, B: int, T: int, n_targets: int | No
         r.close()
 
 
+def size(n: int) -> str:
+    """Bytes as B / KiB / MiB / GiB."""
+    for unit, k in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if abs(n) >= 1 << k:
+            return f"{n / (1 << k):.2f} {unit}"
+    return f"{n} B"
+
+
 def _decide(setting: str, one: int, layerwise: dict | None, left: int, source: str
             ) -> tuple[bool, str]:
     """Layer-wise recompute or not, and why: the rule of ``Trainer._recompute``."""
@@ -183,8 +191,8 @@ def _decide(setting: str, one: int, layerwise: dict | None, left: int, source: s
         return setting == "layers", f"train.recompute = \"{setting}\""
     layers = one > left / 2
     cmp = "over" if layers else "within"
-    why = (f"train.recompute = \"auto\": the one-graph compute buffer ({one / 2**30:.2f} GiB) is "
-           f"{cmp} half of the {left / 2**30:.2f} GiB left after the weights ({source})")
+    why = (f"train.recompute = \"auto\": the one-graph compute buffer ({size(one)}) is {cmp} "
+           f"half of the {size(left)} left after the weights and LoRA state ({source})")
     if layers and layerwise is None:
         why += "; but the adapter has tensors outside the blocks, which recompute refuses"
     return layers, why
