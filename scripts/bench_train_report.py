@@ -210,8 +210,8 @@ def _profile_section(rows: list[dict]) -> list[str]:
     if not profs:
         return []
     lines = ["", "## Profile of one step", "",
-             "pytrain: one step computed node by node under a ggml scheduler eval callback "
-             "(`pytrain profile`'s code), each node timed and summed by part of the model "
+             "pytrain: one step computed node by node under a ggml scheduler eval callback, "
+             "each node timed and summed by part of the model "
              "(forward, and (bwd) for the backward nodes that compute that part's gradients; "
              "(recompute) for a layer-wise step's second forward of a layer) and by op, with the "
              "backend the scheduler ran it on in brackets (BLAS = ggml-blas on OpenBLAS, CPU = "
