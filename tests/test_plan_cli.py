@@ -58,6 +58,21 @@ def test_bf16_weights_load_as_f16_on_the_cpu(capsys, tmp_path, cfg):
     assert ("F32", "F32") in kinds       # norms and other element-wise tensors
 
 
+def test_a_gpu_this_machine_lacks_is_planned_for_a_given_memory(capsys, tmp_path, cfg):
+    """--device cuda without a GPU: refused unless train.memory_gib gives its memory; then the
+    weights take the types a CUDA run keeps (BF16 stays BF16, where the CPU makes it F16)."""
+    from pytrain import ggml
+    if any(d.kind == "gpu" for d in ggml.devices()):
+        pytest.skip("this machine has a GPU")
+    write_qwen35(tmp_path / "bf16.gguf", "bf16")
+    model = f"model.path={tmp_path / 'bf16.gguf'}"
+    rc, out = plan(capsys, cfg, "--device", "cuda", "--set", model)
+    assert rc == 1 and "train.memory_gib" in out
+    d = plan_json(capsys, cfg, "--device", "cuda", "--set", model, "--set", "train.memory_gib=1")
+    assert d["device"] == "cuda" and d["free_bytes"] is None and d["budget_bytes"] == 2**30
+    assert ("BF16", "BF16") in {(g["file_type"], g["loaded_type"]) for g in d["weights"]}
+
+
 def test_a_tiny_memory_limit_does_not_fit(capsys, cfg):
     rc, out = plan(capsys, cfg, "--set", "train.memory_gib=0.0001")
     assert rc == NOT_FIT

@@ -50,7 +50,9 @@ def render(plan) -> list[str]:
                      "blocks)")
     lines += ["", f"recompute: {'layers' if plan.layers else 'off'} ({plan.reason})",
               f"device memory: {size(plan.free_bytes)} free of {size(plan.total_bytes)}; "
-              f"available to the run: {size(plan.available_bytes)}",
+              f"available to the run: {size(plan.available_bytes)}" if plan.free_bytes is not None
+              else f"device memory: no {plan.device} device on this machine (planned for "
+                   f"train.memory_gib)",
               f"needed:  {size(plan.need_bytes)} = weights + LoRA + optimizer state + step "
               f"({'layer-wise' if plan.layers else 'one graph'}); budget "
               f"{size(plan.budget_bytes)} ({plan.budget_source})"]

@@ -9,8 +9,8 @@ import json
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=1, help="profiled steps, averaged (default 1; "
                    "after one warm-up step and one unprofiled step)")
-    p.add_argument("--top", type=int, default=15, help="rows of the part x op table "
-                   "(default 15)")
+    p.add_argument("--top", type=int, default=15, help="rows of the op and part x op tables "
+                   "(default 15; the rest summed in one row)")
     p.add_argument("--json", action="store_true", help="print the profile as JSON")
 
 
@@ -45,11 +45,11 @@ def render(prof, facts: dict, top: int = 15) -> list[str]:
     counts = {k.rsplit(" [", 1)[0]: 0 for k in prof.count_op_backend}
     for k, v in prof.count_op_backend.items():
         counts[k.rsplit(" [", 1)[0]] += v
-    lines += _table("op", prof.by_op, prof.total, counts) + [""]
+    lines += _table("op", prof.by_op, prof.total, counts, top) + [""]
     if len(prof.by_backend) > 1:
         lines += _table("backend", prof.by_backend, prof.total) + [""]
         lines += _table("op [backend]", prof.by_op_backend, prof.total,
-                        prof.count_op_backend) + [""]
+                        prof.count_op_backend, top) + [""]
     lines += _table("part: op", prof.by_part_op, prof.total, top=top)
     return lines
 

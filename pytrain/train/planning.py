@@ -109,9 +109,9 @@ class RunPlan:
     recompute: str                # train.recompute
     layers: bool                  # the step runs layer by layer (recompute)
     reason: str
-    free_bytes: int               # the device's free memory as ggml reports it
-    total_bytes: int
-    available_bytes: int          # what a step may plan for (CPU: also the cgroup's limit)
+    free_bytes: int | None        # the device's free memory as ggml reports it (None: the
+    total_bytes: int | None       # device is not on this machine; train.memory_gib planned for)
+    available_bytes: int | None   # what a step may plan for (CPU: also the cgroup's limit)
     budget_bytes: int             # what the run must fit in: available or train.memory_gib
     budget_source: str
     need_bytes: int
@@ -122,10 +122,21 @@ class RunPlan:
         return asdict(self)
 
 
-def _device_memory(device: str, threads: int | None) -> tuple[str, int, int, int]:
-    """(device kind, free, total, available) of the device a run on ``device`` computes on."""
+def _device_memory(device: str, threads: int | None, budget_set: bool
+                   ) -> tuple[str, int | None, int | None, int | None]:
+    """(device kind, free, total, available) of the device a run on ``device`` computes on.
+    A GPU this machine does not have is planned for (its weight types) when the budget is
+    given (train.memory_gib): its memory is then None."""
     from pytrain.train.memory import available_bytes
-    rt = ggml.Runtime(device, threads=threads)
+    try:
+        rt = ggml.Runtime(device, threads=threads)
+    except ggml.DeviceError as e:
+        if device != "cuda" and not device.startswith("rpc:"):
+            raise
+        if not budget_set:
+            raise ggml.DeviceError(f"{e}; to plan for such a device from this machine, give "
+                                   f"its memory: --set train.memory_gib=GIB") from e
+        return ("rpc" if device.startswith("rpc:") else "cuda"), None, None, None
     try:
         free, total = rt.device_memory_info()
         return rt.device, free, total, available_bytes(rt)
@@ -191,8 +202,9 @@ def _decide(setting: str, one: int, layerwise: dict | None, left: int, source: s
         return setting == "layers", f"train.recompute = \"{setting}\""
     layers = one > left / 2
     cmp = "over" if layers else "within"
+    after = "the weights" if source == "train.memory_gib" else "the weights and LoRA state"
     why = (f"train.recompute = \"auto\": the one-graph compute buffer ({size(one)}) is {cmp} "
-           f"half of the {size(left)} left after the weights and LoRA state ({source})")
+           f"half of the {size(left)} left after {after} ({source})")
     if layers and layerwise is None:
         why += "; but the adapter has tensors outside the blocks, which recompute refuses"
     return layers, why
@@ -206,7 +218,8 @@ def plan_run(cfg) -> RunPlan:
     from pytrain.models.lora_targets import lora_param_count, select_targets
     from pytrain.train.optimizer import OptimizerState
     from pytrain.train.trainer import bucket_length
-    device, free, total, available = _device_memory(cfg.model.device, cfg.model.threads)
+    device, free, total, available = _device_memory(cfg.model.device, cfg.model.threads,
+                                                    bool(cfg.train.memory_gib))
     model, files, not_loaded = file_shape_model(cfg.model.path, device,
                                                 cfg.model.type_policy, cfg.model.threads or 1)
     try:
