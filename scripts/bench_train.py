@@ -145,6 +145,8 @@ class _Phases:
         ggml.Runtime.compute = timed(
             lambda self_, graph, *a, **k: ("compute fwd+bwd" if ggml.address(graph) in grad_graphs()
                                            else "compute optimizer"), ggml.Runtime.compute)
+        # the optimizer's graphs stay allocated outside the scheduler (Runtime.compute_kept)
+        ggml.Runtime.compute_kept = timed(const("compute optimizer"), ggml.Runtime.compute_kept)
 
     def take(self) -> dict:
         out, self.t = self.t, {}
