@@ -49,6 +49,17 @@ def test_weight_bytes_are_the_gguf_tensor_sizes(capsys, cfg):
     assert d["fits"] and d["need_bytes"] <= d["budget_bytes"]
 
 
+def test_a_quantized_llama_keeps_its_type(capsys, cfg):
+    """Q8_0 matrices stay Q8_0 on the CPU (their bytes as in the file), norms F32."""
+    path = MODEL.parent.parent / "llama" / "gqa-q8_0.gguf"
+    d = plan_json(capsys, cfg, "--set", f"model.path={path}")
+    sizes = {t.name: int(t.n_bytes) for t in GGUFReader(path).tensors}
+    kinds = {(g["file_type"], g["loaded_type"]): g for g in d["weights"]}
+    assert set(kinds) == {("Q8_0", "Q8_0"), ("F32", "F32")}
+    assert d["weight_bytes"] == sum(sizes.values()) - sum(d["not_loaded"].values())
+    assert d["arch"] == "llama" and d["lora_tensors"] > 0 and d["layerwise"]
+
+
 def test_bf16_weights_load_as_f16_on_the_cpu(capsys, tmp_path, cfg):
     write_qwen35(tmp_path / "bf16.gguf", "bf16")
     d = plan_json(capsys, cfg, "--set", f"model.path={tmp_path / 'bf16.gguf'}")

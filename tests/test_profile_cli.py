@@ -1,6 +1,7 @@
 """`pytrain profile CONFIG`: the config's first training step computed node by node, its time
 by part of the model and by op (the values are timings: only their structure is asserted)."""
 import json
+from pathlib import Path
 
 import pytest
 
@@ -36,6 +37,17 @@ def test_parts_and_ops_sum_to_the_total(capsys, cfg, recompute):
     assert any(p.endswith("(recompute)") for p in parts) is (recompute == "layers")
     assert ("layer-wise recompute" in d["step_graph"]) is (recompute == "layers")
     assert d["micro_batches"] and d["targets"] > 0
+
+
+def test_a_llama_model_has_no_deltanet_part(capsys, cfg):
+    model = Path(__file__).parent / "fixtures" / "llama" / "gqa-f32.gguf"
+    rc, out = profile(capsys, cfg, "--json", "--set", f"model.path={model}")
+    assert rc == 0
+    d = json.loads(out)
+    parts = set(d["by_part"])
+    assert {"attention", "attention (bwd)", "FFN", "FFN (bwd)", "LoRA (bwd)"} <= parts
+    assert not any("DeltaNet" in p for p in parts)
+    assert sum(d["by_part"].values()) == pytest.approx(d["total"], rel=1e-9)
 
 
 def test_text_output(capsys, cfg):
