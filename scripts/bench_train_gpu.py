@@ -1,7 +1,7 @@
 """Benchmark on an NVIDIA GPU: LoRA training tokens/s and peak GPU memory of pytrain, with the
 frozen weights as BF16 / F16 / Q8_0 / Q4_K GGUFs, against HF transformers + PEFT (bf16) on the
-same model and batch, plus a per-op profile of each side.  ``scripts/bench_train.py --device
-cuda`` runs this (and passes its arguments on).
+same model and batch, plus a per-op profile of each side.  ``python -m scripts.bench_train
+--device cuda`` runs this (and passes its arguments on).
 
 Why: a GPU user compares pytrain's step with what HF + PEFT does on the same card.  The anchor,
 measured earlier on one H200 (HF transformers 5.17 + PEFT 0.21, torch 2.11, bf16, torch's
@@ -11,7 +11,7 @@ HF side runs here in the same run (``--no-hf`` skips it); the report shows both.
 
 The model (``--shape``, default ``2b``): the Qwen3.5-2B shape (hidden 2048, 24 layers with full
 attention every 4th, 8/2 heads x 256, FFN 6144, DeltaNet 16/16 heads x 128, vocab 248320, tied;
-scripts/bench_forward.py's spec), random weights made once by the reference stack
+scripts/bench_common.py's spec), random weights made once by the reference stack
 (scripts/qwen35_reference.py) and stored as a bfloat16 HF checkpoint; from it the pinned
 ``convert_hf_to_gguf.py`` writes the BF16, F16 and Q8_0 GGUFs (three converters in parallel),
 and ggml's own Q4_K quantizer re-encodes every tensor the converter's Q8_0 file quantizes
@@ -97,7 +97,7 @@ MIN_WORKER_S = 45                          # a worker given less cannot load the
 # --------------------------------------------------------------------------------------------
 
 def spec_name(shape: str) -> str:
-    """The bench_forward spec of ``shape`` stored as bfloat16 (registered on first use)."""
+    """The bench_common spec of ``shape`` stored as bfloat16 (registered on first use)."""
     name = f"{shape}-bf16"
     bc.SPECS.setdefault(name, dict(bc.SPECS[shape], outtype="bf16", hf_dtype="bfloat16"))
     return name
