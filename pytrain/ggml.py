@@ -419,15 +419,12 @@ def cpu_features() -> list[str]:
     return out
 
 
+def backend_name(backend) -> str:
+    return ffi.string(lib.ggml_backend_name(backend)).decode()
+
+
 def buffer_type_name(buft) -> str:
     return ffi.string(lib.ggml_backend_buft_name(buft)).decode()
-
-
-def tensor_buffer_type(t) -> str:
-    """The name of the buffer type ``t``'s data lives in ("CPU", "CUDA0", "CPU_REPACK", ...)."""
-    if t.buffer == ffi.NULL:
-        raise ValueError(f"tensor {name(t)!r} is not allocated")
-    return buffer_type_name(lib.ggml_backend_buffer_get_type(t.buffer))
 
 
 def extra_buffer_types() -> list[str]:
@@ -585,6 +582,7 @@ class Runtime:
         self.graph_size = 0
         self.sched = None
         self._current = None       # address of the graph the scheduler has allocated
+        self._eval_cb = None       # set_eval_callback's callback (None: the default)
         self._ensure_sched(graph_size)
         self._buffers: list = []
         self._gallocs: list = []   # allocators of the graphs kept allocated (alloc_resident)
@@ -601,9 +599,28 @@ class Runtime:
         self.graph_size = max(graph_size, 2 * self.graph_size)
         self.sched = lib.ggml_backend_sched_new(self._backend_arr, ffi.NULL, len(self.backends),
                                                 self.graph_size, False, True)
-        if self.gpu is not None:   # ggml-cuda has no abort callback: the scheduler asks per node
-            lib.ggml_backend_sched_set_eval_callback(self.sched, lib.pytrain_eval_callback(),
-                                                     ffi.NULL)
+        self._apply_eval_callback()
+
+    def _apply_eval_callback(self) -> None:
+        cb = self._eval_cb
+        if cb is None and self.gpu is not None:
+            cb = lib.pytrain_eval_callback()  # ggml-cuda has no abort callback: asked per node
+        lib.ggml_backend_sched_set_eval_callback(
+            self.sched, cb if cb is not None else ffi.cast("ggml_backend_sched_eval_callback", 0),
+            ffi.NULL)
+
+    def set_eval_callback(self, callback=None) -> None:
+        """Have the scheduler call ``callback`` (a cffi ``ggml_backend_sched_eval_callback``)
+        before and after every node, so that graphs are computed node by node (profiling);
+        None: back to the default (on a GPU the per-node abort check, else none)."""
+        self._eval_cb = callback
+        self._apply_eval_callback()
+
+    def node_backend(self, t) -> str:
+        """The name of the backend the scheduler placed node ``t`` of the allocated graph on
+        ("CPU", "BLAS", "CUDA0"), "?" when it placed none."""
+        b = lib.ggml_backend_sched_get_tensor_backend(self.sched, t)
+        return backend_name(b) if b != ffi.NULL else "?"
 
     def close(self) -> None:
         if getattr(self, "sched", None) is not None:
@@ -634,6 +651,38 @@ class Runtime:
             raise MemoryError("could not allocate the backend buffer for a context")
         self._buffers.append(buf)
         return buf
+
+    def alloc_buffer(self, n_bytes: int, on_cpu: bool = True):
+        """A buffer of ``n_bytes`` in the CPU's (or the primary backend's) default buffer
+        type, owned by the runtime (freed by ``free`` or ``close``)."""
+        backend = self.cpu if on_cpu else self.primary
+        buf = lib.ggml_backend_buft_alloc_buffer(lib.ggml_backend_get_default_buffer_type(backend),
+                                                 n_bytes)
+        if buf == ffi.NULL:
+            raise MemoryError(f"could not allocate a backend buffer of {n_bytes} bytes")
+        self._buffers.append(buf)
+        return buf
+
+    def reserve_sizes(self, graph) -> dict[str, int]:
+        """The compute buffers the scheduler would allocate for ``graph``, by buffer type name
+        ("CPU", "CUDA0"), without allocating them.  Measured by a scheduler of its own:
+        ``reserve_size`` leaves the planned sizes in the allocator without allocating, and a
+        later graph that fits that plan would then be placed into buffers that were never
+        made.  Backends with the same buffer type (BLAS and the CPU) share one buffer in
+        ggml's allocator, and ``reserve_size`` reports it for each of them: it is counted once."""
+        n = len(self.backends)
+        sched = lib.ggml_backend_sched_new(self._backend_arr, ffi.NULL, n, sched_size(graph),
+                                           False, True)
+        try:
+            sizes = ffi.new("size_t[]", n)
+            lib.ggml_backend_sched_reserve_size(sched, graph, sizes)
+            out: dict[str, int] = {}
+            for i, b in enumerate(self.backends):
+                out.setdefault(buffer_type_name(lib.ggml_backend_get_default_buffer_type(b)),
+                               int(sizes[i]))
+            return out
+        finally:
+            lib.ggml_backend_sched_free(sched)
 
     def free(self, buf) -> None:
         self._buffers.remove(buf)
@@ -741,11 +790,6 @@ class Runtime:
         lib.ggml_backend_dev_memory(dev, free, total)
         return int(free[0]), int(total[0])
 
-    def compute_buffer_types(self) -> list[str]:
-        """The buffer type the scheduler allocates each backend's compute buffer in."""
-        return [buffer_type_name(lib.ggml_backend_sched_get_buffer_type(self.sched, b))
-                for b in self.backends]
-
     def compute_on_owner(self, graph, tensor) -> None:
         """Compute a small graph of views of ``tensor`` (already placed by the allocated graph)
         directly on the backend that owns its buffer, outside the scheduler (which keeps the
@@ -819,11 +863,6 @@ def build_backward(ctx: Context, forward, loss, accumulators: dict | None = None
 def address(t) -> int:
     """A tensor pointer as an int, for dict keys."""
     return int(ffi.cast("uintptr_t", t))
-
-
-def seed_backward(backward) -> None:
-    """Set d(loss)/d(loss) = 1 and zero gradient accumulators (ggml_graph_reset)."""
-    lib.ggml_graph_reset(backward)
 
 
 def is_allocated(t) -> bool:

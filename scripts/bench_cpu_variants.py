@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Benchmark: training steps of one build under each ggml-cpu variant, side by side.
 
 Why: pytrain ships ggml-cpu for every x86-64 level and loads the best one the CPU runs (as
@@ -9,15 +8,15 @@ layers with attention at 3 and 7, 8/2 heads x 64, FFN 1536, DeltaNet 4/4 heads x
 151936, tied; random weights written by scripts/gguf_models.py), batch 2 x 256 with half of
 each row's labels masked, LoRA r 16 on the attention q/k/v/o.
 
-Each (weights, BLAS) setting is timed under every variant by ``scripts/bench_train.py``'s own
+Each (weights, BLAS) setting is timed under every variant by ``python -m scripts.bench_train``'s own
 pytrain worker (warm-up steps, then timed steps counted only while the rest of the machine is
 quiet), in rounds that alternate the variants so that drift on a shared machine spreads over
 all of them.  F32 weights with BLAS on is the default configuration (OpenBLAS, which picks its
 own kernels at run time, takes the matmuls; ggml-cpu the rest); F16 weights with BLAS off puts
 every matmul on ggml-cpu, where the variant matters most.
 
-Usage: python scripts/bench_cpu_variants.py [--variants best,native,haswell] [--rounds 2]
-                                            [--out bench_results/cpu_variants.md]
+Usage: python -m scripts.bench_cpu_variants [--variants best,native,haswell] [--rounds 2]
+                                           [--out bench_results/cpu_variants.md]
 """
 from __future__ import annotations
 
@@ -32,11 +31,9 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import native_build  # noqa: E402
-from test_cpu_matrix import cpu_description, native_module  # noqa: E402
+from scripts import bench_common as bc, native_build
+from scripts.bench_common import REPO as ROOT
+from scripts.test_cpu_matrix import cpu_description, native_module
 
 MID = dict(n_layer=8, n_embd=512, n_ff=1536, n_head=8, n_head_kv=2, head_dim=64, n_vocab=151936,
            ssm_state=64, ssm_k_heads=4, ssm_v_heads=4, ssm_v_dim=64, full_attention_interval=4)
@@ -70,14 +67,13 @@ def time_steps(gguf: Path, variant: str, blas: str, threads: int, steps: int) ->
     env.pop("PYTRAIN_CPU_VARIANT", None)
     if variant != "best":
         env["PYTRAIN_CPU_VARIANT"] = variant
-    cmd = [sys.executable, str(ROOT / "scripts" / "bench_train.py"), "--worker", "pytrain",
+    cmd = [sys.executable, "-m", "scripts.bench_train", "--worker", "pytrain",
            "--threads", str(threads), "--runs", str(steps), "--warmup", "2",
            "--batch", str(BATCH[0]), str(BATCH[1]), "--vocab", str(MID["n_vocab"]),
            "--recompute", "auto", "--gguf", str(gguf)]
-    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-    for line in r.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[7:])
+    res, r = bc.run_result(cmd, env)
+    if res is not None:
+        return res
     raise SystemExit(f"worker failed ({variant}, {gguf.name}):\n{r.stdout[-2000:]}{r.stderr[-3000:]}")
 
 
@@ -114,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     base = names[0]
     lines = ["# ggml-cpu variants: training step time, one build",
              "",
-             f"Made by `python scripts/bench_cpu_variants.py"
+             f"Made by `python -m scripts.bench_cpu_variants"
              f"{' --out ' + str(a.out) if a.out else ''}` on {cpu_description()}, "
              f"{a.threads} threads, {a.rounds} rounds of {a.steps} clean timed steps per "
              f"variant ({time.monotonic() - t0:.0f} s in all).",

@@ -1,8 +1,7 @@
-#!/usr/bin/env python3
 """Benchmark: data-parallel training over MPI, 1 process against 2, one thread each.
 
 The project's CPU benchmark shape ("mid": hidden 512, 8 layers, vocabulary 151936; the model
-scripts/bench_train.py makes from a random HF checkpoint with the pinned converter, cached in
+scripts/bench_common.py makes from a random HF checkpoint with the pinned converter, cached in
 ~/.cache/pytrain/bench), trained by `pytrain train` on the same global batch both ways:
 1 process with grad_accum 2 against `mpiexec -n 2` with grad_accum 1 (2 micro-batches of
 2 x 256 tokens per step, half of each row's labels masked, LoRA r 16 on the attention
@@ -11,7 +10,7 @@ the median over the steps after the first two; all-reduce time is the part of a 
 in its collectives (summing the loss, the token count and the LoRA gradients), which
 includes waiting for the slower rank.
 
-Usage: python scripts/bench_distributed.py [--steps 12] [--out bench_results/distributed.md]
+Usage: python -m scripts.bench_distributed [--steps 12] [--out bench_results/distributed.md]
 """
 from __future__ import annotations
 
@@ -27,34 +26,26 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_forward as bf  # noqa: E402
-from test_cpu_matrix import cpu_description  # noqa: E402
+from scripts import bench_common as bc
+from scripts.test_cpu_matrix import cpu_description
 
 MPIEXEC = Path(sys.executable).parent / "mpiexec"
 T = 256
 
 
-def mid_model(cache: Path) -> Path:
-    d = bf.spec_dir(cache, "mid")
-    done = d / "done.json"
-    if not done.exists():
-        r = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_train.py"),
-                            "--models", "mid", "--threads", "1", "--steps", "1", "--warmup", "0",
-                            "--no-profile", "--no-labels", "--out", str(d / "unused.md")],
-                           cwd=ROOT)
-        if r.returncode != 0 or not done.exists():
-            raise SystemExit("could not make the mid model (scripts/bench_train.py --models mid)")
-    return d / json.loads(done.read_text())["gguf"]
+def mid_model(cache: Path, ref_python: str = "/opt/refenv/bin/python") -> Path:
+    d = bc.ensure_model("mid", cache, ref_python, "bench_train")
+    if d is None:
+        raise SystemExit("could not make the mid model (python -m scripts.bench_train --make mid)")
+    return d / json.loads((d / "done.json").read_text())["gguf"]
 
 
 def write_data(folder: Path, gguf: Path, n: int) -> None:
     """``n`` prompt/completion records of T tokens (random ids of the model's vocabulary,
     decoded: half prompt, half completion)."""
-    sys.path.insert(0, str(ROOT))
     from pytrain.data.tokenizer import TOKEN_NORMAL, Tokenizer
-    tok = Tokenizer.from_gguf(gguf)
+    from pytrain.formats.gguf_meta import read_metadata
+    tok = Tokenizer.from_metadata(read_metadata(gguf))
     rng = np.random.default_rng(0)
     normal = [i for i in range(tok.vocab_size) if tok.token_type(i) == TOKEN_NORMAL]
     recs = []
@@ -105,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     speedup = two["tokens_per_s"] / one["tokens_per_s"]
     assert one["losses"] == two["losses"], "the two runs trained differently"
     lines = ["# Data-parallel training over MPI: 1 process against 2, one thread each", "",
-             f"Made by `python scripts/bench_distributed.py` on {cpu_description()}; MPICH's "
+             f"Made by `python -m scripts.bench_distributed` on {cpu_description()}; MPICH's "
              f"mpiexec from the `mpi` extra.  Mid shape ({gguf.parent.name}), `pytrain train` "
              f"with batch 2 x {T} per micro-batch, 2 micro-batches per step both ways, half "
              f"of each row's labels masked, LoRA r 16 on q/k/v/o; the median over steps 3-"

@@ -47,15 +47,15 @@ logits, everything; file pages of pytrain's GGUF memory map count while touched)
 How (from the repo root, with the project's python, the native library built and the reference
 stack of scripts/requirements-reference.txt in /opt/refenv):
 
-    python3 scripts/bench_forward.py                          # default, mid, 2b -> bench_results/forward.md
-    python3 scripts/bench_forward.py --models mid             # only the mid shape
-    python3 scripts/bench_forward.py --models mid --runs 3 --threads 2 --out /tmp/forward.md
+    python -m scripts.bench_forward                          # default, mid, 2b -> bench_results/forward.md
+    python -m scripts.bench_forward --models mid             # only the mid shape
+    python -m scripts.bench_forward --models mid --runs 3 --threads 2 --out /tmp/forward.md
 
 On a machine shared with other jobs (as bench_results/forward.md was made), give the workers the
 cores while they run: ``--nice -20`` (root; each worker gets its own session, so its own scheduler
 autogroup, whose niceness it sets too: plain niceness does not weigh across autogroups), e.g.
 
-    python3 scripts/bench_forward.py --nice -20 --quiet-wait 0 --default-hf /tmp/dm3/hf
+    python -m scripts.bench_forward --nice -20 --quiet-wait 0 --default-hf /tmp/dm3/hf
 
 First run: the mid model takes ~1 minute to make, the 2B one several minutes; the timed part
 takes ~1 minute for mid and a few minutes for 2B on 2 cores.
@@ -63,11 +63,9 @@ takes ~1 minute for mid and a few minutes for 2B on 2 cores.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import platform
-import shutil
 import statistics
 import subprocess
 import sys
@@ -75,129 +73,12 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-SCRIPTS = REPO / "scripts"
-FIXTURE_TOKENIZER = REPO / "tests" / "fixtures" / "qwen35" / "tokenizer"
-DEFAULT_GGUF = REPO / "pytrain" / "assets" / "default-model.gguf"
-GEN_VERSION = 1  # bump to regenerate cached models
-
-SPECS = {
-    "mid": dict(
-        config=dict(vocab_size=151936, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
-                    layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 2,
-                    num_attention_heads=8, num_key_value_heads=2, head_dim=64,
-                    linear_num_key_heads=4, linear_num_value_heads=4,
-                    linear_key_head_dim=64, linear_value_head_dim=64,
-                    tie_word_embeddings=True),
-        seed=512, outtype="f32", hf_dtype="float32", batch=(2, 256), runs=5,
-        desc="hidden 512, 8 layers (attn at 3, 7), 8/2 heads x 64, FFN 1536, DeltaNet 4/4 x 64, "
-             "vocab 151936, tied",
-    ),
-    "2b": dict(
-        config=dict(vocab_size=248320, hidden_size=2048, intermediate_size=6144, num_hidden_layers=24,
-                    layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 6,
-                    num_attention_heads=8, num_key_value_heads=2, head_dim=256,
-                    linear_num_key_heads=16, linear_num_value_heads=16,
-                    linear_key_head_dim=128, linear_value_head_dim=128,
-                    tie_word_embeddings=True),
-        seed=2048, outtype="f16", hf_dtype="float16", batch=(1, 128), runs=3, min_free_gb=10,
-        desc="hidden 2048, 24 layers (attn every 4th), 8/2 heads x 256, FFN 6144, DeltaNet 16/16 x 128, "
-             "vocab 248320, tied",
-    ),
-}
-
-
-def spec_dir(cache: Path, name: str) -> Path:
-    spec = {k: v for k, v in SPECS[name].items() if k in ("config", "seed", "outtype", "hf_dtype")}
-    h = hashlib.sha256(json.dumps([GEN_VERSION, spec], sort_keys=True).encode()).hexdigest()[:10]
-    return cache / f"{name}-{h}"
-
-
-# --------------------------------------------------------------------------------------------
-# generation (reference interpreter)
-# --------------------------------------------------------------------------------------------
-
-def make_model(name: str, out: Path) -> None:
-    """HF checkpoint + GGUF of a random model of SPECS[name] in ``out`` (reference stack)."""
-    sys.path.insert(0, str(SCRIPTS))
-    import qwen35_reference as ref
-    import torch
-    torch.set_num_threads(2)
-    spec = SPECS[name]
-    out.mkdir(parents=True, exist_ok=True)
-    tok_dir = out / "tokenizer"
-    if FIXTURE_TOKENIZER.joinpath("tokenizer.json").exists():
-        tok_dir.mkdir(exist_ok=True)
-        for f in ("tokenizer.json", "tokenizer_config.json"):
-            shutil.copy(FIXTURE_TOKENIZER / f, tok_dir / f)
-    else:  # the same recipe as scripts/make_qwen35_fixtures.py
-        ref.save_tokenizer_dir(ref.train_tokenizer(ref.english_corpus(seed=2024, n_paragraphs=3000), 512),
-                               tok_dir)
-    hf_tok = ref.load_hf_tokenizer(tok_dir)
-    eos_id = hf_tok.convert_tokens_to_ids(ref.EOS_TOKEN)
-    t0 = time.time()
-    cfg = ref.qwen35_text_config(eos_token_id=eos_id, **spec["config"])
-    model = ref.build_model(cfg, spec["seed"])
-    ref.randomize_weights(model, spec["seed"])
-    n_params = sum(p.numel() for p in model.parameters())
-    if spec["hf_dtype"] != "float32":
-        model = model.to(getattr(torch, spec["hf_dtype"]))
-    print(f"[{name}] built {n_params / 1e6:.1f} M parameters in {time.time() - t0:.0f} s", flush=True)
-    hf_dir = out / "hf"
-    ref.save_hf_checkpoint(model, tok_dir, hf_dir)
-    del model
-    t0 = time.time()
-    gguf = ref.convert_to_gguf(hf_dir, out / f"model-{spec['outtype']}.gguf", spec["outtype"])
-    print(f"[{name}] converted to {gguf.name} ({gguf.stat().st_size / 2**30:.2f} GiB) in "
-          f"{time.time() - t0:.0f} s", flush=True)
-    (out / "done.json").write_text(json.dumps({"n_params": n_params, "gguf": gguf.name}))
-
+from scripts import bench_common as bc
+from scripts.bench_common import CLEAN_OTHERS, DEFAULT_GGUF, REPO, SPECS
 
 # --------------------------------------------------------------------------------------------
 # workers (one per side, each in its own process)
 # --------------------------------------------------------------------------------------------
-
-def _proc_status() -> dict:
-    out = {}
-    for line in Path("/proc/self/status").read_text().splitlines():
-        k, _, v = line.partition(":")
-        if k in ("VmHWM", "VmRSS", "RssAnon", "RssFile"):
-            out[k] = int(v.split()[0]) * 1024
-    return out
-
-
-def _cpu_jiffies() -> tuple[int, int]:
-    """(busy jiffies of the whole machine, user+system jiffies of this process)."""
-    f = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    busy = sum(f) - f[3] - (f[4] if len(f) > 4 else 0)   # all but idle and iowait
-    own = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
-    return busy, int(own[11]) + int(own[12])
-
-
-def machine_busy(seconds: float = 2.0) -> float:
-    """CPU cores kept busy by other processes than this one over the next ``seconds``."""
-    b0, o0 = _cpu_jiffies()
-    time.sleep(seconds)
-    b1, o1 = _cpu_jiffies()
-    return max(0.0, (b1 - b0) - (o1 - o0)) / os.sysconf("SC_CLK_TCK") / seconds
-
-
-def wait_quiet(max_wait: float, threshold: float = 0.3, sample: float = 2.0) -> float:
-    """Wait (up to ``max_wait`` s) until other processes keep < ``threshold`` cores busy."""
-    t0 = time.time()
-    busy = machine_busy(sample)
-    while busy >= threshold and time.time() - t0 < max_wait:
-        busy = machine_busy(sample)
-    return busy
-
-
-CLEAN_OTHERS = 0.3   # cores busy with other processes above which a timed run counts as contended
-
-
-def _tokens(vocab: int, B: int, T: int, seed: int):
-    import numpy as np
-    return np.random.default_rng(seed).integers(0, vocab, size=(B, T)).astype(np.int64)
-
 
 def _save_logsoftmax(logits, path: str) -> None:
     import numpy as np
@@ -217,15 +98,7 @@ def worker(side: str, a) -> None:
     everything else the libraries print goes to stderr."""
     proto = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
-    if a.nice:
-        # niceness only weighs within a scheduler autogroup (one per session, when the kernel's
-        # autogroup scheduling is on): the worker runs in a session of its own and sets that
-        # autogroup's niceness too
-        os.nice(a.nice)
-        try:
-            Path("/proc/self/autogroup").write_text(str(a.nice))
-        except OSError:
-            pass
+    bc.renice(a.nice)
     sys.stdout = sys.stderr
 
     def say(kind: str, obj: dict) -> None:
@@ -236,7 +109,6 @@ def worker(side: str, a) -> None:
     B, T = a.batch
     t0 = time.perf_counter()
     if side == "pytrain":
-        sys.path.insert(0, a.pytrain_path or str(REPO))
         import pytrain
         m = pytrain.load_model(a.gguf, device="cpu", threads=a.threads, type_policy=a.type_policy)
         fwd = m.logits
@@ -255,22 +127,17 @@ def worker(side: str, a) -> None:
         info = {"torch": torch.__version__, "transformers": transformers.__version__,
                 "attn": model.config._attn_implementation,
                 "n_params": sum(p.numel() for p in model.parameters())}
-    tok = _tokens(a.vocab, B, T, a.seed)
-    say("READY", dict(load_s=time.perf_counter() - t0, rss_after_load=_proc_status()["VmRSS"], **info))
-    hz = os.sysconf("SC_CLK_TCK")
+    tok = bc.make_batch(a.vocab, B, T, a.seed)[0]
+    say("READY", dict(load_s=time.perf_counter() - t0, rss_after_load=bc.proc_status()["VmRSS"], **info))
     logits = None
     for line in sys.stdin:
         cmd = line.strip()
         if cmd == "run":
             logits = None
-            j0, t0 = _cpu_jiffies(), time.perf_counter()
-            logits = fwd(tok)
-            j1, t1 = _cpu_jiffies(), time.perf_counter()
-            say("RUN", dict(time=t1 - t0,
-                            others=max(0.0, ((j1[0] - j0[0]) - (j1[1] - j0[1])) / hz / (t1 - t0)),
-                            own=(j1[1] - j0[1]) / hz / (t1 - t0)))
+            logits, dt, others, own = bc.timed(lambda: fwd(tok))
+            say("RUN", dict(time=dt, others=others, own=own))
         elif cmd == "finish":
-            st = _proc_status()
+            st = bc.proc_status()
             assert logits is not None and logits.shape == (B, T, a.vocab), getattr(logits, "shape", None)
             _save_logsoftmax(np.asarray(logits), a.save)
             say("RESULT", dict(peak_rss=st["VmHWM"], rss_end_anon=st["RssAnon"], rss_end_file=st["RssFile"]))
@@ -286,14 +153,14 @@ class Side:
 
     def __init__(self, python: str, side: str, model: dict, a, save: str):
         self.side, self.name = side, model["name"]
-        cmd = [python, str(Path(__file__).resolve()), "--worker", side, "--threads", str(a.threads),
+        cmd = [python, "-m", "scripts.bench_forward", "--worker", side, "--threads", str(a.threads),
                "--batch", str(model["batch"][0]), str(model["batch"][1]),
                "--vocab", str(model["vocab"]), "--save", save, "--hf-attn", a.hf_attn, "--nice", str(a.nice),
-               "--type-policy", a.type_policy, "--pytrain-path", a.pytrain_path or str(REPO)]
+               "--type-policy", a.type_policy]
         cmd += ["--gguf", str(model["gguf"])] if side == "pytrain" else ["--hf", str(model["hf"])]
-        env = dict(os.environ, OMP_NUM_THREADS=str(a.threads), MKL_NUM_THREADS=str(a.threads),
-                   TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
-                   TRANSFORMERS_NO_ADVISORY_WARNINGS="1")
+        env = bc.worker_env(a.threads)
+        if a.pytrain_path:    # another pytrain tree than this checkout's
+            env["PYTHONPATH"] = os.pathsep.join([a.pytrain_path, str(REPO)])
         self.err = tempfile.TemporaryFile(mode="w+")
         self.p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err,
                                   text=True, env=env, cwd=str(REPO), start_new_session=bool(a.nice))
@@ -344,7 +211,7 @@ def bench_model(model: dict, a, tmp: str) -> dict:
             rnd = {}
             for s in order:
                 if a.quiet_wait:
-                    wait_quiet(a.quiet_wait / 4, CLEAN_OTHERS, 1.0)
+                    bc.wait_quiet(a.quiet_wait / 4, CLEAN_OTHERS, 1.0)
                 r = s.run()
                 rnd[s.side] = r
                 for k in ("time", "others", "own"):
@@ -414,7 +281,6 @@ def prepare(name: str, a) -> dict | None:
         if not DEFAULT_GGUF.exists():
             print(f"[default] skipped: {DEFAULT_GGUF.relative_to(REPO)} is absent", flush=True)
             return None
-        sys.path.insert(0, str(REPO))
         try:
             from pytrain.models.model_file import open_model
             _arch, _meta, _infos, cfg = open_model(DEFAULT_GGUF)
@@ -430,20 +296,9 @@ def prepare(name: str, a) -> dict | None:
         return dict(name="default", gguf=DEFAULT_GGUF, hf=hf, vocab=vocab, batch=a.tokens.get("default", (2, 256)), runs=a.runs or 5,
                     desc=desc, weights="F32 / f32")
     spec = SPECS[name]
-    d = spec_dir(a.cache, name)
-    if not (d / "done.json").exists():
-        need = spec.get("min_free_gb", 2)
-        a.cache.mkdir(parents=True, exist_ok=True)
-        free = shutil.disk_usage(a.cache).free / 2**30
-        if free < need:
-            print(f"[{name}] skipped: {free:.1f} GiB free under {a.cache}, need {need}", flush=True)
-            return None
-        print(f"[{name}] generating into {d} ...", flush=True)
-        r = subprocess.run([a.ref_python, str(Path(__file__).resolve()), "--make", name, "--into", str(d)],
-                           cwd=str(REPO))
-        if r.returncode != 0:
-            print(f"[{name}] skipped: generation failed (exit {r.returncode})", flush=True)
-            return None
+    d = bc.ensure_model(name, a.cache, a.ref_python, "bench_forward")
+    if d is None:
+        return None
     done = json.loads((d / "done.json").read_text())
     B, T = spec["batch"]
     if a.tokens and name in a.tokens:
@@ -455,34 +310,8 @@ def prepare(name: str, a) -> dict | None:
                 weights=f"{gguf_type}{' (loaded as F32)' if a.type_policy == 'f32' else ''} / f32")
 
 
-def machine_facts() -> dict:
-    """CPU model, RAM, pytrain commit and the ggml build (with its CMake options from
-    build_info.json) for a report header; bench_train.py uses it too."""
-    cpu, mem = platform.processor() or "?", "?"
-    try:
-        for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
-            if line.startswith("Model name:"):
-                cpu = line.split(":", 1)[1].strip()
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                mem = f"{int(line.split()[1]) / 2**20:.1f} GiB"
-    except OSError:
-        pass
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=str(REPO)).stdout.strip() or "?"
-    ggml_v = "?"
-    bi = REPO / "pytrain" / "_native" / "build_info.json"
-    if bi.exists():
-        j = json.loads(bi.read_text())
-        ggml_v = f"{j.get('ggml_version')} ({j.get('archive_project')}, cuda={j.get('cuda')})"
-        opts = [o[2:] for o in j.get("options", []) if o.startswith("-DGGML_")]
-        if opts:
-            ggml_v += ", " + ", ".join(sorted(opts))
-    return {"cpu": cpu, "mem": mem, "commit": commit, "ggml": ggml_v}
-
-
 def machine_info(a) -> list[str]:
-    m = machine_facts()
+    m = bc.machine_facts()
     cpu, mem, commit, ggml_v = m["cpu"], m["mem"], m["commit"], m["ggml"]
     return [f"- date: {time.strftime('%Y-%m-%d %H:%M %Z')}; pytrain commit {commit}",
             f"- CPU: {cpu}, {os.cpu_count()} cores visible, {mem} RAM; both sides use "
@@ -493,28 +322,10 @@ def machine_info(a) -> list[str]:
                               "they run)" if a.nice < 0 else "")]
 
 
-def fmt_gib(b) -> str:
-    return f"{b / 2**30:.2f} GiB" if b is not None else "-"
-
-
-def command_line() -> str:
-    """This run's command line, --note texts elided."""
-    args, skip = [], False
-    for x in sys.argv[1:]:
-        if skip:
-            args.append("...")
-        elif x.startswith("--note="):
-            x = "--note=..."
-        if not skip:
-            args.append(x)
-        skip = x == "--note"
-    return " ".join(["python3", "scripts/bench_forward.py"] + args)
-
-
 def report(rows: list[dict], a) -> str:
     hf_ver = next((r["hf"] for r in rows if r.get("hf")), None)
     lines = ["# Forward throughput: pytrain vs HF transformers (CPU)", "",
-             f"Made by `{command_line()}` (see the script's docstring). Both sides are loaded in "
+             f"Made by `{bc.command_line('bench_forward')}` (see the script's docstring). Both sides are loaded in "
              "their own processes, then timed in alternating rounds (one full forward of the batch "
              "returning all logits per side per round, after one warm-up each). Tokens/s = batch "
              "tokens / median wall time over the *clean* runs, those during which other processes "
@@ -543,7 +354,7 @@ def report(rows: list[dict], a) -> str:
                  f"{p['n_clean']}/{len(p['times'])}" if p else "-")
         cells = [r["name"], r["weights"], f"{r['batch'][0]} x {r['batch'][1]}", nruns,
                  f"{p['tokens_per_s']:.1f}" if p else "-", f"{h['tokens_per_s']:.1f}" if h else "-", ratio,
-                 fmt_gib(p["peak_rss"]) if p else "-", fmt_gib(h["peak_rss"]) if h else "-",
+                 bc.fmt_gib(p["peak_rss"]) if p else "-", bc.fmt_gib(h["peak_rss"]) if h else "-",
                  f"{c['max_dlogsoftmax']:.1e} / {c['max_dlogsoftmax_plausible']:.1e}" if c else "-",
                  (f"{c['mean_kl']:.1e}" if c["mean_kl"] >= 1e-8 else "< 1e-8") if c else "-",
                  f"{100 * c['argmax_agree']:.1f}%" if c else "-",
@@ -561,8 +372,8 @@ def report(rows: list[dict], a) -> str:
                 lines.append(f"- {r['name']} {side}: load {x['load_s']:.2f}, warm-up {x['warmup_s']:.3f}, "
                              f"runs {', '.join(f'{t:.3f} ({o:.2f})' for t, o in zip(x['times'], x['others']))} "
                              f"(other cores in brackets); best {x['best_tokens_per_s']:.1f} tokens/s; RSS after load "
-                             f"{fmt_gib(x['rss_after_load'])}, at end anon {fmt_gib(x['rss_end_anon'])} + "
-                             f"file {fmt_gib(x['rss_end_file'])}; cores used {x['own_cores']:.2f}, by others "
+                             f"{bc.fmt_gib(x['rss_after_load'])}, at end anon {bc.fmt_gib(x['rss_end_anon'])} + "
+                             f"file {bc.fmt_gib(x['rss_end_file'])}; cores used {x['own_cores']:.2f}, by others "
                              f"{x['others_cores']:.2f}")
     if a.notes:
         lines += ["", "Notes:", ""] + [f"- {n}" for n in a.notes]
@@ -606,7 +417,7 @@ def main() -> int:
     a = ap.parse_args()
 
     if a.make:
-        make_model(a.make, a.into)
+        bc.make_model(a.make, a.into)
         return 0
     if a.worker:
         worker(a.worker, a)

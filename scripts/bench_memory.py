@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """The memory a training step needs at the Qwen3.5-2B shape, per weight type and batch shape,
 with and without layer-wise recompute: written to bench_results/memory.md (+ .json).
 
@@ -17,32 +16,33 @@ Reference: HF transformers + PEFT on one H200 at this shape, batch 4 x 1024, bf1
 on q/k/v/o of the 6 attention layers, half the labels masked: 32.9 GiB peak for the whole
 process.
 
-Usage:  python scripts/bench_memory.py [--batch 4] [--lengths 1024,2048,4096]
+``pytrain plan CONFIG`` reports the same figures for one config's run (planning.plan_run).
+
+Usage:  python -m scripts.bench_memory [--batch 4] [--lengths 1024,2048,4096]
 """
 from __future__ import annotations
 
 import argparse
 import datetime as dt
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from pytrain import ggml  # noqa: E402
-from pytrain.models import lora  # noqa: E402
-from pytrain.train.graphs import GradGraph  # noqa: E402
-from pytrain.models.lora_targets import select_targets  # noqa: E402
-from pytrain.models.qwen35_config import QWEN35_2B  # noqa: E402
-from pytrain.train.planning import compute_bytes, shape_model  # noqa: E402
-from pytrain.train.recompute import RecomputeGraph  # noqa: E402
+from pytrain import ggml
+from pytrain.models import lora
+from pytrain.models.lora_targets import select_targets
+from pytrain.models.qwen35_config import QWEN35_2B
+from pytrain.train import loss as loss_mod
+from pytrain.train.graphs import GradGraph
+from pytrain.train.optimizer import OptimizerState
+from pytrain.train.planning import shape_model
+from pytrain.train.run_plan import step_buffers
+from scripts.bench_common import REPO, git_commit
 
 GiB = 2 ** 30
 # HF + PEFT's peak on an H200 at the same shape and batch (the file says how it was measured)
-PEFT_ANCHOR_GIB = json.loads((Path(__file__).resolve().parent.parent / "bench_results"
+PEFT_ANCHOR_GIB = json.loads((REPO / "bench_results"
                               / "anchor_hf_peft_h200.json").read_text())["peak_gib"]
 TYPES = ("bf16", "f16", "q8_0", "q4_K")
 
@@ -76,29 +76,22 @@ def acc_traffic(graph) -> dict:
 
 def step_memory(B: int, T: int) -> dict:
     """Compute buffers of the one-graph step and of the layer-wise step (largest graph), plus
-    the layer-wise step's persistent tensors and the adapter with its AdamW state."""
+    the layer-wise step's persistent tensors and the adapter with its AdamW state (the figures
+    of ``pytrain plan``: planning.step_buffers)."""
     m = shape_model("qwen35", QWEN35_2B, "f16")          # graph sizes do not depend on the weight type
     try:
         ad = lora.create(m.runtime, m.config, select_targets(m.config), 16, 32.0)
         adapter = sum(int(ggml.lib.ggml_nbytes(p)) for p in ad.params()) * 4   # +grad, m, v
+        opt_state = OptimizerState(m.runtime, ad.params())
         t0 = time.perf_counter()
-        g = GradGraph(m, ad, B, T, rows=B * T // 2)
-        one = compute_bytes(m.runtime, g.graph)
-        acc = acc_traffic(g.graph)
+        one, lw = step_buffers(m, ad, opt_state, B, T, n_targets=B * T // 2)   # half are targets
+        g = GradGraph(m, ad, B, T, opt_state=opt_state, rows=loss_mod.rows_bucket(B * T // 2, B * T))
+        acc_t = acc_traffic(g.graph)
         g.close()
-        r = RecomputeGraph(m, ad, B, T)
-        per_graph = {"pre": compute_bytes(m.runtime, r.pre.graph),
-                     "layer forward": max(compute_bytes(m.runtime, f.graph) for f in r.fwd),
-                     "head + loss chunk": compute_bytes(m.runtime, r.head.graph),
-                     "layer backward": max(compute_bytes(m.runtime, b.graph)
-                                           for b in r.bwd.values())}
-        persistent = sum(int(ggml.lib.ggml_nbytes(t)) for t in r.pctx.tensors())
-        rows = r.rows
-        r.close()
-        return {"B": B, "T": T, "one_graph": one, "layerwise_peak": max(per_graph.values()),
-                "layerwise_graphs": per_graph, "layerwise_persistent": persistent,
-                "head_chunk_rows": rows, "adapter_and_adamw": adapter, "acc": acc,
-                "seconds": round(time.perf_counter() - t0, 1)}
+        return {"B": B, "T": T, "one_graph": one, "layerwise_peak": lw["largest"],
+                "layerwise_graphs": lw["graphs"], "layerwise_persistent": lw["persistent"],
+                "head_chunk_rows": lw["head_chunk_rows"], "adapter_and_adamw": adapter,
+                "acc": acc_t, "seconds": round(time.perf_counter() - t0, 1)}
     finally:
         m.close()
 
@@ -111,8 +104,7 @@ def main() -> int:
     a = ap.parse_args()
     weights = {t: weight_bytes(t) for t in TYPES}
     rows = [step_memory(a.batch, int(T)) for T in a.lengths.split(",")]
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
-                            capture_output=True, text=True).stdout.strip()
+    commit = git_commit()
     info = ggml.build_info()
     result = {"date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
               "commit": commit, "ggml": info["ggml_version"], "patches": info.get("patches"),
@@ -123,7 +115,7 @@ def main() -> int:
     lines = [
         "# Training-step memory at the Qwen3.5-2B shape",
         "",
-        f"Made by `python scripts/bench_memory.py` (commit {commit}, {result['date']}; ggml "
+        f"Made by `python -m scripts.bench_memory` (commit {commit}, {result['date']}; ggml "
         f"{info['ggml_version']}). Measured by the scheduler on the graphs pytrain builds, "
         "nothing allocated (see the script's docstring). Shape: hidden 2048, 24 layers "
         "(attention every 4th), vocabulary 248320, tied; LoRA r 16 on q/k/v/o of the 6 "

@@ -1,7 +1,7 @@
 """Benchmark on an NVIDIA GPU: LoRA training tokens/s and peak GPU memory of pytrain, with the
 frozen weights as BF16 / F16 / Q8_0 / Q4_K GGUFs, against HF transformers + PEFT (bf16) on the
-same model and batch, plus a per-op profile of each side.  ``scripts/bench_train.py --device
-cuda`` runs this (and passes its arguments on).
+same model and batch, plus a per-op profile of each side.  ``python -m scripts.bench_train
+--device cuda`` runs this (and passes its arguments on).
 
 Why: a GPU user compares pytrain's step with what HF + PEFT does on the same card.  The anchor,
 measured earlier on one H200 (HF transformers 5.17 + PEFT 0.21, torch 2.11, bf16, torch's
@@ -11,7 +11,7 @@ HF side runs here in the same run (``--no-hf`` skips it); the report shows both.
 
 The model (``--shape``, default ``2b``): the Qwen3.5-2B shape (hidden 2048, 24 layers with full
 attention every 4th, 8/2 heads x 256, FFN 6144, DeltaNet 16/16 heads x 128, vocab 248320, tied;
-scripts/bench_forward.py's spec), random weights made once by the reference stack
+scripts/bench_common.py's spec), random weights made once by the reference stack
 (scripts/qwen35_reference.py) and stored as a bfloat16 HF checkpoint; from it the pinned
 ``convert_hf_to_gguf.py`` writes the BF16, F16 and Q8_0 GGUFs (three converters in parallel),
 and ggml's own Q4_K quantizer re-encodes every tensor the converter's Q8_0 file quantizes
@@ -41,7 +41,7 @@ weights, activations, allocator pools, everything); beside it each side's own fi
 ``max_memory_reserved``; pytrain: device memory in use after the steps, from ggml).  Profile
 (``--profile-types``, default bf16; ``--no-profile`` skips): one extra pytrain step computed node
 by node through a ggml scheduler eval callback (the scheduler synchronises after each node;
-bench_train.py's ``profile_pytrain``), summed by op and by part of the model; one HF step under
+``pytrain profile``'s code, pytrain/train/profile.py), summed by op and by part of the model; one HF step under
 torch.profiler, top ops by self GPU time.
 
 Results go to ``--json`` (default ``bench_results/train-cuda.json``) and the markdown rendered
@@ -51,9 +51,9 @@ the workers in order (``hf,bf16:auto,bf16:layers,q4_k:layers``: HF first, then w
 recompute policy) and ``--deadline`` (epoch seconds) starts none after that time and cuts each
 one's ``--timeout`` to it: scripts/gpu_check.sh fits the whole benchmark in one device call.
 
-    python3 scripts/bench_train.py --device cuda                        # everything, ~8 minutes on an H200
-    python3 scripts/bench_train.py --device cuda --make-only            # only the GGUFs (CPU work)
-    python3 scripts/bench_train.py --device cpu --shape mid --batch 1 64 --steps 1 --warmup 1 \\
+    python -m scripts.bench_train --device cuda                        # everything, ~8 minutes on an H200
+    python -m scripts.bench_train --device cuda --make-only            # only the GGUFs (CPU work)
+    python -m scripts.bench_train --device cpu --shape mid --batch 1 64 --steps 1 --warmup 1 \\
         --out /tmp/gpu.md                                              # the dry run
 """
 from __future__ import annotations
@@ -66,16 +66,12 @@ import shutil
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
-REPO = Path(__file__).resolve().parent.parent
-SCRIPTS = REPO / "scripts"
-sys.path.insert(0, str(SCRIPTS))
-import bench_forward as bf  # noqa: E402
-import bench_train as bt  # noqa: E402
+from scripts import bench_common as bc
+from scripts.bench_common import REPO
+
 
 def _anchor() -> dict:
     """The earlier HF + PEFT measurement on an H200 (bench_results/anchor_hf_peft_h200.json,
@@ -101,9 +97,9 @@ MIN_WORKER_S = 45                          # a worker given less cannot load the
 # --------------------------------------------------------------------------------------------
 
 def spec_name(shape: str) -> str:
-    """The bench_forward spec of ``shape`` stored as bfloat16 (registered on first use)."""
+    """The bench_common spec of ``shape`` stored as bfloat16 (registered on first use)."""
     name = f"{shape}-bf16"
-    bf.SPECS.setdefault(name, dict(bf.SPECS[shape], outtype="bf16", hf_dtype="bfloat16"))
+    bc.SPECS.setdefault(name, dict(bc.SPECS[shape], outtype="bf16", hf_dtype="bfloat16"))
     return name
 
 
@@ -111,10 +107,10 @@ def make_models(shape: str, cache: Path, types: list[str], python: str, ggml_pyt
     """The HF checkpoint and one GGUF per type, made once under ``cache`` (``python``: the
     reference stack; ``ggml_python``: pytrain's, for the Q4_K quantizer); returns the record."""
     name = spec_name(shape)
-    d = bf.spec_dir(cache, name)
+    d = bc.spec_dir(cache, name)
     if not (d / "done.json").exists():
         t0 = time.time()
-        subprocess.run([python, str(Path(__file__).resolve()), "--make", shape, "--into", str(d)],
+        subprocess.run([python, "-m", "scripts.bench_train_gpu", "--make", shape, "--into", str(d)],
                        cwd=str(REPO), check=True)
         print(f"[{name}] HF checkpoint and BF16 GGUF in {time.time() - t0:.0f} s", flush=True)
     done = json.loads((d / "done.json").read_text())
@@ -125,23 +121,23 @@ def make_models(shape: str, cache: Path, types: list[str], python: str, ggml_pyt
     need = set(todo) | ({"f16", "q8_0"} if "q4_k" in todo else set())
     conv = [t for t in CONVERTED if t in need and not (d / f"model-{t}.gguf").exists()]
     if conv:
-        cmd = [python, str(Path(__file__).resolve()), "--convert", str(d / "hf"), "--into", str(d)]
+        cmd = [python, "-m", "scripts.bench_train_gpu", "--convert", str(d / "hf"), "--into", str(d)]
         with cf.ThreadPoolExecutor(len(conv)) as ex:
             list(ex.map(lambda t: subprocess.run(cmd + ["--type", t], cwd=str(REPO), check=True), conv))
     if "q4_k" in todo:
-        subprocess.run([ggml_python, str(Path(__file__).resolve()), "--q4k", str(d)], cwd=str(REPO),
+        subprocess.run([ggml_python, "-m", "scripts.bench_train_gpu", "--q4k", str(d)], cwd=str(REPO),
                        check=True)
     if todo:
         print(f"[{name}] {', '.join(todo)} in {time.time() - t0:.0f} s", flush=True)
     for t in types:
         files[t] = d / f"model-{t}.gguf"
     return dict(shape=shape, dir=d, files=files, n_params=done["n_params"],
-                vocab=bf.SPECS[shape]["config"]["vocab_size"], desc=bf.SPECS[shape]["desc"])
+                vocab=bc.SPECS[shape]["config"]["vocab_size"], desc=bc.SPECS[shape]["desc"])
 
 
 def convert(hf_dir: Path, into: Path, outtype: str) -> None:
     """One GGUF by the pinned converter, written under a temporary name and renamed."""
-    import qwen35_reference as ref
+    from scripts import qwen35_reference as ref
     out = into / f"model-{outtype}.gguf"
     tmp = out.with_suffix(".part")
     ref.convert_to_gguf(hf_dir, tmp, outtype)
@@ -150,61 +146,11 @@ def convert(hf_dir: Path, into: Path, outtype: str) -> None:
 
 def make_q4k(d: Path) -> None:
     """Q4_K from the F16 GGUF, on the tensors the converter's Q8_0 file quantizes."""
-    sys.path.insert(0, str(REPO / "tests"))
-    sys.path.insert(0, str(REPO))
     from scripts.gguf_models import quantized_copy
     tmp = d / "model-q4_k.part"
     quantized_copy(d / "model-f16.gguf", d / "model-q8_0.gguf", tmp, "q4_K",
                    workers=os.cpu_count() or 1)
     os.replace(tmp, d / "model-q4_k.gguf")
-
-
-# --------------------------------------------------------------------------------------------
-# GPU memory, sampled from outside the worker
-# --------------------------------------------------------------------------------------------
-
-class GpuMemory:
-    """The device's used memory (MiB) every 100 ms from ``nvidia-smi -lms``, while a worker runs;
-    nothing (None) on a machine without nvidia-smi."""
-
-    CMD = ["nvidia-smi", "--id=0", "--query-gpu=memory.used", "--format=csv,noheader,nounits"]
-
-    def __init__(self):
-        self.idle = self._once() if shutil.which("nvidia-smi") else None
-        self.samples: list[int] = []
-        self.proc = None
-
-    def _once(self) -> int | None:
-        try:
-            return int(subprocess.check_output(self.CMD, text=True, timeout=30).split()[0])
-        except (subprocess.SubprocessError, ValueError, IndexError):
-            return None
-
-    def __enter__(self):
-        if self.idle is not None:
-            self.proc = subprocess.Popen(self.CMD + ["-lms", "100"], stdout=subprocess.PIPE,
-                                         text=True)
-            threading.Thread(target=self._read, daemon=True).start()
-        return self
-
-    def _read(self):
-        for line in self.proc.stdout:
-            try:
-                self.samples.append(int(line.split()[0]))
-            except (ValueError, IndexError):
-                pass
-
-    def __exit__(self, *exc):
-        if self.proc is not None:
-            self.proc.terminate()
-            self.proc.wait(timeout=30)
-
-    def result(self) -> dict | None:
-        if self.idle is None or not self.samples:
-            return None
-        peak = max(self.samples)
-        return dict(idle_mib=self.idle, peak_mib=peak, peak_above_idle_mib=peak - self.idle,
-                    n_samples=len(self.samples))
 
 
 # --------------------------------------------------------------------------------------------
@@ -225,110 +171,50 @@ def _steps(one, warmup: int, steps: int, sync=lambda: None) -> dict:
 
 
 def pytrain_worker(a) -> dict:
-    sys.path.insert(0, str(REPO))
-    import pytrain
-    from pytrain.ggml import ffi, lib
-    from pytrain.models import lora
-    from pytrain.models.lora_targets import lora_param_count, select_targets
-    from pytrain.train.optimizer import AdamWSettings
-    from pytrain.train.trainer import Trainer
-
     B, T = a.batch
     t0 = time.perf_counter()
-    m = pytrain.load_model(a.gguf, device=a.device)
-    names = select_targets(m.config)
-    ad = lora.create(m.runtime, m.config, names, bt.RANK, bt.ALPHA, seed=0)
-    tr = Trainer(m, ad, AdamWSettings(lr=bt.LR, max_grad_norm=bt.MAX_NORM), recompute=a.policy)
+    m, tr, names, batch, train = bc.pytrain_trainer(a.gguf, a.device, None, a.policy, a.seed,
+                                                    (B, T))
     load_s = time.perf_counter() - t0
-    tokens, train, seg = bt.make_batch(m.config.n_vocab, B, T, a.seed)
-    batch = SimpleNamespace(tokens=tokens, seg=seg, train_mask=train)
     if a.profile:
-        tr.step([batch], bt.LR)
-        return dict(profile=bt.profile_pytrain(tr, batch, m.config))
-    r = _steps(lambda: tr.step([batch], bt.LR).loss, a.warmup, a.steps)
-    rt = m.runtime
-    dev = lib.ggml_backend_get_device(rt.gpu if rt.gpu is not None else rt.cpu)
-    free, total = ffi.new("size_t *"), ffi.new("size_t *")
-    lib.ggml_backend_dev_memory(dev, free, total)
+        return dict(profile=bc.profile_pytrain(tr, batch))
+    r = _steps(lambda: tr.step([batch], bc.LR).loss, a.warmup, a.steps)
+    free, total = m.runtime.device_memory_info()
     return dict(r, load_s=load_s, first_loss=r["losses"][0], tokens=B * T,
-                n_targets=bt.n_targets(train), lora_params=lora_param_count(m.config, names, bt.RANK),
-                lora_names=len(names), weight_types=bt._weight_types(m),
-                weights_bytes=int(m.weights.total_bytes), step_graph=bt._step_kind(tr),
-                graph_nodes=bt._graph_nodes(tr), backends=[bt._backend_name(b) for b in rt.backends],
-                device_used_end=int(total[0] - free[0]), device_total=int(total[0]),
+                n_targets=bc.n_targets(train), weights_bytes=int(m.weights.total_bytes),
+                **bc.step_facts(m, tr, names), device_used_end=total - free, device_total=total,
                 tokens_per_s=B * T / r["median_s"])
 
 
 def hf_worker(a) -> dict:
-    import peft
-    import torch
-    import transformers
-    from peft import LoraConfig, get_peft_model
-    from transformers.models.qwen3_5 import Qwen3_5ForCausalLM
-    dev = torch.device(a.device)
-    B, T = a.batch
     t0 = time.perf_counter()
-    model = Qwen3_5ForCausalLM.from_pretrained(a.hf, dtype=torch.bfloat16,
-                                               attn_implementation=a.hf_attn).to(dev)
-    pm = get_peft_model(model, LoraConfig(r=bt.RANK, lora_alpha=bt.ALPHA, lora_dropout=0.0,
-                                          bias="none", task_type="CAUSAL_LM",
-                                          target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
-    pm.train()
-    params = [p for p in pm.parameters() if p.requires_grad]
-    opt = torch.optim.AdamWSettings(params, lr=bt.LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+    hf = bc.hf_side(a.hf, "bfloat16", a.hf_attn, a.device, a.seed, tuple(a.batch))
     load_s = time.perf_counter() - t0
-    tokens, train, _seg = bt.make_batch(model.config.vocab_size, B, T, a.seed)
-    ids = torch.from_numpy(tokens).to(dev)
-    labels = ids.clone()
-    labels[torch.from_numpy(~train).to(dev)] = -100
-
-    def one() -> float:
-        loss = pm(input_ids=ids, labels=labels, use_cache=False).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, bt.MAX_NORM)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return float(loss.detach())
-
-    cuda = dev.type == "cuda"
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
     if a.profile:
-        from torch.profiler import ProfilerActivity, profile
-        one()
-        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-        with profile(activities=acts) as prof:
-            sync()
-            t1 = time.perf_counter()
-            one()
-            sync()
-            wall = time.perf_counter() - t1
-        key = "self_device_time_total" if cuda else "self_cpu_time_total"
-        ka = sorted(prof.key_averages(), key=lambda e: -getattr(e, key, 0))
-        total = sum(getattr(e, key, 0) for e in ka)
-        top = [(e.key, getattr(e, key, 0) / 1e6, int(e.count)) for e in ka[:20]]
-        return dict(profile=dict(wall=wall, total_s=total / 1e6, top=top, key=key))
-    r = _steps(one, a.warmup, a.steps, sync)
-    mem = dict(max_allocated=torch.cuda.max_memory_allocated(), max_reserved=torch.cuda.max_memory_reserved()) \
-        if cuda else {}
-    return dict(r, load_s=load_s, first_loss=r["losses"][0], tokens=B * T,
-                n_targets=int((labels[:, 1:] != -100).sum()), lora_params=sum(p.numel() for p in params),
-                lora_dtypes=sorted({str(p.dtype).replace("torch.", "") for p in params}),
-                attn=model.config._attn_implementation, torch=torch.__version__,
-                transformers=transformers.__version__, peft=peft.__version__,
-                tokens_per_s=B * T / r["median_s"], **mem)
+        hf.one()
+        return dict(profile=bc.hf_profile(hf))
+    r = _steps(hf.one, a.warmup, a.steps, hf.sync)
+    mem = {}
+    if hf.cuda:
+        import torch
+        mem = dict(max_allocated=torch.cuda.max_memory_allocated(),
+                   max_reserved=torch.cuda.max_memory_reserved())
+    return dict(r, load_s=load_s, first_loss=r["losses"][0], **hf.facts,
+                tokens_per_s=hf.facts["tokens"] / r["median_s"], **mem)
 
 
 def run_worker(side: str, a, extra: list[str], profile: bool = False,
                timeout: int | None = None) -> dict:
     """One worker process; its RESULT line, its GPU memory, or the error it ended with."""
     timeout = timeout or a.timeout
-    cmd = [a.python if side == "pytrain" else a.ref_python, str(Path(__file__).resolve()), "--worker", side, "--device", a.device,
+    cmd = [a.python if side == "pytrain" else a.ref_python, "-m", "scripts.bench_train_gpu",
+           "--worker", side, "--device", a.device,
            "--batch", *map(str, a.batch), "--warmup", str(a.warmup), "--steps", str(a.steps),
            "--hf-attn", a.hf_attn, "--seed", str(a.seed), *extra]
     if profile:
         cmd.append("--profile")
     t0 = time.time()
-    with GpuMemory() as mem:
+    with bc.GpuMemory() as mem:
         try:
             p = subprocess.run(cmd, cwd=str(REPO), capture_output=True, text=True, timeout=timeout)
             out, err, rc = p.stdout, p.stderr, p.returncode
@@ -347,7 +233,7 @@ def run_worker(side: str, a, extra: list[str], profile: bool = False,
 # --------------------------------------------------------------------------------------------
 
 def machine() -> dict:
-    info = dict(bf.machine_facts())
+    info = dict(bc.machine_facts())
     if info["commit"] == "?":      # a copy of the tree without .git (the GPU machine's)
         info["commit"] = os.environ.get("PYTRAIN_COMMIT", "?")
     if shutil.which("nvidia-smi"):
@@ -399,7 +285,7 @@ def run(a) -> dict:
     mod = make_models(a.shape, a.cache, types, a.ref_python, a.python)
     j = dict(kind="train-gpu", device=a.device, shape=a.shape, desc=mod["desc"],
              n_params=mod["n_params"], batch=list(a.batch), warmup=a.warmup, steps=a.steps,
-             command=" ".join(["python3", "scripts/bench_train.py", *sys.argv[1:]]),
+             command=" ".join(["python", "-m", "scripts.bench_train", *sys.argv[1:]]),
              machine=machine(), anchor=ANCHOR, models_s=time.time() - t0, pytrain={}, hf=None,
              profile={}, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
     if a.make_only:
@@ -479,9 +365,9 @@ def report(j: dict) -> str:
              f"Made by `{j['command']}` ({j['date']}); scripts/bench_train_gpu.py says what is "
              "measured and how.", "",
              f"- model: {j['desc']}; {j['n_params'] / 1e9:.2f} B parameters, random weights",
-             f"- batch {B} x {T}, the first half of each row a masked prompt; LoRA r {bt.RANK}, "
-             f"alpha {bt.ALPHA:g} on q/k/v/o of the attention layers; AdamW lr {bt.LR:g}, clip "
-             f"{bt.MAX_NORM:g}; {j['warmup']} warm-up and {j['steps']} timed steps per side",
+             f"- batch {B} x {T}, the first half of each row a masked prompt; LoRA r {bc.RANK}, "
+             f"alpha {bc.ALPHA:g} on q/k/v/o of the attention layers; AdamW lr {bc.LR:g}, clip "
+             f"{bc.MAX_NORM:g}; {j['warmup']} warm-up and {j['steps']} timed steps per side",
              f"- machine: {j['machine'].get('gpu', 'no GPU')}; {j['machine'].get('cpu', '')}; "
              f"pytrain {j['machine'].get('commit', '?')}"]
     if hf_ok:
@@ -525,17 +411,7 @@ def report(j: dict) -> str:
                       "| op | self time (s) | share | calls |", "|---|---:|---:|---:|"]
             lines += [f"| `{k[:70]}` | {s:.4f} | {s / p['total_s']:.1%} | {n} |" for k, s, n in p["top"]]
             continue
-        tot = sum(p["by_op"].values())
-        lines += ["", f"## Profile: pytrain {t}, one step node by node (wall {p['wall']:.2f} s with the "
-                  f"per-node synchronisation; {p['n_nodes']} nodes; {p['overhead'] * 1e6:.0f} us per-node "
-                  f"overhead taken off each)", "",
-                  f"Step: {p['step_graph']}; backends {', '.join(p['backends'])}.", "",
-                  "| part | time (s) | share |", "|---|---:|---:|"]
-        lines += [f"| {k} | {v:.4f} | {v / tot:.1%} |" for k, v in
-                  sorted(p["by_part"].items(), key=lambda kv: -kv[1])]
-        lines += ["", "| op [backend] | time (s) | share | nodes |", "|---|---:|---:|---:|"]
-        lines += [f"| {k} | {v:.4f} | {v / tot:.1%} | {p['count_op_backend'].get(k, 0)} |" for k, v in
-                  sorted(p["by_op_backend"].items(), key=lambda kv: -kv[1])[:20]]
+        lines += bc.profile_lines(f"pytrain {t}", p)
     return "\n".join(lines) + "\n"
 
 
@@ -589,7 +465,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     a = parse(sys.argv[1:] if argv is None else argv)
     if a.make:
-        bf.make_model(spec_name(a.make), a.into)
+        bc.make_model(spec_name(a.make), a.into)
         return 0
     if a.convert:
         convert(a.convert, a.into, a.type)
@@ -603,7 +479,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     j = json.loads(a.report_from.read_text()) if a.report_from else run(a)
     if a.make_only:
-        print(f"models under {bf.spec_dir(a.cache, spec_name(a.shape))}")
+        print(f"models under {bc.spec_dir(a.cache, spec_name(a.shape))}")
         return 0
     md = report(j)
     a.out.parent.mkdir(parents=True, exist_ok=True)

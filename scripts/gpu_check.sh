@@ -79,7 +79,7 @@ print("native", ggml.NATIVE_DIR, "cuda" if ggml.build_info()["cuda"] else "cpu")
 models_start() {  # the benchmark's models, in their own session (they outlive this call)
   [ -f "$WORK/models.pid" ] && return 0
   setsid bash -c '"$@"; echo $? > '"$WORK/models.rc" _ \
-    $PY scripts/bench_train.py --device cuda --make-only --types bf16,q4_k \
+    $PY -m scripts.bench_train --device cuda --make-only --types bf16,q4_k \
     >> "$WORK/models.log" 2>&1 < /dev/null &
   echo $! > "$WORK/models.pid"
   log "benchmark models: started in the background (pid $!)"
@@ -105,7 +105,7 @@ gate() {
 bench() {
   models_wait || { log "no models, no benchmark"; return 1; }
   step "benchmark (HF + PEFT bf16; pytrain bf16 auto, bf16 layers, q4_k layers)" bench.log \
-    $PY scripts/bench_train.py --device cuda --plan hf,bf16:auto,bf16:layers,q4_k:layers \
+    $PY -m scripts.bench_train --device cuda --plan hf,bf16:auto,bf16:layers,q4_k:layers \
       --deadline "$DEADLINE" --timeout "${WORKER_S:-150}" --no-profile \
       --json "$OUT/train-cuda.json" --out "$OUT/train-cuda.md"
 }
@@ -118,8 +118,11 @@ more() {
     $PY -m pytrain train config/demo.toml --no-progress --set model.device=cuda \
       --set output.dir="$WORK/demo-cuda"
   { echo "--- metrics.jsonl"; cat "$WORK/demo-cuda/metrics.jsonl"; } >> "$OUT/demo.log" 2>&1
+  step "pytrain plan on cuda" plan.log $PY -m pytrain plan config/demo.toml --device cuda
+  step "pytrain profile on cuda" profile-step.log \
+    $PY -m pytrain profile config/demo.toml --set model.device=cuda
   models_wait && step "profiles (pytrain bf16 auto, HF)" profile.log \
-    $PY scripts/bench_train.py --device cuda --plan hf,bf16:auto --deadline "$DEADLINE" \
+    $PY -m scripts.bench_train --device cuda --plan hf,bf16:auto --deadline "$DEADLINE" \
       --timeout "${WORKER_S:-150}" --json "$OUT/profile-cuda.json" --out "$OUT/profile-cuda.md"
 }
 

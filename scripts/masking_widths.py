@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
+from pytrain.config import mask_for
 from pytrain.data import Batch, load_examples, make_batches, pad_token_id
 from pytrain.models.model import load_model
 from pytrain.train import loss as L
@@ -25,7 +26,7 @@ def c_examples(name: str, out: Path, overrides, n: int, seed: int, p_long: float
                  **cfg_values)
     cfg.model.path = model_path(cfg)
     model = load_model(cfg.model.path, "cpu", cfg.model.threads)
-    ex, _ = load_examples(data, model.tokenizer, format=cfg.data.format, mask=cfg.data.mask_for("chat"),
+    ex, _ = load_examples(data, model.tokenizer, format=cfg.data.format, mask=mask_for("chat", cfg.data.mask),
                           max_seq_len=cfg.data.max_seq_len)
     return folder, cfg, model, ex
 

@@ -1,13 +1,13 @@
-#!/usr/bin/env python3
 """Run test files and write the figures they compared with their bounds as a markdown table
 (+ .json): the parity tables in bench_results/ are what the tests measured, not a second
 computation that could drift from them.
 
 The tests record each figure through the ``measured`` fixture (tests/conftest.py), which
 writes them to ``PYTRAIN_MEASURED_JSON`` at the end of the session.  Nothing is written
-unless every test passed.
+unless every test passed.  scripts/report_parity.py and scripts/report_llama_parity.py are
+this report over fixed test files, one section per file.
 
-Usage:  .venv/bin/python scripts/report_measured.py --title TITLE --out bench_results/X.md
+Usage:  python -m scripts.report_measured --title TITLE --out bench_results/X.md
             tests/test_A.py [tests/test_B.py ...]
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from scripts.bench_common import REPO as ROOT, git_commit
 
 
 def cpu_name() -> str:
@@ -36,44 +36,80 @@ def fmt(v) -> str:
     return f"{v:.3g}" if isinstance(v, (int, float)) else str(v)
 
 
+def run_tests(tests: list[str], extra: list[str] = ()) -> tuple[list[dict] | None, str]:
+    """(the figures the tests recorded, pytest's summary line); None when not all passed."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "measured.json"
+        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                            *extra, *tests], cwd=ROOT,
+                           env={**os.environ, "PYTRAIN_MEASURED_JSON": str(path)},
+                           capture_output=True, text=True)
+        summary = (r.stdout.strip().splitlines() or ["?"])[-1]
+        if r.returncode != 0 or not path.exists():
+            sys.stderr.write(r.stdout[-4000:] + r.stderr[-2000:])
+            print(f"not written: the tests did not all pass ({summary})", file=sys.stderr)
+            return None, summary
+        return json.loads(path.read_text())["measured"], summary
+
+
+def table(rows: list[dict]) -> list[str]:
+    lines = ["| test | check | measured | bound |", "|---|---|---:|---|"]
+    for m in rows:
+        check = m["check"].replace("|", "\\|")          # a table cell
+        lines.append(f"| `{m['test'].split('::', 1)[1]}` | {check} | {fmt(m['value'])} | "
+                     f"{fmt(m['bound'])} |")
+    return lines
+
+
+def report(title: str, out: Path, tests: list[str], cmd: str,
+           sections: dict[str, str] | None = None, intro: str = "") -> int:
+    """Run ``tests``, then write ``out`` (+ .json): one table, or with ``sections`` (test file
+    -> a paragraph saying what it compares) one section per file."""
+    rows, summary = run_tests(tests)
+    if rows is None:
+        return 1
+    commit = git_commit()
+    lines = [f"# {title}", "",
+             f"Made by `{cmd}` ({dt.datetime.now(dt.timezone.utc):%Y-%m-%d}, pytrain {commit}, "
+             f"{cpu_name()}, {os.cpu_count()} CPUs): the figures the tests compared with their "
+             f"bounds, recorded by the tests themselves; pytest: {summary}." + intro, ""]
+    if sections:
+        for f, what in sections.items():
+            mine = [m for m in rows if m["test"].split("::", 1)[0] == f]
+            lines += [f"## {f}", "", what, ""] + (table(mine) if mine else
+                                                   ["(nothing recorded: skipped)"]) + [""]
+    else:
+        lines += table(rows)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("\n".join(lines).rstrip("\n") + "\n")
+    out.with_suffix(".json").write_text(json.dumps(dict(command=cmd, commit=commit,
+                                                        summary=summary, measured=rows),
+                                                   indent=1) + "\n")
+    print(f"wrote {out} ({len(rows)} figures; {summary})")
+    return 0
+
+
+def sections_main(script: str, doc: str, title: str, out_name: str,
+                  sections: dict[str, str]) -> int:
+    """The command line of a report over fixed test files (``python -m scripts.SCRIPT [--out
+    FILE]``, default bench_results/OUT_NAME), one section per file."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    default = ROOT / "bench_results" / out_name
+    ap.add_argument("--out", type=Path, default=default)
+    a = ap.parse_args()
+    cmd = f"python -m scripts.{script}" + ("" if a.out == default else f" --out {a.out.as_posix()}")
+    return report(title, a.out, list(sections), cmd, sections)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("tests", nargs="+")
     ap.add_argument("--title", required=True)
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "measured.json"
-        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                            *a.tests], cwd=ROOT, env={**os.environ,
-                                                      "PYTRAIN_MEASURED_JSON": str(path)},
-                           capture_output=True, text=True)
-        summary = (r.stdout.strip().splitlines() or ["?"])[-1]
-        if r.returncode != 0 or not path.exists():
-            sys.stderr.write(r.stdout[-4000:] + r.stderr[-2000:])
-            print(f"not written: the tests did not all pass ({summary})", file=sys.stderr)
-            return 1
-        rows = json.loads(path.read_text())["measured"]
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True,
-                            capture_output=True).stdout.strip() or "?"
-    cmd = "python scripts/report_measured.py " + " ".join(
+    cmd = "python -m scripts.report_measured " + " ".join(
         [f"--title {json.dumps(a.title)}", f"--out {a.out.as_posix()}", *a.tests])
-    lines = [f"# {a.title}", "",
-             f"Made by `{cmd}` ({dt.datetime.now(dt.timezone.utc):%Y-%m-%d}, pytrain {commit}, "
-             f"{cpu_name()}, {os.cpu_count()} CPUs): the figures the tests compared with their "
-             f"bounds, recorded by the tests themselves; pytest: {summary}.", "",
-             "| test | check | measured | bound |", "|---|---|---:|---|"]
-    for m in rows:
-        check = m["check"].replace("|", "\\|")          # a table cell
-        lines.append(f"| `{m['test'].split('::', 1)[1]}` | {check} | {fmt(m['value'])} | "
-                     f"{fmt(m['bound'])} |")
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text("\n".join(lines) + "\n")
-    a.out.with_suffix(".json").write_text(json.dumps(dict(command=cmd, commit=commit,
-                                                          summary=summary, measured=rows),
-                                                     indent=1) + "\n")
-    print(f"wrote {a.out} ({len(rows)} figures; {summary})")
-    return 0
+    return report(a.title, a.out, a.tests, cmd)
 
 
 if __name__ == "__main__":

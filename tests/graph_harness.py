@@ -50,7 +50,7 @@ def run(build, inputs: dict, grad_of: tuple = (), seed_grad: np.ndarray | None =
             ggml.from_numpy(tensors[name], arr)
     if grad_of:
         ggml.from_numpy(r, seed_grad.astype(np.float32))
-        ggml.seed_backward(graph)
+        lib.ggml_graph_reset(graph)   # d(loss)/d(loss) = 1, accumulators zeroed
     if inspect is not None:
         inspect(graph)
     rt.compute(graph)

@@ -17,6 +17,7 @@ from scripts.gguf_models import quantized_copy
 
 import pytrain
 from pytrain import ggml
+from pytrain.ggml import lib
 from pytrain.models import lora
 from pytrain.data import Example, make_batches
 from pytrain.models.lora_targets import select_targets
@@ -24,6 +25,12 @@ from pytrain.train.optimizer import AdamWSettings
 from pytrain.train.trainer import Trainer
 
 FIX = Path(__file__).resolve().parent / "fixtures" / "qwen35"
+
+
+def tensor_buffer_type(t) -> str:
+    """The name of the buffer type ``t``'s data lives in ("CPU", "CUDA0", "CPU_REPACK", ...)."""
+    assert t.buffer != ggml.ffi.NULL, ggml.name(t)
+    return ggml.buffer_type_name(lib.ggml_backend_buffer_get_type(t.buffer))
 
 
 def test_extra_buffer_types_exist_where_the_cpu_has_them():
@@ -49,9 +56,10 @@ def test_weights_adapter_optimizer_and_compute_stay_in_default_buffers(tmp_path,
               for n in (24, 17)]
         r = tr.step(make_batches(ex, 2, seed=0), lr=1e-3)
         assert r is not None and np.isfinite(r.loss)
-        used = {ggml.tensor_buffer_type(t) for t in m.weights.tensors.values()}
-        used |= {ggml.tensor_buffer_type(t) for t in ad.params()}
-        used |= set(m.runtime.compute_buffer_types())
+        used = {tensor_buffer_type(t) for t in m.weights.tensors.values()}
+        used |= {tensor_buffer_type(t) for t in ad.params()}
+        used |= {ggml.buffer_type_name(lib.ggml_backend_sched_get_buffer_type(m.runtime.sched, b))
+                 for b in m.runtime.backends}     # where the scheduler puts compute buffers
         tr.close()
     finally:
         m.close()

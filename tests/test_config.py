@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from pytrain.config import (SECTIONS, Config, ConfigError, describe, load_config)
+from pytrain.config import SECTIONS, Config, ConfigError, describe, load_config, mask_for
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -57,11 +57,11 @@ def test_defaults_and_paths_relative_to_the_config_file(tmp_path, monkeypatch):
 
 def test_mask_default_follows_format():
     d = Config().data
-    assert d.mask_for("chat") == "assistant_only"
-    assert d.mask_for("completion") == "completion_only"
-    assert d.mask_for("text") == "all"
+    assert mask_for("chat", d.mask) == "assistant_only"
+    assert mask_for("completion", d.mask) == "completion_only"
+    assert mask_for("text", d.mask) == "all"
     d.mask = "all"
-    assert d.mask_for("chat") == "all"
+    assert mask_for("chat", d.mask) == "all"
 
 
 def test_unknown_key_names_key_file_and_line(tmp_path):

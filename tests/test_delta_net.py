@@ -67,7 +67,7 @@ def fused(q, k, v, g, beta):
 
 
 @pytest.mark.parametrize("T,Hk", [(1, 2), (37, 2), (64, 2), (150, 2), (150, 1)])
-def test_gated_delta_rule_matches_fused_op(T, Hk):
+def test_gated_delta_rule_matches_fused_op(T, Hk, measured):
     rng = np.random.default_rng(T)
     B, H, S = 2, 2, 16
     q, k, v, g, beta = random_gdn(rng, B, T, H, S, Hk)
@@ -80,6 +80,10 @@ def test_gated_delta_rule_matches_fused_op(T, Hk):
     ref_fused = fused(q, k, v, g, beta)
     qr, kr = (np.tile(a, (1, 1, H // Hk, 1)) for a in (q, k))
     ref64 = delta_ref.gated_delta_rule(qr, kr, v, g, beta)
+    measured(f"chunked gated delta rule T={T} Hk={Hk} vs fused GATED_DELTA_NET, max |Δ|",
+             np.abs(ours - ref_fused).max(), 2e-5)
+    measured(f"chunked gated delta rule T={T} Hk={Hk} vs float64 token by token, max |Δ|",
+             np.abs(ours - ref64).max(), 2e-5)
     assert np.abs(ref_fused - ref64).max() < 2e-5          # the two references agree
     np.testing.assert_allclose(ours, ref_fused, atol=2e-5, rtol=0)
     np.testing.assert_allclose(ours, ref64, atol=2e-5, rtol=0)
@@ -127,7 +131,7 @@ def test_gated_delta_rule_gradients():
 
 
 @pytest.mark.parametrize("T", [1, 5, 70])
-def test_causal_conv_matches_ssm_conv(T):
+def test_causal_conv_matches_ssm_conv(T, measured):
     rng = np.random.default_rng(T)
     B, C, K = 2, 24, 4
     x = rng.normal(size=(B, T, C))
@@ -145,8 +149,11 @@ def test_causal_conv_matches_ssm_conv(T):
         return lib.ggml_ssm_conv(ctx, xt, t["w"])
     xpad = np.concatenate([np.zeros((B, K - 1, C)), x], axis=1)
     ref_fused = run(fused_conv, dict(xpad=f32(xpad), w=f32(w)))
+    ref64 = delta_ref.causal_conv(x, w)
+    measured(f"causal conv T={T} vs SSM_CONV, max |Δ|", np.abs(got - ref_fused).max(), 1e-5)
+    measured(f"causal conv T={T} vs float64, max |Δ|", np.abs(got - ref64).max(), 1e-5)
     np.testing.assert_allclose(got, ref_fused, atol=1e-5, rtol=0)
-    np.testing.assert_allclose(got, delta_ref.causal_conv(x, w), atol=1e-5, rtol=0)
+    np.testing.assert_allclose(got, ref64, atol=1e-5, rtol=0)
 
 
 def conv_keep(seg, K):

@@ -129,7 +129,7 @@ class Block:
         ggml.from_numpy(self.pos, np.arange(T, dtype=np.int32))
         ggml.from_numpy(self.mask, np.triu(np.full((T, T), -np.inf, np.float32), 1))
         ggml.from_numpy(self.labels, labels.astype(np.float32))
-        ggml.seed_backward(self.graph)
+        lib.ggml_graph_reset(self.graph)
         self.rt.compute(self.graph)
         return (ggml.to_numpy(self.logits), float(ggml.to_numpy(self.loss)[0]),
                 {k: ggml.to_numpy(g) for k, g in self.grads.items()})
@@ -173,7 +173,7 @@ def test_backward_matches_finite_differences(case):
 
 
 def test_gradients_are_recomputed_not_accumulated(case):
-    """Two computes with the same inputs give the same gradients (seed_backward resets)."""
+    """Two computes with the same inputs give the same gradients (ggml_graph_reset resets)."""
     params, tokens, labels, block = case
     g1 = block.run(tokens, labels)[2]
     g2 = block.run(tokens, labels)[2]

@@ -49,7 +49,8 @@ def tokens_for(n_vocab: int, T: int = 40, seed: int = 7) -> np.ndarray:
 
 @pytest.mark.parametrize("T", [40, 100])
 @pytest.mark.parametrize("fixture", ["gqa-f32.gguf", "untied-f32.gguf"])
-def test_llama_cpp_loads_adapter_and_matches_pytrain(llama_logits_exe, tmp_path, fixture, T):
+def test_llama_cpp_loads_adapter_and_matches_pytrain(llama_logits_exe, tmp_path, fixture, T,
+                                                     measured):
     path = llama_cpp_compatible(FIX / fixture, tmp_path)
     m = pytrain.load_model(path, device="cpu", threads=2)
     try:
@@ -80,6 +81,9 @@ def test_llama_cpp_loads_adapter_and_matches_pytrain(llama_logits_exe, tmp_path,
                                                  ours_base, ours_lora, tmp_path)
     print(f"\n{fixture} T={T}: max|Δ| base {d_base:.3g}, with adapter {d_lora:.3g}; "
           f"adapter effect {effect:.3g}; logit scale {float(np.abs(ours_lora).max()):.3g}")
+    measured(f"{fixture} T={T}: llama.cpp vs pytrain, max |Δ logit|", d_base, ATOL)
+    measured(f"{fixture} T={T}: with the adapter (llama.cpp --lora), max |Δ logit|", d_lora, ATOL)
+    measured(f"{fixture} T={T}: the adapter's effect (must exceed)", effect, MIN_EFFECT)
     assert effect > MIN_EFFECT, "llama.cpp ignored the adapter (logits did not change)"
     assert d_base < ATOL, f"base logits differ by {d_base}"
     assert d_lora < ATOL, f"logits with the adapter differ by {d_lora}"
@@ -168,7 +172,7 @@ def test_llama_cpp_keeps_weights_out_of_extra_buffer_types(llama_logits_exe, tmp
 
 
 @pytest.mark.parametrize("fixture", ["gqa-q8_0.gguf", "gqa-bf16.gguf"])
-def test_kept_weight_types_match_llama_cpp(llama_logits_exe, tmp_path, fixture):
+def test_kept_weight_types_match_llama_cpp(llama_logits_exe, tmp_path, fixture, measured):
     """pytrain with the file's weights kept (Q8_0; BF16 as F16) computes what llama.cpp
     computes with the same weights and the same activation rounding: llama.cpp runs the Q8_0
     file itself, and for BF16 an F16 copy of it (pytrain's CPU type for BF16; the values are
@@ -192,4 +196,8 @@ def test_kept_weight_types_match_llama_cpp(llama_logits_exe, tmp_path, fixture):
                                    got["auto"].shape[-1]))
     print(f"\n{fixture}: pytrain kept vs llama.cpp {np.abs(got['auto'] - theirs).max():.3g}, "
           f"kept vs F32 {np.abs(got['auto'] - got['f32']).max():.3g}")
+    measured(f"{fixture} kept vs llama.cpp, max |Δ log-softmax|",
+             np.abs(got["auto"] - theirs).max(), "the type's own noise")
+    measured(f"{fixture} kept vs pytrain F32 (the type's own noise), max |Δ log-softmax|",
+             np.abs(got["auto"] - got["f32"]).max(), "-")
     assert_same_rounding(got["auto"], theirs, got["f32"])

@@ -39,19 +39,19 @@ FILES = ["gqa-f32", "gqa-f16", "gqa-q8_0", "untied-f32", "llama3-f32"]
 
 
 @pytest.mark.parametrize("name", ["gqa-f32", "untied-f32", "llama3-f32"])
-def test_f32_logits_match_hf(name):
+def test_f32_logits_match_hf(name, measured):
     gold = np.load(FIX / f"{name.split('-')[0]}.npz")
     m = pytrain.load_model(FIX / f"{name}.gguf", device="cpu", threads=2)
     try:
         err = max_error(m, gold, gold["logprobs"])
     finally:
         m.close()
-    print(f"{name} vs HF float32: {err:.2e}")
+    measured(f"{name} vs HF float32, max |Δ log-softmax|", err, 1e-4)
     assert err < 1e-4, err
 
 
 @pytest.mark.parametrize("name", FILES)
-def test_f32_loading_matches_float64_of_the_file(name):
+def test_f32_loading_matches_float64_of_the_file(name, measured):
     gold = np.load(FIX / f"{name.split('-')[0]}.npz")
     want = np.load(FIX / f"{name}.f64.npz")["logprobs64"]
     m = pytrain.load_model(FIX / f"{name}.gguf", device="cpu", threads=2, type_policy="f32")
@@ -59,12 +59,12 @@ def test_f32_loading_matches_float64_of_the_file(name):
         err = max_error(m, gold, want)
     finally:
         m.close()
-    print(f"{name} (f32) vs float64 of its weights: {err:.2e}")
+    measured(f"{name} loaded as F32 vs float64 of its weights, max |Δ log-softmax|", err, 1e-4)
     assert err < 1e-4, err
 
 
 @pytest.mark.parametrize("name", ["gqa-f16", "gqa-q8_0"])
-def test_kept_weights_round_activations_as_ggml_does(name):
+def test_kept_weights_round_activations_as_ggml_does(name, measured):
     from bounds import assert_same_rounding
     from llama_ref import forward, gguf_contents, gguf_types
     gold = np.load(FIX / f"{name.split('-')[0]}.npz")
@@ -79,11 +79,15 @@ def test_kept_weights_round_activations_as_ggml_does(name):
             m.close()
     W, F = gguf_contents(FIX / f"{name}.gguf")
     types = gguf_types(FIX / f"{name}.gguf")
+    worst = 0.0
     for i, n in enumerate(lengths):
         emulated = forward(W, F, tokens[i, :n], types)
+        worst = max(worst, float(np.abs(got["auto"][i, :n] - emulated).max()))
         print(f"{name} row {i}: kept vs emulated {np.abs(got['auto'][i, :n] - emulated).max():.2e}"
               f", kept vs F32 {np.abs(got['auto'][i, :n] - got['f32'][i, :n]).max():.2e}")
         assert_same_rounding(got["auto"][i, :n], emulated, got["f32"][i, :n])
+    measured(f"{name} kept vs float64 rounding activations as ggml does, max |Δ log-softmax|",
+             worst, "the type's own noise")
 
 
 def test_converter_layout_is_norm_rope(monkeypatch):
@@ -155,15 +159,16 @@ def test_peft_golden_covers_the_targets(peft_result):
 
 
 @pytest.mark.parametrize("ref", ["f32", "f64"])
-def test_llama_lora_gradients_match_peft(peft_result, ref):
+def test_llama_lora_gradients_match_peft(peft_result, ref, measured):
     """The golden A, B and gradients are in llama.cpp's layout as convert_lora_to_gguf.py wrote
     them (q/k B rows permuted), so a missing or wrong permutation fails here."""
     name, gold, names, out = peft_result
     want_loss = float(gold["loss" if ref == "f32" else "loss64"])
     assert abs(out["loss"] - want_loss) < PEFT_TOL[ref][0], (out["loss"], want_loss)
     worst = worst_gradient_error(gold, names, out, ".grad" if ref == "f32" else ".grad64")
-    print(f"{name} vs PEFT {ref}: loss {out['loss'] - want_loss:+.2e}, worst gradient error "
-          f"{worst[0]:.2e} of max ({worst[1]})")
+    measured(f"{name} loss vs PEFT {ref}, |Δ|", abs(out["loss"] - want_loss), PEFT_TOL[ref][0])
+    measured(f"{name} LoRA gradients vs PEFT {ref}, max error / max |grad| ({worst[1]})",
+             worst[0], PEFT_TOL[ref][1])
     assert worst[0] <= PEFT_TOL[ref][1], worst
 
 
@@ -240,7 +245,8 @@ LLAMA_CPP_ATOL = 1e-3       # max |Δ logit| (as tests/test_llama_cpp_adapter.py
     ("gqa-f32", {"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 3.0,
                  "llama.rope.scaling.attn_factor": 0.8}),
 ])
-def test_llama_cpp_runs_pytrains_llama_adapter(llama_logits_exe, tmp_path, name, keys):
+def test_llama_cpp_runs_pytrains_llama_adapter(llama_logits_exe, tmp_path, name, keys,
+                                               measured):
     """llama.cpp (its loader, its llama graph, its adapter loading) on the same file and a
     pytrain-written adapter gives pytrain's logits, also for the rope scaling only llama.cpp
     defines for this architecture (YaRN, the attention factor), and the adapter changes them
@@ -267,7 +273,11 @@ def test_llama_cpp_runs_pytrains_llama_adapter(llama_logits_exe, tmp_path, name,
         m.close()
     d, d_lora, effect = deltas_with_adapter(llama_logits_exe, path, adapter, toks, ours,
                                             ours_lora, tmp_path)
-    print(f"{name} {keys}: base {d:.2e}, with adapter {d_lora:.2e}, effect {effect:.3g}")
+    what = f"{name}{' ' + keys['llama.rope.scaling.type'] if keys else ''}"
+    measured(f"{what} vs llama.cpp, max |Δ logit|", d, LLAMA_CPP_ATOL)
+    measured(f"{what} with pytrain's adapter vs llama.cpp --lora, max |Δ logit|", d_lora,
+             LLAMA_CPP_ATOL)
+    measured(f"{what} the adapter's effect (must exceed)", effect, 0.05)
     assert effect > 0.05 and d < LLAMA_CPP_ATOL and d_lora < LLAMA_CPP_ATOL
 
 

@@ -73,7 +73,7 @@ def grads(path, policy):
 
 
 @pytest.mark.parametrize("dtype", TYPES)
-def test_weight_type(tmp_path, dtype):
+def test_weight_type(tmp_path, dtype, measured):
     model = write_llama(tmp_path / f"m-{dtype}.gguf", dtype)
     assert model.types["blk.1.ffn_down.weight"] == dtype
     W, F = gguf_contents(model.path)
@@ -88,6 +88,9 @@ def test_weight_type(tmp_path, dtype):
     print(f"{dtype}: as F32 {err_f32:.2e}, kept {np.abs(got['auto'] - exact).max():.2e} "
           f"(emulated {np.abs(emulated - exact).max():.2e}, kept vs emulated "
           f"{np.abs(got['auto'] - emulated).max():.2e})")
+    measured(f"{dtype} loaded as F32 vs float64, max |Δ log-softmax|", err_f32, 1e-4)
+    measured(f"{dtype} kept vs float64 rounding activations as ggml does, max |Δ log-softmax|",
+             float(np.abs(got["auto"] - emulated).max()), "the type's own noise")
     assert err_f32 < 1e-4
     assert_same_rounding(got["auto"], emulated, got["f32"])
 
@@ -100,17 +103,18 @@ def test_weight_type(tmp_path, dtype):
         scale = float(np.abs(v).max())
         assert scale > 0 and np.isfinite(kept["grads"][k]).all()
         worst = max(worst, float(np.abs(kept["grads"][k] - v).max()) / scale)
-    print(f"{dtype}: loss kept - as F32 {kept['loss'] - as_f32['loss']:+.2e}, gradients "
-          f"{worst:.2e} of their scale (log-probabilities moved {noise:.2e})")
+    measured(f"{dtype} kept vs F32: loss |Δ|", abs(kept["loss"] - as_f32["loss"]), noise)
+    measured(f"{dtype} kept vs F32: LoRA gradients, max error / max |grad|", worst, noise)
     assert worst <= noise, (worst, noise)
 
 
 @pytest.mark.parametrize("dtype", [t for t in TYPES if t != "bf16"])
-def test_weight_type_matches_llama_cpp(llama_logits_exe, tmp_path, dtype):
+def test_weight_type_matches_llama_cpp(llama_logits_exe, tmp_path, dtype, measured):
     from llama_cpp_check import run_llama
     model = write_llama(tmp_path / f"m-{dtype}.gguf", dtype)
     got = kept_and_f32(model.path)
     theirs = log_softmax(run_llama(llama_logits_exe, model.path, None, TOKENS,
                                    tmp_path / "l.f32", 64))
-    print(f"{dtype}: pytrain vs llama.cpp {np.abs(got['auto'] - theirs).max():.2e}")
+    measured(f"{dtype} kept vs llama.cpp, max |Δ log-softmax|",
+             float(np.abs(got["auto"] - theirs).max()), "the type's own noise")
     assert_same_rounding(got["auto"], theirs, got["f32"])

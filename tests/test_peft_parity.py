@@ -95,18 +95,19 @@ def test_targets_are_hf_shifted_labels(golden, result):
 
 
 @pytest.mark.parametrize("ref", ["f32", "f64"])
-def test_loss_matches_peft(golden, result, ref):
+def test_loss_matches_peft(golden, result, ref, measured):
     _, _, out = result
     exact = float(golden["loss64"])
     peft_rounding = abs(float(golden["loss"]) - exact)
     assert peft_rounding > 1e-7                      # PEFT float32 is visibly off the exact loss
     want = float(golden["loss" if ref == "f32" else "loss64"])
     bound = SPREAD[ref] * max(peft_rounding, ulps(exact))
+    measured(f"loss vs PEFT {ref}, |Δ|", abs(out["loss"] - want), bound)
     assert abs(out["loss"] - want) <= bound, (out["loss"], want, bound)
 
 
 @pytest.mark.parametrize("ref", ["f32", "f64"])
-def test_lora_gradients_match_peft(golden, result, ref):
+def test_lora_gradients_match_peft(golden, result, ref, measured):
     names, _, out = result
     suffix = ".grad" if ref == "f32" else ".grad64"
     worst = (0.0, "")
@@ -123,5 +124,6 @@ def test_lora_gradients_match_peft(golden, result, ref):
             err = np.abs(got - want).max() / scale
             bound = SPREAD[ref] * max(peft_rounding, ulps(exact) / scale)
             worst = max(worst, (err / bound, n + s))
+            measured(f"{n + s} gradient vs PEFT {ref}, max error / max |grad|", err, bound)
             assert err <= bound, (n + s, err, bound)
     print(f"PEFT {ref}: worst gradient error {worst[0]:.2f} of its bound ({worst[1]})")

@@ -71,7 +71,7 @@ def golden_gap(a, b, golden) -> float:
 
 @pytest.mark.parametrize("name,golden", [("gqa-f32", "gqa"), ("untied-f32", "untied"),
                                          ("gqa-bf16", "gqa"), ("gqa-q8_0", "gqa")])
-def test_float32_logits_match_references(models, name, golden):
+def test_float32_logits_match_references(models, name, golden, measured):
     from bounds import F32_SPREAD, ulps
     g = np.load(FIX / f"{golden}.npz")
     truth = np.load(FIX / f"{name}.f64.npz")["logprobs"]
@@ -82,6 +82,10 @@ def test_float32_logits_match_references(models, name, golden):
     err_truth, err_hf = errors(m, g, truth), errors(m, g, g["logprobs"])
     print(f"{name}: vs float64 {err_truth:.2e} (bound {bound:.2e}); vs HF {err_hf:.2e} "
           f"(weights' rounding {weight_rounding:.2e})")
+    measured(f"{name} loaded as F32 vs float64 of its weights, max |Δ log-softmax|", err_truth,
+             bound)
+    measured(f"{name} loaded as F32 vs HF float32, max |Δ log-softmax|", err_hf,
+             weight_rounding + bound)
     assert err_truth <= bound
     assert err_hf <= weight_rounding + bound
 

@@ -94,16 +94,17 @@ def test_inspect(gguf_path, capsys):
     assert "architecture: llama" in out and "Q4_1" in out and "120 tensors" in out
 
 
-def test_f32_logits_equal_float64_forward(model_f32, weights64):
+def test_f32_logits_equal_float64_forward(model_f32, weights64, measured):
     from llama_ref import forward
     ids = chat_ids(model_f32)[:24]
     got = log_softmax(model_f32.logits(np.array(ids)))
     err = float(np.abs(got - forward(*weights64, ids)).max())
-    print(f"SmolLM2 as F32 vs float64: {err:.2e}")
+    measured("SmolLM2 as F32 vs float64, max |Δ log-softmax|", err, 1e-4)
     assert err < 1e-4, err
 
 
-def test_logits_match_llama_cpp(model, model_f32, llama_logits_exe, tmp_path, gguf_path):
+def test_logits_match_llama_cpp(model, model_f32, llama_logits_exe, tmp_path, gguf_path,
+                                measured):
     """llama.cpp and pytrain on the file as stored, bounded by the kept type's noise on these
     tokens (``bounds.assert_same_rounding``: pytrain kept against pytrain F32)."""
     from bounds import assert_same_rounding, kl_rows
@@ -117,6 +118,9 @@ def test_logits_match_llama_cpp(model, model_f32, llama_logits_exe, tmp_path, gg
     print(f"SmolLM2 vs llama.cpp over {len(ids)} tokens: KL mean {kl.mean():.2e} max "
           f"{kl.max():.2e} (Q4_1's own noise: KL mean {noise.mean():.2e} max {noise.max():.2e}); "
           f"argmax differs at {int((ours.argmax(-1) != theirs.argmax(-1)).sum())} positions")
+    measured(f"SmolLM2 (Q4_1 kept) vs llama.cpp over {len(ids)} tokens, mean KL", kl.mean(),
+             "4 x the type's own noise")
+    measured("SmolLM2 Q4_1's own noise (kept vs F32), mean KL", noise.mean(), "-")
     assert_same_rounding(ours, theirs, f32)
 
 

@@ -309,3 +309,19 @@ def test_a_target_the_model_lacks_is_a_config_error_where_it_was_given(tmp_path,
     err = capsys.readouterr().err
     assert where + "lora.targets: unknown LoRA target 'mlp' for qwen35; valid: attn_q" in err
     assert not (tmp_path / "out" / "metrics.jsonl").exists()
+
+
+def test_log_every_prints_the_mean_loss_of_its_steps(tmp_path, capsys):
+    """train.log_every 4 over 10 steps: lines at steps 4, 8 and the last, each the mean of the
+    losses metrics.jsonl holds for its steps."""
+    write_data(tmp_path)
+    cfg = write_config(tmp_path, max_steps=10, eval_every=0, log_every=4, formats=["gguf"])
+    assert main(["train", str(cfg), "--no-progress"]) == 0
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("step ")
+             and "loss" in ln and "validation" not in ln]
+    assert [ln.split(":")[0] for ln in lines] == ["step 4/10", "step 8/10", "step 10/10"]
+    losses = [r["loss"] for r in records(tmp_path / "out") if "loss" in r and "split" not in r]
+    for line, (a, b) in zip(lines, [(0, 4), (4, 8), (8, 10)]):
+        printed = float(line.split("loss ")[1].split()[0])
+        assert abs(printed - np.mean(losses[a:b])) <= 5e-5, line    # printed to 4 decimals
+        assert f"(mean of {b - a})" in line

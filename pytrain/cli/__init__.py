@@ -22,6 +22,17 @@ def _config(args: argparse.Namespace):
     return load_config(args.config, args.set or [])
 
 
+def _plan(args: argparse.Namespace) -> int:
+    from pytrain.cli import plan
+    args.set = (args.set or []) + ([f"model.device={args.device}"] if args.device else [])
+    return plan.main(_config(args), args)
+
+
+def _profile(args: argparse.Namespace) -> int:
+    from pytrain.cli import profile
+    return profile.main(_config(args), args)
+
+
 def _train(args: argparse.Namespace) -> int:
     from pytrain.train import run
     from pytrain.train.distributed import world
@@ -174,6 +185,18 @@ def build_parser() -> argparse.ArgumentParser:
                         "the earlier run's checkpoints, metrics and adapter (without it such a "
                         "folder is refused)")
     p.set_defaults(func=_train)
+    p = sub.add_parser("plan", help="the memory a run needs on its device (weights, LoRA, "
+                       "optimizer state, compute buffer), the recompute choice and why, and "
+                       "whether it fits (exit 0) or not (exit 3); loads no weights")
+    config_args(p)
+    from pytrain.cli import plan, profile
+    plan.add_arguments(p)
+    p.set_defaults(func=_plan)
+    p = sub.add_parser("profile", help="the config's first training step computed node by "
+                       "node: time by part of the model and by op")
+    config_args(p)
+    profile.add_arguments(p)
+    p.set_defaults(func=_profile)
     p = sub.add_parser("eval", help="validation loss, token accuracy and perplexity over the "
                        "valid targets of the config's data")
     config_args(p)

@@ -14,8 +14,9 @@ stored resolved, so the saved config (:meth:`Config.to_toml`) reproduces the run
 from pytrain.config.load import load_config
 from pytrain.config.schema import (FORMATS, MASKS, MASKS_FOR_FORMAT, OUTPUT_FORMATS, REQUIRED,
                                    SECTIONS, Config, ConfigError, DataConfig, LoraConfig,
-                                   ModelConfig, OutputConfig, TrainConfig, describe)
+                                   ModelConfig, OutputConfig, TrainConfig, describe,
+                                   mask_for)
 
 __all__ = ["Config", "ConfigError", "DataConfig", "FORMATS", "LoraConfig", "MASKS",
            "MASKS_FOR_FORMAT", "ModelConfig", "OUTPUT_FORMATS", "OutputConfig", "REQUIRED",
-           "SECTIONS", "TrainConfig", "describe", "load_config"]
+           "SECTIONS", "TrainConfig", "describe", "load_config", "mask_for"]

@@ -19,6 +19,11 @@ MASKS_FOR_FORMAT = {"chat": ("assistant_only", "all"),
 OUTPUT_FORMATS = ("gguf", "peft")
 
 
+def mask_for(fmt: str, mask: str | None = None) -> str:
+    """The mask of records of format ``fmt``: ``mask`` (data.mask) or the format's default."""
+    return mask if mask is not None else MASKS_FOR_FORMAT[fmt][0]
+
+
 class ConfigError(PytrainError, ValueError):
     """A config file or override that is not valid; the message names key, file and line."""
 
@@ -102,10 +107,6 @@ class DataConfig:
                          "with an error naming file:line, or skip and count them",
                          choices=("stop", "skip"))
 
-    def mask_for(self, fmt: str) -> str:
-        """The mask used for records of format ``fmt`` (``mask`` or the format's default)."""
-        return self.mask if self.mask is not None else MASKS_FOR_FORMAT[fmt][0]
-
 
 @dataclass
 class LoraConfig:
@@ -152,7 +153,9 @@ class TrainConfig:
                            check=_non_negative)
     save_every: int = _opt(0, "checkpoint every N optimizer steps (0: only at the end)",
                            check=_non_negative)
-    log_every: int = _opt(1, "log training loss every N optimizer steps", check=_positive)
+    log_every: int = _opt(10, "print a line every N optimizer steps: the mean training loss "
+                          "of those steps, learning rate, gradient norm, tokens/s (every "
+                          "step is in metrics.jsonl regardless)", check=_positive)
     adam_beta1: float = _opt(0.9, "AdamW beta1", check=_unit_interval)
     adam_beta2: float = _opt(0.999, "AdamW beta2", check=_unit_interval)
     adam_eps: float = _opt(1e-8, "AdamW epsilon", check=_positive)

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import numpy as np
 
-from pytrain.config import MASKS, MASKS_FOR_FORMAT
+from pytrain.config import MASKS, MASKS_FOR_FORMAT, mask_for
 from pytrain.data.chat_template import ChatTemplateError, encode_chat
 from pytrain.data.examples import ROLES, DataError, DataStats, Example
 
@@ -170,7 +170,7 @@ def load_examples(path: str | os.PathLike[str], tokenizer: "Tokenizer", *, forma
     def set_format(f: str, line: int | None) -> None:
         nonlocal fmt, fmt_line
         fmt, fmt_line = f, line
-        m = mask if mask is not None else MASKS_FOR_FORMAT[f][0]
+        m = mask_for(f, mask)
         if m not in MASKS_FOR_FORMAT[f]:
             raise DataError(f"{path}: mask {m!r} does not apply to {f} records (valid: "
                             f"{', '.join(MASKS_FOR_FORMAT[f])})")

@@ -188,16 +188,6 @@ def build(runtime, ctx, logits, n_vocab: int, n_rows: int) -> MaskedCE:
     return MaskedCE(runtime, ctx, logits, n_vocab, n_rows)
 
 
-def label_rows(targets: np.ndarray, n_vocab: int) -> np.ndarray:
-    """One-hot float32 label rows [N, V]; IGNORE rows are all zero (the reference the
-    device-built labels are tested against)."""
-    flat = targets.reshape(-1)
-    out = np.zeros((flat.size, n_vocab), np.float32)
-    ok = flat >= 0
-    out[np.nonzero(ok)[0], flat[ok]] = 1.0
-    return out
-
-
 def read_column(labels, col: int) -> np.ndarray:
     """labels[:, col] for an F32 [V, N] tensor in one strided backend read."""
     n_rows = int(labels.ne[1])

@@ -16,7 +16,8 @@ from pytrain.ggml import ffi, lib
 from pytrain import models
 from pytrain.models.model import Model
 from pytrain.models import ModelConfig
-from pytrain.formats.gguf_tensors import is_elementwise
+from pytrain.formats.gguf_tensors import WeightsError, is_elementwise
+from pytrain.models.model_file import open_model
 from pytrain.models.weights import load_type
 
 _PLACEHOLDER = ffi.cast("void *", 1 << 20)   # never dereferenced: shape models are not computed
@@ -28,17 +29,45 @@ def shape_model(arch: str, config: ModelConfig, file_type: str = "f32", device: 
     tensors F32.  Graphs can be built and measured, never computed: the weights' data
     pointers are a placeholder, so the allocator counts them as placed elsewhere (as real
     weights are) instead of sizing them into the compute buffer."""
+    ft, f32 = ggml.TYPES[file_type], lib.GGML_TYPE_F32
+    types = {}
+    for name, shape in config.tensor_shapes().items():
+        matrix = sum(d > 1 for d in shape) >= 2 and not is_elementwise(name, shape)
+        types[name] = (shape, load_type(name, shape, ft if matrix else f32, device, "auto"))
+    return _metadata_model(arch, config, types, f"<{file_type} shape>", threads)
+
+
+def file_shape_model(path: str, device: str = "cpu", type_policy: str = "auto",
+                     threads: int = 1) -> tuple[Model, dict[str, tuple[str, str, int]], dict]:
+    """The model of the GGUF at ``path`` with its weights as metadata only, each tensor in the
+    type ``device`` would load it as (``type_policy``); per loaded tensor (file type, loaded
+    type, bytes in the file); and the file's other tensors (MTP blocks, extras: name -> bytes),
+    which are not loaded.  Reads the file's index and keys, no tensor data."""
+    arch, _meta, infos, config = open_model(path)
     shapes = config.tensor_shapes()
-    ctx = ggml.Context(n_tensors=len(shapes))
+    missing = [n for n in shapes if n not in infos]
+    if missing:
+        raise WeightsError(f"{path}: missing tensor{'s' if len(missing) > 1 else ''}: "
+                           + ", ".join(missing[:10]))
+    types, files = {}, {}
+    for n, shape in shapes.items():
+        info = infos[n]
+        lt = load_type(n, tuple(shape), info.type, device, type_policy)
+        types[n] = (shape, lt)
+        files[n] = (info.type_name, ggml.type_name(lt), info.n_bytes)
+    model = _metadata_model(arch, config, types, str(path), threads)
+    return model, files, {n: i.n_bytes for n, i in infos.items() if n not in shapes}
+
+
+def _metadata_model(arch: str, config: ModelConfig, types: dict, label: str,
+                    threads: int) -> Model:
+    """A Model over tensors ``name -> (numpy shape, ggml type)`` that hold no data."""
+    ctx = ggml.Context(n_tensors=len(types))
     rt = ggml.Runtime("cpu", threads=threads)
     # a tiny CPU buffer the weights claim to live in: the scheduler places their ops by it
-    stand_in = lib.ggml_backend_buft_alloc_buffer(lib.ggml_backend_cpu_buffer_type(), 64)
-    rt._buffers.append(stand_in)
-    ft, f32 = ggml.TYPES[file_type], lib.GGML_TYPE_F32
+    stand_in = rt.alloc_buffer(64)
     tensors = {}
-    for name, shape in shapes.items():
-        matrix = sum(d > 1 for d in shape) >= 2 and not is_elementwise(name, shape)
-        t = load_type(name, shape, ft if matrix else f32, device, "auto")
+    for name, (shape, t) in types.items():
         ne = list(reversed(shape))
         tensors[name] = ggml.set_name(
             lib.ggml_new_tensor(ctx.ptr, t, len(ne), ffi.new("int64_t[]", ne)), name)
@@ -47,24 +76,19 @@ def shape_model(arch: str, config: ModelConfig, file_type: str = "f32", device: 
     n_bytes = sum(int(lib.ggml_nbytes(t)) for t in tensors.values())
     weights = SimpleNamespace(tensors=tensors, ctx=ctx, close=ctx.close, loaded_bytes=n_bytes,
                               total_bytes=n_bytes)
-    return Model(f"<{file_type} shape>", config, {}, rt, weights, SimpleNamespace(pad_id=0),
-                 models.get(arch))
+    return Model(label, config, {}, rt, weights, SimpleNamespace(pad_id=0), models.get(arch))
 
 
 def compute_bytes(runtime: ggml.Runtime, graph) -> int:
-    """The compute buffer the scheduler would allocate for ``graph`` (all backends), without
-    allocating it.  Measured by a scheduler of its own: ``reserve_size`` leaves the planned
-    sizes in the allocator without allocating, and a later graph that fits that plan would
-    then be placed into buffers that were never made.  Backends with the same buffer type (BLAS
-    and the CPU) share one buffer in ggml's allocator, and ``reserve_size`` reports it for each
-    of them: it is counted once."""
-    n = len(runtime.backends)
-    sched = lib.ggml_backend_sched_new(runtime._backend_arr, ffi.NULL, n, ggml.sched_size(graph),
-                                       False, True)
-    try:
-        sizes = ffi.new("size_t[]", n)
-        lib.ggml_backend_sched_reserve_size(sched, graph, sizes)
-        bufts = [ggml.address(lib.ggml_backend_get_default_buffer_type(b)) for b in runtime.backends]
-        return int(sum(sizes[i] for i in range(n) if bufts[i] not in bufts[:i]))
-    finally:
-        lib.ggml_backend_sched_free(sched)
+    """The compute buffer the scheduler would allocate for ``graph`` (all backends, a buffer
+    type shared by two of them counted once), without allocating it."""
+    return sum(runtime.reserve_sizes(graph).values())
+
+
+def needs_recompute(one_graph_bytes: int, left_bytes: int) -> bool:
+    """``train.recompute = "auto"``'s rule, shared by the trainer and ``pytrain plan``:
+    recompute only when the one-graph step's compute buffer is over half of the memory left
+    for it.  Recompute costs a second forward of most layers (a third more compute), so it is
+    kept for the steps that need it; the other half is the margin for what the measure does
+    not see (small graphs, allocator slack)."""
+    return one_graph_bytes > left_bytes / 2

@@ -398,6 +398,7 @@ class Loop:
         self.last_eval: dict | None = None
         self.tokens_seen = 0
         self.t_start = time.perf_counter()
+        self.recent: list[float] = []          # losses since the last log line
 
     def record(self, rec: dict) -> None:
         if self.metrics is not None:
@@ -413,10 +414,27 @@ class Loop:
         msg = (f"step {self.step}: validation loss {ev['loss']:.4f}  accuracy "
                f"{ev['accuracy']:.3f}  perplexity {ev['perplexity']:.2f}  "
                f"({ev['n_valid']} targets)")
-        if self.bar is not None:
-            self.bar.write(msg)
+        self.say(msg)
         self.last_eval = ev
         return ev
+
+    def say(self, msg: str) -> None:
+        """A line for the user, above the progress bar when there is one."""
+        if self.bar is not None:
+            self.bar.write(msg)
+        else:
+            self.s.log(msg)
+
+    def log_steps(self, r, lr: float) -> None:
+        """Every ``train.log_every`` steps: the mean loss of the steps since the last line."""
+        self.recent.append(r.loss)
+        if self.step % self.s.cfg.train.log_every and self.step != self.total:
+            return
+        el = time.perf_counter() - self.t_start
+        self.say(f"step {self.step}/{self.total}: loss {sum(self.recent) / len(self.recent):.4f}"
+                 f" (mean of {len(self.recent)})  lr {lr:.2e}  grad norm {r.grad_norm:.3g}  "
+                 f"{self.tokens_seen / el:.0f} tokens/s")
+        self.recent.clear()
 
     def checkpoint(self) -> Path:
         """Adapter files of the run plus checkpoint ``step-N`` recording the next position.
@@ -473,6 +491,7 @@ class Loop:
                 self.bar.set_postfix(loss=f"{r.loss:.4f}", tok_s=f"{self.tokens_seen / el:.0f}",
                                      lr=f"{lr:.2e}")
                 self.bar.update(1)
+            self.log_steps(r, lr)
             if t.eval_every and self.step % t.eval_every == 0 and self.step < self.total:
                 self.validate()
             if t.save_every and self.step % t.save_every == 0:

@@ -15,7 +15,7 @@ from pytrain.models.lora import LoraAdapter
 from pytrain.models.model import Model
 from pytrain.train.optimizer import OptimizerState, AdamWSettings, Optimizer
 from pytrain.train.memory import available_bytes
-from pytrain.train.planning import compute_bytes
+from pytrain.train.planning import compute_bytes, needs_recompute
 from pytrain.train.recompute import RecomputeGraph
 
 
@@ -83,12 +83,11 @@ class Trainer:
         return self.graphs[key]
 
     def _recompute(self, B: int, T: int) -> bool:
-        """``auto``: recompute only when one graph would not fit comfortably: its compute buffer
-        (measured by the scheduler without allocating) over half of the memory left for it
-        (what the device has free now, the weights being loaded, and on the CPU what the
-        container's cgroup allows; or ``memory_bytes`` less the weights).  Recompute costs a
-        second forward of most layers (a third more compute), so it is kept for the steps
-        that need it."""
+        """``auto``: recompute only when one graph would not fit comfortably
+        (``needs_recompute``): its compute buffer, measured by the scheduler without
+        allocating, against the memory left for it (what the device has free now, the weights
+        being loaded, and on the CPU what the container's cgroup allows; or ``memory_bytes``
+        less the weights)."""
         if self.recompute != "auto":
             return self.recompute == "layers"
         if (B, T) not in self._auto:
@@ -98,7 +97,7 @@ class Trainer:
             g.close()
             left = (self.memory_bytes - self.model.weights.total_bytes
                     if self.memory_bytes is not None else available_bytes(self.model.runtime))
-            self._auto[(B, T)] = need > left / 2
+            self._auto[(B, T)] = needs_recompute(need, left)
         return self._auto[(B, T)]
 
     def _drop(self, key) -> None:

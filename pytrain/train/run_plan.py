@@ -1,0 +1,177 @@
+"""``pytrain plan``: the memory a config's run will need on its device, and whether it fits,
+from the model file's index and keys and the graphs the trainer would build (measured by the
+scheduler without allocating; nothing is loaded and no step is run)."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from pytrain import ggml
+from pytrain.ggml import lib
+from pytrain.models import lora
+from pytrain.models.lora_targets import lora_param_count, select_targets
+from pytrain.models.model import Model
+from pytrain.train import loss as loss_mod
+from pytrain.train.graphs import GradGraph
+from pytrain.train.memory import available_bytes
+from pytrain.train.optimizer import OptimizerState
+from pytrain.train.planning import compute_bytes, file_shape_model, needs_recompute
+from pytrain.train.recompute import RecomputeGraph
+from pytrain.train.trainer import bucket_length
+
+
+@dataclass
+class RunPlan:
+    """The memory a config's training run needs on its device, and whether it fits.  Sizes
+    are bytes; the batch is the largest micro-batch the config allows (``train.batch_size``
+    rows of ``data.max_seq_len`` tokens, every token a target); a real batch of shorter
+    examples needs less."""
+    model: str
+    arch: str
+    device: str                   # cpu, cuda or rpc: what model.device resolves to here
+    batch: tuple[int, int]        # (B, T): T padded as the trainer pads it
+    weights: list[dict]           # per (file type, loaded type): tensors, file/loaded bytes
+    weight_bytes: int             # as loaded on the device
+    not_loaded: dict[str, int]    # tensors of the file that are never loaded (MTP, extras)
+    lora_tensors: int
+    lora_params: int
+    adapter_bytes: int            # the LoRA A and B tensors
+    optimizer_bytes: int          # F32 gradient accumulators and AdamW's two moments
+    one_graph: int                # compute buffer of the whole step as one graph
+    layerwise: dict | None        # layer-wise recompute: largest graph, persistent tensors
+    recompute: str                # train.recompute
+    layers: bool                  # the step runs layer by layer (recompute)
+    reason: str
+    free_bytes: int | None        # the device's free memory as ggml reports it (None: the
+    total_bytes: int | None       # device is not on this machine; train.memory_gib planned for)
+    available_bytes: int | None   # what a step may plan for (CPU: also the cgroup's limit)
+    budget_bytes: int             # what the run must fit in: available or train.memory_gib
+    budget_source: str
+    need_bytes: int
+    fits: bool
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _device_memory(device: str, threads: int | None, budget_set: bool
+                   ) -> tuple[str, int | None, int | None, int | None]:
+    """(device kind, free, total, available) of the device a run on ``device`` computes on.
+    A GPU this machine does not have is planned for (its weight types) when the budget is
+    given (train.memory_gib): its memory is then None."""
+    try:
+        rt = ggml.Runtime(device, threads=threads)
+    except ggml.DeviceError as e:
+        if device != "cuda" and not device.startswith("rpc:"):
+            raise
+        if not budget_set:
+            raise ggml.DeviceError(f"{e}; to plan for such a device from this machine, give "
+                                   f"its memory: --set train.memory_gib=GIB") from e
+        return ("rpc" if device.startswith("rpc:") else "cuda"), None, None, None
+    try:
+        free, total = rt.device_memory_info()
+        return rt.device, free, total, available_bytes(rt)
+    finally:
+        rt.close()
+
+
+def _weight_groups(files: dict[str, tuple[str, str, int]], model: Model) -> list[dict]:
+    groups: dict[tuple[str, str], dict] = {}
+    for n, (ft, lt, fb) in files.items():
+        g = groups.setdefault((ft, lt), dict(file_type=ft, loaded_type=lt, tensors=0,
+                                             file_bytes=0, loaded_bytes=0))
+        g["tensors"] += 1
+        g["file_bytes"] += fb
+        g["loaded_bytes"] += int(lib.ggml_nbytes(model.weights.tensors[n]))
+    return sorted(groups.values(), key=lambda g: -g["loaded_bytes"])
+
+
+def step_buffers(model: Model, adapter, opt_state, B: int, T: int, n_targets: int | None = None
+                 ) -> tuple[int, dict | None]:
+    """Compute buffer of the one-graph step with the head and loss on the rows of
+    ``n_targets`` targets (None: every row, as the trainer's recompute = auto measures it), and
+    of layer-wise recompute's graphs (None where the adapter has tensors outside the blocks,
+    which layer-wise recompute refuses)."""
+    g = GradGraph(model, adapter, B, T, opt_state=opt_state,
+                  rows=loss_mod.rows_bucket(n_targets or B * T, B * T))
+    try:
+        one = compute_bytes(model.runtime, g.graph)
+    finally:
+        g.close()
+    try:
+        r = RecomputeGraph(model, adapter, B, T, opt_state=opt_state)
+    except ValueError:
+        return one, None
+    try:
+        rt = model.runtime
+        graphs = {"pre": compute_bytes(rt, r.pre.graph),
+                  "layer forward": max(compute_bytes(rt, f.graph) for f in r.fwd),
+                  "head + loss chunk": compute_bytes(rt, r.head.graph),
+                  "layer backward": max(compute_bytes(rt, b.graph) for b in r.bwd.values())}
+        persistent = sum(int(lib.ggml_nbytes(t)) for t in r.pctx.tensors())
+        return one, dict(largest=max(graphs.values()), graphs=graphs, persistent=persistent,
+                         head_chunk_rows=r.rows, first_layer=r.l0)
+    finally:
+        r.close()
+
+
+def size(n: int) -> str:
+    """Bytes as B / KiB / MiB / GiB."""
+    for unit, k in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if abs(n) >= 1 << k:
+            return f"{n / (1 << k):.2f} {unit}"
+    return f"{n} B"
+
+
+def _decide(setting: str, one: int, layerwise: dict | None, left: int, source: str
+            ) -> tuple[bool, str]:
+    """Layer-wise recompute or not, and why (the trainer's rule, ``needs_recompute``)."""
+    if setting != "auto":
+        return setting == "layers", f"train.recompute = \"{setting}\""
+    layers = needs_recompute(one, left)
+    cmp = "over" if layers else "within"
+    after = "the weights" if source == "train.memory_gib" else "the weights and LoRA state"
+    why = (f"train.recompute = \"auto\": the one-graph compute buffer ({size(one)}) is {cmp} "
+           f"half of the {size(left)} left after {after} ({source})")
+    if layers and layerwise is None:
+        why += "; but the adapter has tensors outside the blocks, which recompute refuses"
+    return layers, why
+
+
+def plan_run(cfg) -> RunPlan:
+    """The memory ``cfg``'s run needs on its device (model.device), from the model file's
+    index and keys and the graphs the trainer would build, measured by the scheduler without
+    allocating; nothing is loaded and no step is run."""
+    device, free, total, available = _device_memory(cfg.model.device, cfg.model.threads,
+                                                    bool(cfg.train.memory_gib))
+    model, files, not_loaded = file_shape_model(cfg.model.path, device,
+                                                cfg.model.type_policy, cfg.model.threads or 1)
+    try:
+        names = select_targets(model.config, cfg.lora.targets, cfg.lora.skip_ssm)
+        ad = lora.create(model.runtime, model.config, names, cfg.lora.rank, cfg.lora.alpha)
+        opt_state = OptimizerState(model.runtime, ad.params())
+        B, T = cfg.train.batch_size, bucket_length(model, cfg.data.max_seq_len)
+        one, lw = step_buffers(model, ad, opt_state, B, T)
+        adapter = sum(int(lib.ggml_nbytes(p)) for p in ad.params())
+        weights = model.weights.loaded_bytes
+    finally:
+        model.close()
+    state = 3 * adapter                  # gradient accumulator + m + v, each a copy of A/B
+    t = cfg.train
+    if t.memory_gib:
+        budget, source = int(t.memory_gib * 2**30), "train.memory_gib"
+    else:
+        budget, source = available, ("the device's free memory" if device != "cpu" else
+                                     "available memory: the least of the system's and the "
+                                     "cgroup's")
+    layers, why = _decide(t.recompute, one, lw, budget - weights - (0 if t.memory_gib else state),
+                          source)
+    step = lw["largest"] + lw["persistent"] if layers and lw else one
+    need = weights + adapter + state + step
+    notes = ["plus a few small graphs (optimizer, labels) and, on a GPU, the CUDA context and "
+             "the pool's slack"]
+    return RunPlan(str(cfg.model.path), model.arch.name, device, (B, T),
+                   _weight_groups(files, model), weights, not_loaded, len(names),
+                   lora_param_count(model.config, names, cfg.lora.rank), adapter, state, one, lw,
+                   t.recompute, layers, why, free, total, available, budget, source, need,
+                   need <= budget, notes)

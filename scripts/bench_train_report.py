@@ -1,0 +1,269 @@
+"""The markdown report of scripts/bench_train.py (bench_results/train.md) from its results:
+the header, the throughput table, where a pytrain step goes, the profiles, the details."""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shlex
+import sys
+import time
+
+from scripts import bench_common as bc
+from scripts.bench_common import ALPHA, LR, MAX_NORM, RANK, REPO
+
+BATCH = (2, 256)
+# Extra pytrain runs of a row, beside the default one (key in the row, label in the report):
+# BLAS off = PYTRAIN_BLAS=0 (--blas-off), one graph = recompute="off" where auto chose layer-wise
+# recompute (--one-graph).
+VARIANTS = {"pytrain_noblas": "BLAS off", "pytrain_onegraph": "one graph, recompute=off"}
+
+
+def machine_info(a, wall_s: float | None = None) -> list[str]:
+    """Machine, versions, the command and how the workers ran (the report's header lines)."""
+    m = bc.machine_facts()
+    th = ", ".join(map(str, a.thread_list))
+    mt = "".join(f"; {x.partition('=')[0]}: {x.partition('=')[2]}" for x in a.model_threads)
+    dirty = bc.dirty("pytrain", "native", "scripts/bench_train.py", "scripts/bench_common.py")
+    return [f"- date: {time.strftime('%Y-%m-%d %H:%M %Z')}; pytrain commit {m['commit']}"
+            + (f" (uncommitted changes in: {', '.join(dirty)})" if dirty else "")
+            + (f"; the whole run took {wall_s / 60:.0f} min" if wall_s else ""),
+            f"- command: `python -m scripts.bench_train {shlex.join(sys.argv[1:])}`",
+            f"- CPU: {m['cpu']}, {os.cpu_count()} cores visible, {m['mem']} RAM; threads per "
+            f"side: **{th}**{mt} (pytrain `threads=N`, torch `set_num_threads(N)`, "
+            f"OMP/MKL/OPENBLAS_NUM_THREADS=N)",
+            f"- ggml {m['ggml']}",
+            f"- {_blas_info()}",
+            f"- python {platform.python_version()} (pytrain side); worker processes at niceness "
+            f"{a.nice:+d}" + (" in a session (scheduler autogroup) of their own, so that other "
+                              "jobs on this shared machine yield the cores while they run"
+                              if a.nice < 0 else "")]
+
+
+def _blas_info() -> str:
+    """The BLAS backend line of the header (from the native build's record)."""
+    try:
+        info = json.loads((REPO / "pytrain" / "_native" / "build_info.json").read_text())
+    except (OSError, ValueError):
+        return "BLAS backend: unknown (no build_info.json)"
+    if not info.get("blas"):
+        return "BLAS backend: none in this build (pytrain = ggml's CPU backend alone)"
+    return (f"BLAS backend: ggml-blas on {info['blas']} (contiguous F32 MUL_MATs with every "
+            "dimension >= 32, and contiguous matrix OUT_PRODs with a weight of any type, "
+            "converted to F32 in slabs; ggml-cpu the rest), listed before the CPU backend; "
+            "\"BLAS off\" = the same build with PYTRAIN_BLAS=0 (CPU backend alone)")
+
+
+def _ms(s: float) -> str:
+    return f"{s * 1e3:.3f} ms" if s < 0.01 else f"{s * 1e3:.1f} ms"
+
+
+# --------------------------------------------------------------------------------------------
+# the report
+# --------------------------------------------------------------------------------------------
+
+def _header(rows: list[dict], a, loads: list, info: list[str] | None) -> list[str]:
+    la = ", ".join(f"{x:.2f}" for x in loads[0]) if loads else "?"
+    lb = ", ".join(f"{x:.2f}" for x in loads[-1]) if loads else "?"
+    lines = ["# LoRA training throughput: pytrain vs HF transformers + PEFT (CPU)", "",
+             "Made by `python -m scripts.bench_train` (see its docstring for the exact step on "
+             "each side). Tokens/s = tokens / median wall time of one optimizer step (forward, "
+             "masked CE, backward, grad norm + clipping, AdamW) after warm-up, over the *clean* "
+             "timed steps (other processes kept < 0.3 cores busy beyond the cores a side leaves "
+             "free; the machine is shared; when no step was clean, over all of them), and from "
+             "the fastest step (contention only adds time). Steps = clean / all timed. Each side "
+             "runs in its own process; peak RSS = VmHWM of that process. Own CPU-s per step = "
+             "CPU time the process used per step (mean cores used x median step; includes the "
+             "spin-waiting of both sides' thread pools).", ""]
+    lines += info or machine_info(a)
+    one = [x[0] for x in loads] + [y["loadavg_before"][0] for r in rows
+                                   for y in (r.get("pytrain"), r.get("hf"))
+                                   if y and "loadavg_before" in y]
+    rng_ = f"; 1-min load average over the run {min(one):.2f} to {max(one):.2f}" if one else ""
+    lines.append(f"- load average (1, 5, 15 min) at start: {la}; at end: {lb}{rng_} (2 cores: a "
+                 f"load above 2 means other processes were running)")
+    hf = next((r["hf"] for r in rows if r.get("hf")), None)
+    if hf:
+        dts: dict[str, list] = {}
+        for r in rows:
+            if r.get("hf"):
+                dts.setdefault(r["hf"].get("dtype", "float32"), []).append(r["name"])
+        dt = ("; ".join(f"{d} ({', '.join(dict.fromkeys(ns))})" for d, ns in dts.items())
+              if len(dts) > 1 else next(iter(dts)))
+        lines.append(f"- HF: torch {hf['torch']}, transformers {hf['transformers']}, peft "
+                     f"{hf['peft']}, attn_implementation={hf['attn']}, {dt}, train mode; torch "
+                     f"DeltaNet fallback (no flash-linear-attention)")
+    batches: dict[tuple, list] = {}
+    for r in rows:
+        batches.setdefault(tuple(r.get("batch") or BATCH), []).append(r["name"])
+    bdesc = "; ".join(f"batch {b[0]} x {b[1]}"
+                      + (f" ({', '.join(dict.fromkeys(ns))})" if len(batches) > 1 else "")
+                      + f", {b[0] * (b[1] // 2)} target tokens" for b, ns in batches.items())
+    lines.append(f"- LoRA r={RANK}, alpha={ALPHA:g}, dropout 0, q/k/v/o of the full-attention "
+                 f"layers; AdamW lr {LR:g}, wd 0, clip {MAX_NORM:g}; {bdesc}; no padding, the "
+                 f"first half of each row masked")
+    return lines
+
+
+def _both(f, p, h, sep=" / ") -> str:
+    return sep.join(f(y) if y else "-" for y in (p, h))
+
+
+def _row_cells(r: dict, variants: list[str]) -> list[str]:
+    p, h = r.get("pytrain"), r.get("hf")
+    B, T = r.get("batch") or BATCH
+    bt = [B * T / y["best_s"] if y else None for y in (p, h)]
+    best = " / ".join(f"{v:.1f}" if v else "-" for v in bt) + (
+        f" ({bt[0] / bt[1]:.2f})" if p and h else "")
+    x = p or h
+    cells = [r["name"], str(r.get("threads", "?")), f"{B} x {T}",
+             f"{x['tokens']} ({x['n_targets']})" if x else "-",
+             _both(lambda y: f"{y['n_clean']}/{len(y['times'])}", p, h),
+             f"{p['tokens_per_s']:.1f} ({p['target_tokens_per_s']:.1f})" if p else "-",
+             f"{h['tokens_per_s']:.1f} ({h['target_tokens_per_s']:.1f})" if h else "-",
+             f"**{p['tokens_per_s'] / h['tokens_per_s']:.2f}**" if p and h else "-", best,
+             bc.fmt_gib(p["peak_rss"]) if p else "-", bc.fmt_gib(h["peak_rss"]) if h else "-"]
+    for k in variants:
+        q = r.get(k)
+        cells += [f"{q['tokens_per_s']:.1f}, {q['n_clean']}/{len(q['times'])}, "
+                  f"{bc.fmt_gib(q['peak_rss'])}" if q else "-",
+                  f"**{p['tokens_per_s'] / q['tokens_per_s']:.2f}**" if p and q else "-"]
+    return cells + [_both(lambda y: f"{y['own_cores'] * y['median_s']:.2f}", p, h),
+                    _both(lambda y: f"{y['first_loss']:.5f}", p, h),
+                    _both(lambda y: f"{y['lora_params']:,} ({y['lora_names']})", p, h),
+                    _both(lambda y: f"{y['others_cores']:.2f}", p, h)]
+
+
+def _main_table(rows: list[dict]) -> list[str]:
+    variants = [k for k in VARIANTS if any(r.get(k) for r in rows)]
+    vhead = "".join(f"pytrain {VARIANTS[k]}: tokens/s, steps, peak RSS | pytrain / {VARIANTS[k]} | "
+                    for k in variants)
+    lines = ["", "| model | threads | batch | tokens (targets) | steps pytrain / HF | pytrain "
+             "tokens/s (targets/s) | HF tokens/s (targets/s) | ratio pytrain/HF | best-step "
+             "tokens/s pytrain / HF (ratio) | pytrain peak RSS | HF peak RSS | " + vhead
+             + "own CPU-s per step pytrain / HF | first-step loss pytrain / HF | LoRA params "
+             "pytrain / HF | other load (cores) pytrain / HF |",
+             "|---|---|---|---|---|---|---|---|---|---|---|" + "---|---|" * len(variants)
+             + "---|---|---|---|"]
+    lines += ["| " + " | ".join(_row_cells(r, variants)) + " |" for r in rows]
+    lines += ["", "Shapes:", ""]
+    seen = set()
+    for r in rows:
+        if r["name"] in seen:
+            continue
+        seen.add(r["name"])
+        n = f"; {r['n_params'] / 1e6:.1f} M parameters" if r.get("n_params") else ""
+        hfnote = "" if r.get("hf") else " (HF side not run: no HF checkpoint)"
+        p = r.get("pytrain") or {}
+        wt = ", ".join(f"{k} x {v}" for k, v in (p.get("weight_types") or {}).items())
+        how = (f"; pytrain loads its weight tensors as {wt} and trains it with "
+               f"{p['step_graph']} (Trainer recompute={p.get('recompute', 'auto')})"
+               if p.get("step_graph") else "")
+        lines.append(f"- **{r['name']}**: {r['desc']}{n}; weights {r['weights']}{hfnote}{how}")
+    return lines
+
+
+def _phase_table(rows: list[dict], extra_steps: list) -> list[str]:
+    lines = ["", "## Where a pytrain step goes (median per step)", "",
+             "Host phases are timed by wrapping pytrain functions at runtime. `labels` = "
+             "`MaskedCE.prepare` of each micro-batch, the one-hot labels built on the device: "
+             "`set_targets` (host + the O(N) upload of the flat one-positions and the row mask), "
+             "`build_labels` (the fill + SET_ROWS graph computed on the backend) and the "
+             "pad-column `read_column` (inside `check_labels`), measured inside the real step; "
+             "N = the loss rows of the step's graph (the micro-batch's target rows, "
+             "`loss.rows_bucket`).", "",
+             "| model | threads | batch | step (s) | compute fwd+bwd | compute optimizer | "
+             "alloc_graph | inputs | labels (N) | of which set_targets / build_labels / "
+             "pad-column read | rest |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    steps = []
+    for r in rows:
+        steps += [(r["name"], r, r.get("pytrain"))] + [
+            (f"{r['name']} ({v})", r, r.get(k)) for k, v in VARIANTS.items()]
+    steps += [(x["name"], x, x.get("pytrain")) for x in extra_steps]
+    for name, r, p in steps:
+        if not p:
+            continue
+        ph, st = p["phases"], p["step_seconds"]
+        cells = [name, str(r.get("threads", "?")), "x".join(map(str, p.get("batch", BATCH))),
+                 f"{st:.3f}"]
+        for k in ("compute fwd+bwd", "compute optimizer", "alloc_graph", "inputs", "labels"):
+            cells.append(f"{_ms(ph.get(k, 0.0))} ({100 * ph.get(k, 0.0) / st:.1f}%)")
+        cells[-1] += f" (N = {', '.join(map(str, p['loss_rows']))})" if p.get("loss_rows") else ""
+        rc = ph.get("labels.read_column", 0.0)
+        cells.append(" / ".join(_ms(ph.get("labels." + k, 0.0))
+                                for k in ("set_targets", "build_labels"))
+                     + f" / {_ms(rc)} ({100 * rc / st:.4f}%)")
+        cells.append(f"{_ms(ph.get('rest', 0.0))} ({100 * ph.get('rest', 0.0) / st:.1f}%)")
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def _shares(d: dict, tot: float, n: int | None = None) -> str:
+    items = sorted(d.items(), key=lambda kv: -kv[1])[:n]
+    return ", ".join(f"{k} {v:.3f} s ({100 * v / tot:.0f}%)" for k, v in items)
+
+
+def _profile_section(rows: list[dict]) -> list[str]:
+    profs = [(f"{r['name']} ({r.get('threads')} threads)", r.get("pytrain_profile"),
+              r.get("hf_profile")) for r in rows if r.get("pytrain_profile") or r.get("hf_profile")]
+    if not profs:
+        return []
+    lines = ["", "## Profile of one step", "",
+             "pytrain: one step computed node by node under a ggml scheduler eval callback, "
+             "each node timed and summed by part of the model "
+             "(forward, and (bwd) for the backward nodes that compute that part's gradients; "
+             "(recompute) for a layer-wise step's second forward of a layer) and by op, with the "
+             "backend the scheduler ran it on in brackets (BLAS = ggml-blas on OpenBLAS, CPU = "
+             "ggml-cpu); compare the profiled step with the unprofiled one above for the dispatch "
+             "overhead. HF: torch.profiler, top ops by self CPU time.", ""]
+    for name, pp, hp in profs:
+        if pp:
+            tot = sum(pp["by_op"].values())
+            lines.append(f"- **{name}** pytrain (profiled step {pp['wall']:.2f} s, "
+                         f"{pp['n_nodes']} nodes computed, node times sum {tot:.2f} s"
+                         + (f"; {pp['step_graph']}" if pp.get("step_graph") else "")
+                         + f"): by part: {_shares(pp['by_part'], tot)}")
+            if pp.get("by_backend"):
+                lines.append(f"  - by backend: {_shares(pp['by_backend'], tot)}")
+            lines += [f"  - top ops: {_shares(pp.get('by_op_backend') or pp['by_op'], tot, 10)}",
+                      "  - top part x op: "
+                      + _shares(pp.get("by_part_op_backend") or pp["by_part_op"], tot, 12)]
+        if hp:
+            top = ", ".join(f"{k} {v:.3f} s" for k, v, *_ in hp["top"][:10])
+            lines.append(f"- **{name}** HF (profiled step {hp['wall']:.2f} s): top self-CPU ops: "
+                         f"{top}")
+    return lines
+
+
+def _details(rows: list[dict]) -> list[str]:
+    lines = ["", "Details:", ""]
+    for r in rows:
+        for side in ("pytrain", *VARIANTS, "hf"):
+            x = r.get(side)
+            if not x:
+                continue
+            sname = f"pytrain {VARIANTS[side]}" if side in VARIANTS else side
+            own = (f"; {x['graph_nodes']} graph nodes; pad id {x['pad_id']}"
+                   + (f"; backends {', '.join(x['backends'])}" if x.get("backends") else "")
+                   if side != "hf" else
+                   (f"; LoRA weights {', '.join(x['lora_dtypes'])}" if x.get("lora_dtypes")
+                    else ""))
+            lines.append(
+                f"- {r['name']} {sname}, {r.get('threads')} threads: load {x['load_s']:.2f} s, "
+                f"warm-up {', '.join(f'{t:.3f}' for t in x['warmup_s'])} s, steps "
+                f"{', '.join(f'{t:.3f} ({o:.2f})' for t, o in zip(x['times'], x['others']))} s "
+                f"(other cores in brackets); losses {', '.join(f'{v:.4f}' for v in x['losses'])}; "
+                f"RSS after load {bc.fmt_gib(x['rss_after_load'])}, at end anon "
+                f"{bc.fmt_gib(x['rss_end_anon'])} + file {bc.fmt_gib(x['rss_end_file'])}; cores "
+                f"used {x['own_cores']:.2f}; machine busy {x['busy_before']:.2f} cores before{own}")
+    return lines
+
+
+def report(rows: list[dict], a, loads: list, info: list[str] | None = None,
+           extra_steps: list | None = None) -> str:
+    lines = (_header(rows, a, loads, info) + _main_table(rows)
+             + _phase_table(rows, extra_steps or []) + _profile_section(rows) + _details(rows))
+    if a.notes:
+        lines += ["", "Notes:", ""] + [f"- {n}" for n in a.notes]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,140 @@
+"""`pytrain plan CONFIG`: the memory a run needs on its device, the recompute choice and
+whether it fits, from the model file's index and the graphs the trainer builds; checked
+against the GGUF's tensor sizes and against what the trainer itself measures and decides."""
+import json
+
+import pytest
+from gguf import GGUFReader
+
+from pytrain.cli import main
+from pytrain.cli.plan import NOT_FIT
+from scripts.gguf_models import write_qwen35
+from tests.test_train_cli import MODEL, write_config, write_data
+
+
+def plan(capsys, cfg, *args) -> tuple[int, str]:
+    capsys.readouterr()
+    rc = main(["plan", str(cfg), *args])
+    out = capsys.readouterr()
+    return rc, out.out + out.err
+
+
+def plan_json(capsys, cfg, *args) -> dict:
+    rc, out = plan(capsys, cfg, "--json", *args)
+    d = json.loads(out)
+    assert rc == (0 if d["fits"] else NOT_FIT)
+    return d
+
+
+@pytest.fixture
+def cfg(tmp_path):
+    write_data(tmp_path, copies=1)
+    return write_config(tmp_path, batch_size=2, max_steps=1, data={"max_seq_len": 64})
+
+
+def test_weight_bytes_are_the_gguf_tensor_sizes(capsys, cfg):
+    d = plan_json(capsys, cfg)
+    sizes = {t.name: int(t.n_bytes) for t in GGUFReader(MODEL).tensors}
+    assert sum(g["file_bytes"] for g in d["weights"]) + sum(d["not_loaded"].values()) \
+        == sum(sizes.values())
+    assert set(d["not_loaded"]) < set(sizes)
+    assert d["weight_bytes"] == sum(g["loaded_bytes"] for g in d["weights"])
+    assert [g["file_type"] for g in d["weights"]] == ["F32"]     # an F32 file loads as F32
+    assert d["weight_bytes"] == sum(g["file_bytes"] for g in d["weights"])
+    assert d["device"] == "cpu" and d["batch"] == [2, 64]
+    assert d["optimizer_bytes"] == 3 * d["adapter_bytes"] > 0
+    assert d["lora_params"] * 4 == d["adapter_bytes"]             # F32 A and B
+    lw = d["layerwise"]
+    assert 0 < lw["largest"] < d["one_graph"]
+    assert d["fits"] and d["need_bytes"] <= d["budget_bytes"]
+
+
+def test_a_quantized_llama_keeps_its_type(capsys, cfg):
+    """Q8_0 matrices stay Q8_0 on the CPU (their bytes as in the file), norms F32."""
+    path = MODEL.parent.parent / "llama" / "gqa-q8_0.gguf"
+    d = plan_json(capsys, cfg, "--set", f"model.path={path}")
+    sizes = {t.name: int(t.n_bytes) for t in GGUFReader(path).tensors}
+    kinds = {(g["file_type"], g["loaded_type"]): g for g in d["weights"]}
+    assert set(kinds) == {("Q8_0", "Q8_0"), ("F32", "F32")}
+    assert d["weight_bytes"] == sum(sizes.values()) - sum(d["not_loaded"].values())
+    assert d["arch"] == "llama" and d["lora_tensors"] > 0 and d["layerwise"]
+
+
+def test_bf16_weights_load_as_f16_on_the_cpu(capsys, tmp_path, cfg):
+    write_qwen35(tmp_path / "bf16.gguf", "bf16")
+    d = plan_json(capsys, cfg, "--set", f"model.path={tmp_path / 'bf16.gguf'}")
+    kinds = {(g["file_type"], g["loaded_type"]): g for g in d["weights"]}
+    g = kinds[("BF16", "F16")]
+    assert g["loaded_bytes"] == g["file_bytes"] > 0
+    assert ("F32", "F32") in kinds       # norms and other element-wise tensors
+
+
+def test_a_gpu_this_machine_lacks_is_planned_for_a_given_memory(capsys, tmp_path, cfg):
+    """--device cuda without a GPU: refused unless train.memory_gib gives its memory; then the
+    weights take the types a CUDA run keeps (BF16 stays BF16, where the CPU makes it F16)."""
+    from pytrain import ggml
+    if any(d.kind == "gpu" for d in ggml.devices()):
+        pytest.skip("this machine has a GPU")
+    write_qwen35(tmp_path / "bf16.gguf", "bf16")
+    model = f"model.path={tmp_path / 'bf16.gguf'}"
+    rc, out = plan(capsys, cfg, "--device", "cuda", "--set", model)
+    assert rc == 1 and "train.memory_gib" in out
+    d = plan_json(capsys, cfg, "--device", "cuda", "--set", model, "--set", "train.memory_gib=1")
+    assert d["device"] == "cuda" and d["free_bytes"] is None and d["budget_bytes"] == 2**30
+    assert ("BF16", "BF16") in {(g["file_type"], g["loaded_type"]) for g in d["weights"]}
+
+
+def test_a_tiny_memory_limit_does_not_fit(capsys, cfg):
+    rc, out = plan(capsys, cfg, "--set", "train.memory_gib=0.0001")
+    assert rc == NOT_FIT
+    assert "DOES NOT FIT" in out and "train.memory_gib" in out
+    assert "recompute: layers" in out        # auto: nothing is left for one graph
+    rc, out = plan(capsys, cfg)
+    assert rc == 0 and out.rstrip().endswith("FITS")
+
+
+def test_recompute_setting_is_reported_as_set(capsys, cfg):
+    d = plan_json(capsys, cfg, "--set", 'train.recompute="layers"')
+    assert d["layers"] and 'train.recompute = "layers"' in d["reason"]
+    assert d["need_bytes"] == (d["weight_bytes"] + d["adapter_bytes"] + d["optimizer_bytes"]
+                               + d["layerwise"]["largest"] + d["layerwise"]["persistent"])
+    d = plan_json(capsys, cfg, "--set", 'train.recompute="off"')
+    assert not d["layers"]
+    assert d["need_bytes"] == (d["weight_bytes"] + d["adapter_bytes"] + d["optimizer_bytes"]
+                               + d["one_graph"])
+
+
+def test_plan_agrees_with_the_trainer(capsys, cfg):
+    """The compute buffer the plan reports is the one the trainer measures on the loaded
+    model, and recompute = auto decides the same at memory limits on both sides of it."""
+    from pytrain.config import load_config
+    from pytrain.train import loss as loss_mod
+    from pytrain.train.graphs import GradGraph
+    from pytrain.train.planning import compute_bytes
+    from pytrain.train.run import open_session
+    d = plan_json(capsys, cfg)
+    B, T = d["batch"]
+    s = open_session(load_config(cfg), cfg.parent / "out", lambda _: None)
+    try:
+        tr = s.trainer
+        g = GradGraph(s.model, s.adapter, B, T, opt_state=tr.opt_state,
+                      rows=loss_mod.rows_bucket(B * T, B * T))
+        assert compute_bytes(s.model.runtime, g.graph) == d["one_graph"]
+        g.close()
+        for times, layers in ((4, False), (1.5, True)):
+            gib = (d["weight_bytes"] + times * d["one_graph"]) / 2**30
+            tr.memory_bytes, tr._auto = int(gib * 2**30), {}
+            assert tr._recompute(B, T) is layers
+            p = plan_json(capsys, cfg, "--set", f"train.memory_gib={gib!r}")
+            assert p["layers"] is layers, p["reason"]
+    finally:
+        s.close()
+
+
+def test_errors_name_the_file_or_the_key(capsys, cfg, tmp_path):
+    rc, out = plan(capsys, cfg, "--set", f"model.path={tmp_path / 'absent.gguf'}")
+    assert rc == 1 and "absent.gguf" in out
+    rc, out = plan(capsys, cfg, "--set", "train.no_such_key=1")
+    assert rc == 1 and "no_such_key" in out
+    rc, out = plan(capsys, tmp_path / "nope.toml")
+    assert rc == 1 and "nope.toml" in out

@@ -1,0 +1,65 @@
+"""`pytrain profile CONFIG`: the config's first training step computed node by node, its time
+by part of the model and by op (the values are timings: only their structure is asserted)."""
+import json
+from pathlib import Path
+
+import pytest
+
+from pytrain.cli import main
+from tests.test_train_cli import write_config, write_data
+
+
+@pytest.fixture
+def cfg(tmp_path):
+    write_data(tmp_path, copies=1)
+    return write_config(tmp_path, batch_size=2, max_steps=1, data={"max_seq_len": 64})
+
+
+def profile(capsys, cfg, *args) -> tuple[int, str]:
+    capsys.readouterr()
+    rc = main(["profile", str(cfg), *args])
+    out = capsys.readouterr()
+    return rc, out.out + out.err
+
+
+@pytest.mark.parametrize("recompute", ["off", "layers"])
+def test_parts_and_ops_sum_to_the_total(capsys, cfg, recompute):
+    rc, out = profile(capsys, cfg, "--json", "--steps", "2", "--set",
+                      f'train.recompute="{recompute}"')
+    assert rc == 0
+    d = json.loads(out)
+    assert d["steps"] == 2 and d["n_nodes"] > 0 and d["total"] > 0
+    for k in ("by_op", "by_part", "by_backend", "by_part_op", "by_op_backend"):
+        assert sum(d[k].values()) == pytest.approx(d["total"], rel=1e-9), k
+    ops, parts = set(d["by_op"]), set(d["by_part"])
+    assert {"MUL_MAT", "OUT_PROD", "CROSS_ENTROPY_LOSS", "CROSS_ENTROPY_LOSS_BACK"} <= ops
+    assert {"LM head + CE", "LM head + CE (bwd)", "LoRA", "LoRA (bwd)", "attention"} <= parts
+    assert any(p.endswith("(recompute)") for p in parts) is (recompute == "layers")
+    assert ("layer-wise recompute" in d["step_graph"]) is (recompute == "layers")
+    assert d["micro_batches"] and d["targets"] > 0
+
+
+def test_a_llama_model_has_no_deltanet_part(capsys, cfg):
+    model = Path(__file__).parent / "fixtures" / "llama" / "gqa-f32.gguf"
+    rc, out = profile(capsys, cfg, "--json", "--set", f"model.path={model}")
+    assert rc == 0
+    d = json.loads(out)
+    parts = set(d["by_part"])
+    assert {"attention", "attention (bwd)", "FFN", "FFN (bwd)", "LoRA (bwd)"} <= parts
+    assert not any("DeltaNet" in p for p in parts)
+    assert sum(d["by_part"].values()) == pytest.approx(d["total"], rel=1e-9)
+
+
+def test_text_output(capsys, cfg):
+    rc, out = profile(capsys, cfg, "--top", "3")
+    assert rc == 0
+    lines = out.splitlines()
+    for title in ("part", "op", "part: op"):
+        assert any(ln.split() and ln.split()[0] == title.split()[0] for ln in lines), title
+    assert any(ln.startswith("MUL_MAT ") for ln in lines)
+    assert "more)" in out            # --top 3 of the part x op table
+
+
+def test_bad_steps(capsys, cfg):
+    rc, out = profile(capsys, cfg, "--steps", "0")
+    assert rc == 1 and "--steps" in out
