@@ -159,10 +159,7 @@ def write_qwen35(path: str | Path, dtype: str = "f32", *, seed: int = 0, n_nextn
     model = TinyQwen35(Path(path), hp)
     _add_tensors(w, model, want, dtype, rng, drop=drop, extra=extra, types=types,
                  values_fn=values_fn)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    _finish(w, model.path)
     return model
 
 
@@ -236,10 +233,7 @@ def write_llama(path: str | Path, dtype: str = "f32", *, seed: int = 0, tied: bo
     model = TinyQwen35(Path(path), hp)
     _add_tensors(w, model, cfg.tensor_shapes(), dtype, np.random.default_rng(seed),
                  values_fn=values)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    _finish(w, model.path)
     return model
 
 

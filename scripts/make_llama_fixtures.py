@@ -34,7 +34,7 @@ Outputs (tests/fixtures/FAMILY/):
                             sequence alone, no padding), config_json
     NAME-TYPE.f64.npz       logprobs64 float32 [N, T, V]: a float64 numpy forward over the
                             GGUF's own (dequantized) tensors, written here from the GGUF format
-                            (tests/llama_ref.py: independent of pytrain and of HF), for every file
+                            (scripts/llama_ref.py: independent of pytrain and of HF), for every file
     peft_NAME.npz           PEFT LoRA r 4 / alpha 8 on q/k/v/o of every layer (and gate/up/down
                             for llama3), deterministic non-zero A and B; a padded, prompt-masked
                             batch (input_ids, attention_mask, labels, n_valid), HF's loss (float32
@@ -67,14 +67,12 @@ import sys
 import tempfile
 from pathlib import Path
 
+from scripts import llama_ref
 from scripts import make_peft_golden as mg
 from scripts import make_qwen35_fixtures as fx
-from scripts import native_build
 from scripts import qwen35_gguf as qg
 from scripts import qwen35_reference as ref
 
-# tests/llama_ref.py, the float64 numpy forward of a llama GGUF (tests/ is no package)
-llama_ref = native_build.import_file("llama_ref", ref.REPO / "tests" / "llama_ref.py")
 VOCAB = 512
 FIXTURES = ref.REPO / "tests" / "fixtures"
 # family -> (transformers config class, model class, modeling module, converter permutes q/k)

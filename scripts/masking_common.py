@@ -137,6 +137,19 @@ def save_plot(p, fig, png: Path) -> None:
     p.close(fig)
 
 
+def xy_plot(png: Path, xlabel: str, ylabel: str, series: list[tuple], logx: bool = False) -> None:
+    """One axis of lines, ``series`` = [(x, y, matplotlib format, label)], written to ``png``."""
+    p = plt()
+    fig, ax = p.subplots(figsize=(6, 4))
+    for x, y, style, label in series:
+        (ax.semilogx if logx else ax.plot)(x, y, style, label=label)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.legend()
+    ax.grid(alpha=0.3)
+    save_plot(p, fig, png)
+
+
 def save_results(folder: Path, name: str, res: dict, markdown: str) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "results.md").write_text(markdown + "\n")

@@ -12,7 +12,7 @@ from pytrain.data import Batch, load_examples, make_batches, pad_token_id
 from pytrain.models.model import load_model
 from pytrain.train import loss as L
 from scripts.masking_common import (config, cosine, flat, make_adapter, md_table, model_path, plt,
-                                    rel, save_plot, save_results, write_jsonl)
+                                    rel, save_plot, save_results, write_jsonl, xy_plot)
 from scripts.masking_seed000 import varied_chats
 
 
@@ -89,16 +89,10 @@ def run_padwidth(out: Path, overrides=(), *, n_examples: int = 4, widths=None, b
                                           r["bug_grad_change"], r["bug_vs_fix_cos"]] for r in rows]))
     save_results(folder, "padwidth", res, res["markdown"])
     if plot:
-        p = plt()
-        fig, ax = p.subplots(figsize=(6, 4))
         w = [r["width"] for r in rows]
-        ax.plot(w, [r["fix_loss"] for r in rows], "go-", label="masked (pytrain)")
-        ax.plot(w, [r["bug_loss"] for r in rows], "rs-", label="pad rows trained, ÷ all rows (bug)")
-        ax.set_xlabel("padded width (tokens), same content")
-        ax.set_ylabel("loss")
-        ax.legend()
-        ax.grid(alpha=0.3)
-        save_plot(p, fig, folder / "padwidth.png")
+        xy_plot(folder / "padwidth.png", "padded width (tokens), same content", "loss",
+                [(w, [r["fix_loss"] for r in rows], "go-", "masked (pytrain)"),
+                 (w, [r["bug_loss"] for r in rows], "rs-", "pad rows trained, ÷ all rows (bug)")])
     return res
 
 
@@ -169,17 +163,13 @@ def run_accum(out: Path, overrides=(), *, n_pairs: int = 6, b_std: float = 0.02,
                                           r["mom_vs_token_mean"], r["mom_cos"]] for r in rows]))
     save_results(folder, "accum", res, res["markdown"])
     if plot:
-        p = plt()
-        fig, ax = p.subplots(figsize=(6, 4))
-        ax.semilogx([r["ratio"] for r in rows], [r["mom_vs_token_mean"] for r in rows], "o-",
-                    label="mean of means vs token mean")
-        ax.semilogx([r["ratio"] for r in rows], [max(r["accum_vs_one_batch"], 1e-9) for r in rows],
-                    "s-", label="pytrain accumulation vs one batch")
-        ax.set_xlabel("valid targets: micro-batch 1 / micro-batch 2")
-        ax.set_ylabel("‖Δ gradient‖ / ‖gradient‖")
-        ax.legend()
-        ax.grid(alpha=0.3)
-        save_plot(p, fig, folder / "accum.png")
+        ratio = [r["ratio"] for r in rows]
+        xy_plot(folder / "accum.png", "valid targets: micro-batch 1 / micro-batch 2",
+                "‖Δ gradient‖ / ‖gradient‖",
+                [(ratio, [r["mom_vs_token_mean"] for r in rows], "o-",
+                  "mean of means vs token mean"),
+                 (ratio, [max(r["accum_vs_one_batch"], 1e-9) for r in rows], "s-",
+                  "pytrain accumulation vs one batch")], logx=True)
     return res
 
 

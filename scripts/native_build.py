@@ -1,7 +1,7 @@
 """``native/build.py`` as a module, for the scripts that need the pinned archive, its cache
 and its verified fetch (the libllama build, the model fetch, the GPU carry, the reference
 converter): one definition of each, never a copy.  ``import_file`` is also how the reference
-scripts reach the archive's gguf-py and tests/llama_ref.py, neither of which is on sys.path."""
+scripts reach the archive's gguf-py, which is not on sys.path."""
 from __future__ import annotations
 
 import importlib.util

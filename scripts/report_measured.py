@@ -4,8 +4,8 @@ computation that could drift from them.
 
 The tests record each figure through the ``measured`` fixture (tests/conftest.py), which
 writes them to ``PYTRAIN_MEASURED_JSON`` at the end of the session.  Nothing is written
-unless every test passed.  scripts/report_parity.py and scripts/report_llama_parity.py are
-this report over fixed test files, one section per file.
+unless every test passed.  scripts/report_parity.py is this report over fixed test files, one
+section per file, introduced by the first paragraph of the file's docstring.
 
 Usage:  python -m scripts.report_measured --title TITLE --out bench_results/X.md
             tests/test_A.py [tests/test_B.py ...]
@@ -13,6 +13,7 @@ Usage:  python -m scripts.report_measured --title TITLE --out bench_results/X.md
 from __future__ import annotations
 
 import argparse
+import ast
 import datetime as dt
 import json
 import os
@@ -61,10 +62,16 @@ def table(rows: list[dict]) -> list[str]:
     return lines
 
 
-def report(title: str, out: Path, tests: list[str], cmd: str,
-           sections: dict[str, str] | None = None, intro: str = "") -> int:
-    """Run ``tests``, then write ``out`` (+ .json): one table, or with ``sections`` (test file
-    -> a paragraph saying what it compares) one section per file."""
+def what_it_compares(test_file: str) -> str:
+    """The first paragraph of a test file's docstring, on one line."""
+    doc = ast.get_docstring(ast.parse((ROOT / test_file).read_text(encoding="utf-8"))) or ""
+    return " ".join(doc.split("\n\n")[0].split())
+
+
+def report(title: str, out: Path, tests: list[str], cmd: str, sections: bool = False,
+           intro: str = "") -> int:
+    """Run ``tests``, then write ``out`` (+ .json): one table, or with ``sections`` one section
+    per test file, introduced by what its docstring says it compares."""
     rows, summary = run_tests(tests)
     if rows is None:
         return 1
@@ -74,9 +81,9 @@ def report(title: str, out: Path, tests: list[str], cmd: str,
              f"{cpu_name()}, {os.cpu_count()} CPUs): the figures the tests compared with their "
              f"bounds, recorded by the tests themselves; pytest: {summary}." + intro, ""]
     if sections:
-        for f, what in sections.items():
+        for f in tests:
             mine = [m for m in rows if m["test"].split("::", 1)[0] == f]
-            lines += [f"## {f}", "", what, ""] + (table(mine) if mine else
+            lines += [f"## {f}", "", what_it_compares(f), ""] + (table(mine) if mine else
                                                    ["(nothing recorded: skipped)"]) + [""]
     else:
         lines += table(rows)
@@ -87,18 +94,6 @@ def report(title: str, out: Path, tests: list[str], cmd: str,
                                                    indent=1) + "\n")
     print(f"wrote {out} ({len(rows)} figures; {summary})")
     return 0
-
-
-def sections_main(script: str, doc: str, title: str, out_name: str,
-                  sections: dict[str, str]) -> int:
-    """The command line of a report over fixed test files (``python -m scripts.SCRIPT [--out
-    FILE]``, default bench_results/OUT_NAME), one section per file."""
-    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
-    default = ROOT / "bench_results" / out_name
-    ap.add_argument("--out", type=Path, default=default)
-    a = ap.parse_args()
-    cmd = f"python -m scripts.{script}" + ("" if a.out == default else f" --out {a.out.as_posix()}")
-    return report(title, a.out, list(sections), cmd, sections)
 
 
 def main() -> int:

@@ -93,7 +93,7 @@ def kept_and_f32(name: str, tokens, seg) -> dict:
 @pytest.mark.parametrize("name", KEPT)
 def test_kept_weights_round_activations_as_ggml_does(name, measured):
     from bounds import assert_same_rounding
-    from llama_ref import forward, gguf_contents, gguf_types
+    from scripts.llama_ref import forward, gguf_contents, gguf_types
     fix, gold = fixture(name)
     tokens, lengths = gold["tokens"], gold["lengths"]
     got = kept_and_f32(name, tokens, padded_seg(gold))
@@ -308,7 +308,7 @@ def test_llama_cpp_runs_pytrains_adapter(llama_logits_exe, tmp_path, name, measu
     that table (the same adapter added) within that rounding's noise on these tokens."""
     from bounds import assert_same_rounding
     from llama_cpp_check import deltas_with_adapter, run_llama
-    from llama_ref import forward, gguf_contents
+    from scripts.llama_ref import forward, gguf_contents
     from pytrain.formats.adapter_gguf import write_lora_gguf
     path = FIXTURES / name.split("-")[0] / f"{name}.gguf"
     m = pytrain.load_model(path, device="cpu", threads=2)
@@ -353,7 +353,7 @@ def test_kept_weights_match_llama_cpp_on_the_same_file(llama_logits_exe, tmp_pat
     to the weight's dot type; Gemma's GELU by the F16 table)."""
     from bounds import assert_same_rounding
     from llama_cpp_check import run_llama
-    from llama_ref import forward, gguf_contents, gguf_types
+    from scripts.llama_ref import forward, gguf_contents, gguf_types
     fix, gold = fixture(name)
     i = int(np.argmax(gold["lengths"]))
     toks = gold["tokens"][i, :gold["lengths"][i]]

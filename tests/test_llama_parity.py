@@ -66,7 +66,7 @@ def test_f32_loading_matches_float64_of_the_file(name, measured):
 @pytest.mark.parametrize("name", ["gqa-f16", "gqa-q8_0"])
 def test_kept_weights_round_activations_as_ggml_does(name, measured):
     from bounds import assert_same_rounding
-    from llama_ref import forward, gguf_contents, gguf_types
+    from scripts.llama_ref import forward, gguf_contents, gguf_types
     gold = np.load(FIX / f"{name.split('-')[0]}.npz")
     tokens, lengths = gold["tokens"], gold["lengths"]
     seg = np.where(np.arange(tokens.shape[1])[None] < lengths[:, None], 0, -1)

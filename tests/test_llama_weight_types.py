@@ -5,7 +5,7 @@ own quantizers (scripts/gguf_models.write_llama) in each type; for each:
 
 * the loaded type follows the CPU policy (kept; BF16 as F16, exact for these values);
 * loaded as F32, the logits equal a float64 numpy forward of the file's weights dequantized by
-  the ``gguf`` package (tests/llama_ref.py): 1e-4, whatever the type;
+  the ``gguf`` package (scripts/llama_ref.py): 1e-4, whatever the type;
 * with the default loading (weights kept) ggml rounds every matmul's activations to the
   weight's dot type (F16, or 8-bit blocks of 32 or 256), as llama.cpp does; on this random
   net, whose tied head amplifies that rounding, the log-probabilities move by up to ~0.3.
@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 from bounds import assert_same_rounding, log_softmax
 from scripts.gguf_models import write_llama
-from llama_ref import forward, gguf_contents, gguf_types
+from scripts.llama_ref import forward, gguf_contents, gguf_types
 
 import pytrain
 from pytrain import ggml

@@ -12,7 +12,7 @@ VALID_TARGETS = qwen35.ARCHITECTURE.targets
 
 @pytest.fixture
 def cfg():
-    # the "mid" CPU benchmark shape (scripts/bench_train.py), built directly (no file needed)
+    # the "mid" CPU benchmark shape (scripts/bench_common.py), built directly (no file needed)
     return Qwen35Config(n_layer=8, n_embd=512, n_ff=1536, n_head=8, n_head_kv=2, head_dim=64,
                         n_vocab=151936, rms_eps=1e-6, rope_base=1e7, n_rot=16,
                         rope_sections=(11, 11, 10, 0), conv_kernel=4, ssm_inner=256,

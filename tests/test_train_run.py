@@ -301,7 +301,8 @@ def test_a_target_the_model_lacks_is_a_config_error_where_it_was_given(tmp_path,
     args = ["train", str(cfg), "--no-progress"]
     if given == "file":
         cfg.write_text(cfg.read_text().replace("[lora]\n", '[lora]\ntargets = ["attn_q", "mlp"]\n'))
-        where = f"{cfg}:7: "
+        line = cfg.read_text().splitlines().index('targets = ["attn_q", "mlp"]') + 1
+        where = f"{cfg}:{line}: "
     else:
         args += ["--set", "lora.targets=attn_q,mlp"]
         where = "--set lora.targets=attn_q,mlp: "
