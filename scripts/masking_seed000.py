@@ -135,10 +135,15 @@ def run_seed000(out: Path, overrides=(), *, n_train: int = 192, n_valid: int = 1
         res["runs"]["bug" if bug else "fix"] = {"epochs": ep, "base_valid_loss": valid[0]["loss"],
                                                 "seconds": time.perf_counter() - t0}
     model.close()
-    res["markdown"] = seed000_markdown(res)
-    save_results(folder, "seed000", res, res["markdown"])
-    if plot:
-        seed000_plot(res, folder / "seed000.png")
+    return finish(res, folder, "seed000", seed000_markdown, seed000_plot if plot else None)
+
+
+def finish(res: dict, folder: Path, name: str, markdown, plotter) -> dict:
+    """The experiment's table, JSON and (``plotter`` given) plot written under ``name``."""
+    res["markdown"] = markdown(res)
+    save_results(folder, name, res, res["markdown"])
+    if plotter is not None:
+        plotter(res, folder / f"{name}.png")
     return res
 
 
@@ -155,11 +160,28 @@ def seed000_markdown(res: dict) -> str:
                          e["train_loss_mean"],
                          f"{e['padded_batch_share']:.0%} / {e['padded_batch_loss']:.3f}",
                          f"{e['last_batch_share']:.0%} / {e['last_batch_loss']:.3f}"])
-    return (f"Model `{res['model']}`; {res['n_train']} training chats ({res['train_padding']:.0%} "
-            f"padding after length bucketing), {res['n_valid']} validation chats "
-            f"({res['valid_padding']:.0%} padding); batch {res['batch_size']}, lr {res['lr']}, "
-            f"{res['epochs']} epochs of {res['steps_per_epoch']} steps; same seed and data.  "
-            f"Epoch 0 = the base model.\n\n" + md_table(head, rows))
+    return run_setup(res) + "Epoch 0 = the base model.\n\n" + md_table(head, rows)
+
+
+def run_setup(res: dict, model_note: str = "", chats_note: str = "") -> str:
+    """The sentence saying what both runs of an experiment trained on."""
+    return (f"Model `{res['model']}`{model_note}; {res['n_train']} training chats{chats_note} "
+            f"({res['train_padding']:.0%} padding after length bucketing), {res['n_valid']} "
+            f"validation chats ({res['valid_padding']:.0%} padding); batch {res['batch_size']}, "
+            f"lr {res['lr']}, {res['epochs']} epochs of {res['steps_per_epoch']} steps; same "
+            f"seed and data.  ")
+
+
+def finish_panels(p, fig, axs, titles: list[str], png: Path, legend_size: int,
+                  epoch_axes: int) -> None:
+    for a, title in zip(axs, titles):
+        a.set_title(title)
+    for a in axs[:epoch_axes]:
+        a.set_xlabel("epoch")
+    for a in axs:
+        a.legend(fontsize=legend_size)
+        a.grid(alpha=0.3)
+    save_plot(p, fig, png)
 
 
 def seed000_plot(res: dict, png: Path) -> None:
@@ -175,14 +197,8 @@ def seed000_plot(res: dict, png: Path) -> None:
         axs[1].plot(ep, [0] + [e["drift"] for e in r["epochs"]], style + "o-", label=name)
         axs[2].bar(np.array(ep[1:]) + (-0.2 if name == "bug" else 0.2),
                    [e["padded_batch_loss"] for e in r["epochs"]], 0.4, color=style, label=name)
-    axs[0].set_title("validation loss per epoch")
-    axs[1].set_title("LoRA drift Σ‖BA‖·α/r")
-    axs[2].set_title("loss of the most padded batch (as reported)")
-    for a in axs:
-        a.set_xlabel("epoch")
-        a.legend(fontsize=8)
-        a.grid(alpha=0.3)
-    save_plot(p, fig, png)
+    finish_panels(p, fig, axs, ["validation loss per epoch", "LoRA drift Σ‖BA‖·α/r",
+                                "loss of the most padded batch (as reported)"], png, 8, 3)
 
 
 # ============================================================================ (d) a real model
@@ -278,11 +294,7 @@ def run_real(out: Path, overrides=(), *, n_train: int = 160, n_valid: int = 24, 
         res["runs"][name] = {"epochs": ep, "base_valid_loss": valid[0]["loss"],
                              "seconds": time.perf_counter() - t0}
     model.close()
-    res["markdown"] = real_markdown(res)
-    save_results(folder, "real", res, res["markdown"])
-    if plot:
-        real_plot(res, folder / "real.png")
-    return res
+    return finish(res, folder, "real", real_markdown, real_plot if plot else None)
 
 
 REAL_RUNS = (("bug", "pad rows trained (bug)"), ("fix", "masked (fix)"),
@@ -303,13 +315,10 @@ def real_markdown(res: dict) -> str:
                          e["valid_bug_metric"], e["drift"],
                          *([f"{end['ends_turn']:.0%}", f"{end['correct_then_ends']:.0%}",
                             f"{end['ends_at_once']:.0%}"] if end else ["", "", ""])])
-    return (f"Model `{res['model']}` (pad id {res['pad_id']} = `<|im_end|>`); {res['n_train']} "
-            f"training chats of 1-4 date conversions ({res['train_padding']:.0%} padding after "
-            f"length bucketing), {res['n_valid']} validation chats ({res['valid_padding']:.0%} "
-            f"padding); batch {res['batch_size']}, lr {res['lr']}, {res['epochs']} epochs of "
-            f"{res['steps_per_epoch']} steps; same seed and data.  Turn endings: greedy "
-            f"answers to {res['n_held']} held-out single-question prompts, 32 tokens, never "
-            f"stopped early, after the last epoch.\n\n" + md_table(head, rows))
+    return (run_setup(res, f" (pad id {res['pad_id']} = `<|im_end|>`)", " of 1-4 date conversions")
+            + f"Turn endings: greedy answers to {res['n_held']} held-out single-question "
+            f"prompts, 32 tokens, never stopped early, after the last epoch.\n\n"
+            + md_table(head, rows))
 
 
 def real_plot(res: dict, png: Path) -> None:
@@ -326,12 +335,5 @@ def real_plot(res: dict, png: Path) -> None:
                    label=label)
     axs[2].bar([3], [res["base_endings"]["ends_turn"]], 0.6, color="grey", label="base model")
     axs[2].set_xticks(range(4), ["bug", "fix", "pad-id mask", "base"])
-    axs[0].set_title("validation loss (masked) per epoch")
-    axs[1].set_title("LoRA drift Σ‖BA‖·α/r")
-    axs[2].set_title("held-out answers that end the turn")
-    for a in axs[:2]:
-        a.set_xlabel("epoch")
-    for a in axs:
-        a.legend(fontsize=7)
-        a.grid(alpha=0.3)
-    save_plot(p, fig, png)
+    finish_panels(p, fig, axs, ["validation loss (masked) per epoch", "LoRA drift Σ‖BA‖·α/r",
+                                "held-out answers that end the turn"], png, 7, 2)
