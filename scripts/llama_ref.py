@@ -86,98 +86,113 @@ def forward(W: dict[str, np.ndarray], F: dict, tokens, types: dict[str, str] | N
     (``blk.N.<t>.weight`` -> (A [r, in], B [out, r], scale)): adds scale·B·A·x to that
     projection, as llama.cpp's ``--lora`` does.  ``gelu_f16``: Gemma's GELU as ggml-cpu's
     table computes it (``gelu_f16_table``), else the exact tanh form."""
-    def act(x, weight):
-        return round_activations(x, VEC_DOT[types[weight]]) if types else x
-
-    arch = F.get("general.architecture", "llama")
-    if arch not in ("llama", "qwen2", "qwen3", "gemma3"):
-        raise NotImplementedError(f"architecture {arch!r}")
-    key = lambda k, d=None: F.get(f"{arch}.{k}", d)
-    L, E = int(key("block_count")), int(key("embedding_length"))
-    H = int(key("attention.head_count"))
-    Hkv = int(key("attention.head_count_kv", H))
-    hd = int(key("attention.key_length", E // H))
-    eps = float(key("attention.layer_norm_rms_epsilon"))
-    base = float(key("rope.freq_base", 1e4))
-    kind = key("rope.scaling.type", "linear")
-    if kind not in ("none", "linear"):
-        raise NotImplementedError(f"rope scaling {kind!r} (the reference has none and linear)")
-    factor = float(key("rope.scaling.factor", key("rope.scale_linear", 0.0)) or 0.0)
-    scale = 1.0 / factor if factor and kind == "linear" else 1.0
-    ff = W.get("rope_freqs.weight", np.ones(hd // 2))
     tokens = list(tokens)
-    T = len(tokens)
-    gemma = arch == "gemma3"
-    n_swa = int(key("attention.sliding_window", 0) or 0) if gemma else 0
-    swa = [n_swa > 0 and i % 6 < 5 for i in range(L)]          # llama.cpp's gemma3 pattern
+    net = _Net(W, F, len(tokens), types, lora, gelu_f16)
+    x = W["token_embd.weight"][tokens]
+    if net.gemma:
+        x = x * np.sqrt(net.E)
+    for i in range(net.L):
+        x = net.layer(i, x)
+    x = net.rms(x, W["output_norm.weight"])
+    head = "output.weight" if "output.weight" in W else "token_embd.weight"
+    logits = net.act(x, head) @ W[head].T
+    logits -= logits.max(-1, keepdims=True)
+    return logits - np.log(np.exp(logits).sum(-1, keepdims=True))
 
-    def angles(base, scale):
+
+class _Net:
+    """The sizes a GGUF's keys give, and the blocks of the forward over T tokens."""
+
+    def __init__(self, W, F, T: int, types, lora, gelu_f16: bool):
+        self.W, self.types, self.lora, self.gelu_f16 = W, types, lora, gelu_f16
+        arch = self.arch = F.get("general.architecture", "llama")
+        if arch not in ("llama", "qwen2", "qwen3", "gemma3"):
+            raise NotImplementedError(f"architecture {arch!r}")
+        key = lambda k, d=None: F.get(f"{arch}.{k}", d)  # noqa: E731
+        self.L, self.E = int(key("block_count")), int(key("embedding_length"))
+        self.H = int(key("attention.head_count"))
+        self.Hkv = int(key("attention.head_count_kv", self.H))
+        self.hd = int(key("attention.key_length", self.E // self.H))
+        self.eps = float(key("attention.layer_norm_rms_epsilon"))
+        kind = key("rope.scaling.type", "linear")
+        if kind not in ("none", "linear"):
+            raise NotImplementedError(f"rope scaling {kind!r} (the reference has none and linear)")
+        factor = float(key("rope.scaling.factor", key("rope.scale_linear", 0.0)) or 0.0)
+        self.gemma = arch == "gemma3"
+        n_swa = int(key("attention.sliding_window", 0) or 0) if self.gemma else 0
+        self.swa = [n_swa > 0 and i % 6 < 5 for i in range(self.L)]   # llama.cpp's gemma3 pattern
+        ff = W.get("rope_freqs.weight", np.ones(self.hd // 2))
+        self.theta_global = self.angles(T, float(key("rope.freq_base", 1e4)),
+                                        1.0 / factor if factor and kind == "linear" else 1.0, ff)
+        self.theta_swa = self.angles(T, float(key("rope.freq_base_swa", 1e4)), 1.0, ff)
+        # 1/sqrt(head_dim), as llama.cpp (the 62-layer Gemma 3 27B: 1/sqrt(E/H))
+        self.att_scale = 1 / np.sqrt(self.E / self.H if self.gemma and self.L == 62 else self.hd)
+        self.causal = np.triu(np.full((T, T), -np.inf), 1)
+        rel = np.arange(T)[:, None] - np.arange(T)[None]
+        self.window = np.where(rel >= max(n_swa, 1), -np.inf, self.causal)
+
+    def angles(self, T: int, base: float, scale: float, ff) -> np.ndarray:
+        hd = self.hd
         return np.arange(T)[:, None] * scale * base ** (-2.0 * np.arange(hd // 2) / hd) / ff
-    theta_global = angles(base, scale)
-    theta_swa = angles(float(key("rope.freq_base_swa", 1e4)), 1.0)
 
-    def rope(x, theta):                                 # x [T, heads, hd]
+    def act(self, x, weight):
+        return round_activations(x, VEC_DOT[self.types[weight]]) if self.types else x
+
+    def rope(self, x, theta):                           # x [T, heads, hd]
         c, s = np.cos(theta)[:, None], np.sin(theta)[:, None]
-        out = np.empty_like(x)
-        if arch == "llama":                             # pairs (x_2i, x_2i+1)
+        out, half = np.empty_like(x), self.hd // 2
+        if self.arch == "llama":                        # pairs (x_2i, x_2i+1)
             a, b = x[..., 0::2], x[..., 1::2]
             out[..., 0::2], out[..., 1::2] = a * c - b * s, a * s + b * c
         else:                                           # pairs (x_i, x_i+hd/2)
-            a, b = x[..., :hd // 2], x[..., hd // 2:]
-            out[..., :hd // 2], out[..., hd // 2:] = a * c - b * s, a * s + b * c
+            a, b = x[..., :half], x[..., half:]
+            out[..., :half], out[..., half:] = a * c - b * s, a * s + b * c
         return out
 
-    def lin(x, name):
-        y = act(x, name + ".weight") @ W[name + ".weight"].T
+    def lin(self, x, name):
+        W, lora = self.W, self.lora
+        y = self.act(x, name + ".weight") @ W[name + ".weight"].T
         if lora and name + ".weight" in lora:
             a, b, s = lora[name + ".weight"]
             y = y + s * (x @ np.asarray(a, np.float64).T) @ np.asarray(b, np.float64).T
         return y + W[name + ".bias"] if name + ".bias" in W else y
 
-    def rms(x, w):
-        return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w
+    def rms(self, x, w):
+        return x / np.sqrt((x * x).mean(-1, keepdims=True) + self.eps) * w
 
-    def act_fn(g):
-        if gemma and gelu_f16:
+    def act_fn(self, g):
+        if self.gemma and self.gelu_f16:
             return gelu_f16_table(g)
-        if gemma:                                       # gelu_pytorch_tanh
+        if self.gemma:                                  # gelu_pytorch_tanh
             return 0.5 * g * (1 + np.tanh(np.sqrt(2 / np.pi) * (g + 0.044715 * g ** 3)))
         return g / (1 + np.exp(-g))                     # silu
 
-    x = W["token_embd.weight"][tokens]
-    if gemma:
-        x = x * np.sqrt(E)
-    # 1/sqrt(head_dim), as llama.cpp (the 62-layer Gemma 3 27B: 1/sqrt(E/H))
-    att_scale = 1 / np.sqrt(E / H if gemma and L == 62 else hd)
-    causal = np.triu(np.full((T, T), -np.inf), 1)
-    rel = np.arange(T)[:, None] - np.arange(T)[None]
-    window = np.where(rel >= max(n_swa, 1), -np.inf, causal)
-    for i in range(L):
-        p = f"blk.{i}."
-        mask, theta = (window, theta_swa) if swa[i] else (causal, theta_global)
-        h = rms(x, W[p + "attn_norm.weight"])
-        q = lin(h, p + "attn_q").reshape(T, H, hd)
-        k = lin(h, p + "attn_k").reshape(T, Hkv, hd)
+    def attention(self, i: int, h):
+        p, W, T, H, Hkv, hd = f"blk.{i}.", self.W, h.shape[0], self.H, self.Hkv, self.hd
+        mask, theta = (self.window, self.theta_swa) if self.swa[i] else \
+            (self.causal, self.theta_global)
+        q = self.lin(h, p + "attn_q").reshape(T, H, hd)
+        k = self.lin(h, p + "attn_k").reshape(T, Hkv, hd)
         if p + "attn_q_norm.weight" in W:               # per head, over hd
-            q, k = rms(q, W[p + "attn_q_norm.weight"]), rms(k, W[p + "attn_k_norm.weight"])
-        q, k = rope(q, theta), rope(k, theta)
-        v = lin(h, p + "attn_v").reshape(T, Hkv, hd)
+            q, k = self.rms(q, W[p + "attn_q_norm.weight"]), self.rms(k, W[p + "attn_k_norm.weight"])
+        q, k = self.rope(q, theta), self.rope(k, theta)
+        v = self.lin(h, p + "attn_v").reshape(T, Hkv, hd)
         o = np.empty((T, H, hd))
         for j in range(H):
             kv = j // (H // Hkv)
-            s = q[:, j] @ k[:, kv].T * att_scale + mask
+            s = q[:, j] @ k[:, kv].T * self.att_scale + mask
             s = np.exp(s - s.max(-1, keepdims=True))
             o[:, j] = (s / s.sum(-1, keepdims=True)) @ v[:, kv]
-        a = lin(o.reshape(T, H * hd), p + "attn_output")
-        x = x + (rms(a, W[p + "post_attention_norm.weight"]) if gemma else a)
-        h = rms(x, W[p + "ffn_norm.weight"])
-        f = lin(act_fn(lin(h, p + "ffn_gate")) * lin(h, p + "ffn_up"), p + "ffn_down")
-        x = x + (rms(f, W[p + "post_ffw_norm.weight"]) if gemma else f)
-    x = rms(x, W["output_norm.weight"])
-    head = "output.weight" if "output.weight" in W else "token_embd.weight"
-    logits = act(x, head) @ W[head].T
-    logits -= logits.max(-1, keepdims=True)
-    return logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+        return self.lin(o.reshape(T, H * hd), p + "attn_output")
+
+    def layer(self, i: int, x):
+        p, W = f"blk.{i}.", self.W
+        a = self.attention(i, self.rms(x, W[p + "attn_norm.weight"]))
+        x = x + (self.rms(a, W[p + "post_attention_norm.weight"]) if self.gemma else a)
+        h = self.rms(x, W[p + "ffn_norm.weight"])
+        f = self.lin(self.act_fn(self.lin(h, p + "ffn_gate")) * self.lin(h, p + "ffn_up"),
+                     p + "ffn_down")
+        return x + (self.rms(f, W[p + "post_ffw_norm.weight"]) if self.gemma else f)
 
 
 def forward_gguf(path: Path, tokens) -> np.ndarray:
