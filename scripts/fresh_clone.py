@@ -58,6 +58,9 @@ def main() -> int:
     print(f"clone {commit} in {clone}; running .ci/run", flush=True)
     ci_rc, ci_s, ci_log = timed(["bash", ".ci/run"], clone, env, work / "ci.log")
     summary = [ln for ln in ci_log.splitlines() if re.search(r"\d+ (passed|failed)", ln)]
+    failed = [ln.strip() for ln in ci_log.splitlines() if ln.startswith(("FAILED ", "ERROR "))]
+    if ci_rc != 0:                       # the clone is deleted below: show why here
+        print(ci_log[-6000:], flush=True)
     demo_rc, demo_s, demo_log = (None, None, "")
     if ci_rc == 0:
         print("running make demo", flush=True)
@@ -80,6 +83,7 @@ def main() -> int:
         f"- CPU: {model}, {os.cpu_count()} cores; flags: {' '.join(flags) or 'none of avx2/avx512/amx'}",
         f"- `bash .ci/run`: exit {ci_rc}, {ci_s:.0f} s wall",
         f"  - tests: {summary[-1].strip() if summary else 'no pytest summary line'}",
+        *[f"    - `{ln}`" for ln in failed],
         f"  - of which llama.cpp's libllama build: {llama.get('libllama_seconds', '?')} s "
         f"(ggml {native.get('ggml_version', '?')}, options {' '.join(native.get('options', []))})",
     ]
