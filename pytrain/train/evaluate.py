@@ -2,11 +2,11 @@
 only, with or without an adapter, and nothing a training step needs (no optimizer state).
 
 The evaluation graphs are kept per batch shape, at most ``max_graphs`` of them, the least
-recently used freed first.  Why a bound: each graph's context holds tensor metadata for the
-whole forward (at the 2B shape and 4096 tokens, ~350k tensors, over 100 MB), and validation
-sets of varied lengths make one shape per length bucket; unbounded, they all stayed until
-the run ended.  Validation batches come in length order, so a pass past the bound rebuilds
-each graph once, which costs little next to computing it.
+recently used freed first.  Why a bound: each graph's context holds the tensor metadata of a
+whole forward (at the Qwen3.5-2B shape and 4096 tokens a 256 MB context, 47 MB of it used),
+and validation sets of varied lengths make one shape per length bucket; unbounded, they all
+stayed until the run ended.  Validation batches come in length order, so a pass past the
+bound rebuilds each graph once (0.24 s at that shape), little next to computing it.
 """
 from __future__ import annotations
 
