@@ -229,6 +229,19 @@ def build_info() -> dict:
     return json.loads((NATIVE_DIR / "build_info.json").read_text())
 
 
+# Native objects made through this module and not freed yet, by kind.  Why: a path that
+# raises half-way through building a graph, or a close that forgets a part, leaks native
+# memory (a backend buffer lives until its runtime closes, on a GPU for the whole run) that
+# Python's garbage collector never sees; tests compare ``live_objects()`` before and after.
+_LIVE = {"contexts": 0, "buffers": 0, "kept graph allocators": 0}
+
+
+def live_objects() -> dict[str, int]:
+    """How many ggml contexts, runtime-owned backend buffers and kept-graph allocators
+    (``Runtime.alloc_resident``) are alive now, in this process."""
+    return dict(_LIVE)
+
+
 class Context:
     """A ggml context for tensor metadata; with ``no_alloc`` the data lives in backend buffers."""
 
@@ -246,6 +259,7 @@ class Context:
         self.ptr = lib.ggml_init(params[0])
         if self.ptr == ffi.NULL:
             raise MemoryError(f"ggml_init failed for a {mem_size}-byte context")
+        _LIVE["contexts"] += 1
 
     def compute_tensors(self) -> list:
         """The tensors of this context that live in compute buffers: its own tensors and views
@@ -271,6 +285,7 @@ class Context:
     def close(self) -> None:
         if self.ptr is not None and self.ptr != ffi.NULL:
             lib.ggml_free(self.ptr)
+            _LIVE["contexts"] -= 1
         self.ptr = None
 
     def __enter__(self) -> "Context":
@@ -628,9 +643,11 @@ class Runtime:
             self.sched = None
         for g in getattr(self, "_gallocs", []):
             lib.ggml_gallocr_free(g)
+            _LIVE["kept graph allocators"] -= 1
         self._gallocs = []
-        for b in self._buffers:
+        for b in getattr(self, "_buffers", []):
             lib.ggml_backend_buffer_free(b)
+            _LIVE["buffers"] -= 1
         self._buffers = []
         for b in getattr(self, "backends", []):
             lib.ggml_backend_free(b)
@@ -650,6 +667,7 @@ class Runtime:
         if buf == ffi.NULL:
             raise MemoryError("could not allocate the backend buffer for a context")
         self._buffers.append(buf)
+        _LIVE["buffers"] += 1
         return buf
 
     def alloc_buffer(self, n_bytes: int, on_cpu: bool = True):
@@ -661,6 +679,7 @@ class Runtime:
         if buf == ffi.NULL:
             raise MemoryError(f"could not allocate a backend buffer of {n_bytes} bytes")
         self._buffers.append(buf)
+        _LIVE["buffers"] += 1
         return buf
 
     def reserve_sizes(self, graph) -> dict[str, int]:
@@ -687,6 +706,7 @@ class Runtime:
     def free(self, buf) -> None:
         self._buffers.remove(buf)
         lib.ggml_backend_buffer_free(buf)
+        _LIVE["buffers"] -= 1
         self._current = None
 
     # -- graphs
@@ -737,13 +757,13 @@ class Runtime:
         """The backend every op of a kept graph runs on: the GPU, else the CPU."""
         return self.gpu if self.gpu is not None else self.cpu
 
-    def alloc_resident(self, graph) -> None:
+    def alloc_resident(self, graph):
         """Allocate a small graph once, in a buffer of its own on ``compute_backend``, to be
         run by ``compute_resident`` any number of times.  For the optimizer's graphs, which run
         between every two training steps: through the scheduler each of them evicted the step
         graph, which then had to be allocated again (its whole node list walked by ggml and
         its tensors by Python) at every step.  Every op must run on that backend (no
-        scheduler splits it)."""
+        scheduler splits it).  Returns the graph's allocator, for ``free_resident``."""
         buft = lib.ggml_backend_get_default_buffer_type(self.compute_backend)
         galloc = lib.ggml_gallocr_new(buft)
         if galloc == ffi.NULL or not lib.ggml_gallocr_alloc_graph(galloc, graph):
@@ -751,6 +771,14 @@ class Runtime:
                 lib.ggml_gallocr_free(galloc)
             raise MemoryError("could not allocate a kept graph")
         self._gallocs.append(galloc)
+        _LIVE["kept graph allocators"] += 1
+        return galloc
+
+    def free_resident(self, galloc) -> None:
+        """Free what ``alloc_resident`` allocated for a kept graph (``galloc``: its return)."""
+        self._gallocs.remove(galloc)
+        lib.ggml_gallocr_free(galloc)
+        _LIVE["kept graph allocators"] -= 1
 
     def compute_resident(self, graph) -> None:
         _check(lib.ggml_backend_graph_compute(self.compute_backend, graph))

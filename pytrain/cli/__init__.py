@@ -85,22 +85,26 @@ def _load_adapter(model, path):
 
 
 def _eval(args: argparse.Namespace) -> int:
+    """The base model (no LoRA in the graph), or it with ``--adapter``: no optimizer state."""
     from pytrain.data import load_data, make_batches
     from pytrain.models.model import load_model
-    from pytrain.train.optimizer import AdamWSettings
-    from pytrain.train.trainer import Trainer
+    from pytrain.train.evaluate import Evaluator
     cfg = _config(args)
     model = load_model(cfg.model.path, cfg.model.device, cfg.model.threads, cfg.model.type_policy)
-    splits = load_data(cfg.data, model.tokenizer)
-    examples = splits.valid or splits.train
-    batches = make_batches(examples, cfg.train.batch_size, cfg.data.packing, 0, shuffle=False,
-                           max_seq_len=cfg.data.max_seq_len, pad_id=model.pad_id)
-    adapter = _load_adapter(model, args.adapter) if args.adapter else None
-    if adapter is None:
-        from pytrain.models import lora
-        from pytrain.models.lora_targets import select_targets
-        adapter = lora.create(model.runtime, model.config, select_targets(model.config), 1, 1.0)
-    ev = Trainer(model, adapter, AdamWSettings()).evaluate(batches)
+    try:
+        splits = load_data(cfg.data, model.tokenizer)
+        examples = splits.valid or splits.train
+        batches = make_batches(examples, cfg.train.batch_size, cfg.data.packing, 0,
+                               shuffle=False, max_seq_len=cfg.data.max_seq_len,
+                               pad_id=model.pad_id)
+        adapter = _load_adapter(model, args.adapter) if args.adapter else None
+        evaluator = Evaluator(model, adapter)
+        try:
+            ev = evaluator.evaluate(batches)
+        finally:
+            evaluator.close()
+    finally:
+        model.close()
     which = "validation" if splits.valid else "training"
     print(f"{which} set ({len(examples)} examples, {ev['n_valid']} target tokens): "
           f"loss {ev['loss']:.4f}  accuracy {ev['accuracy']:.3f}  perplexity {ev['perplexity']:.2f}")

@@ -18,6 +18,12 @@ from pytrain.models.model import Model
 from pytrain.train.optimizer import OptimizerState
 
 
+def bucket_length(model: Model, T: int) -> int:
+    """Graph length for a batch of T tokens: a multiple of 16 (few distinct graphs), then
+    what the architecture pads to (e.g. whole chunks of a recurrent layer)."""
+    return model.arch.padded_length(-(-T // 16) * 16)
+
+
 def pad_batch(B: int, T: int, tokens: np.ndarray, seg: np.ndarray, targets: np.ndarray,
               pad_id: int, fill_target: int = loss_mod.IGNORE):
     """Right-pad a [B0, T0] batch to a graph's [B, T] (padding: pad token, sample id -1,
@@ -40,9 +46,18 @@ class GradGraph:
         assert rows is None or not keep_logit_grad, "logit gradients are kept for all rows only"
         self.rows = rows
         self.model, self.adapter = model, adapter
-        self.opt_state = opt_state or OptimizerState(model.runtime, adapter.params())
-        self.own_state = opt_state is None
         self.B, self.T = B, model.arch.padded_length(T)
+        self.ce = self.seed_buf = self.seed_ctx = self.ctx = None
+        self.own_state = opt_state is None
+        self.opt_state = opt_state or OptimizerState(model.runtime, adapter.params())
+        try:
+            self._build(keep_logit_grad)
+        except BaseException:       # a failed build keeps no buffer (they outlive Python's GC)
+            self.close()
+            raise
+
+    def _build(self, keep_logit_grad: bool) -> None:
+        model, adapter, rows, B = self.model, self.adapter, self.rows, self.B
         size = model.graph_budget(self.T)
         self.ctx = ggml.Context(n_tensors=size * 2, graph_size=size * 2, grads=True)
         c = self.ctx.ptr
@@ -99,13 +114,19 @@ class GradGraph:
         return out
 
     def close(self) -> None:
-        self.model.runtime.forget_graph()
-        self.ce.close()
-        self.model.runtime.free(self.seed_buf)
-        self.seed_ctx.close()
+        """Free what the graph made, also after a build that stopped half-way."""
+        rt = self.model.runtime
+        rt.forget_graph()
+        if self.ce is not None:
+            self.ce.close()
+        if self.seed_buf is not None:
+            rt.free(self.seed_buf)
+            self.seed_buf = None
+        for ctx in (self.seed_ctx, self.ctx):
+            if ctx is not None:
+                ctx.close()
         if self.own_state:
             self.opt_state.close()
-        self.ctx.close()
 
 
 class EvalGraph:
@@ -115,8 +136,17 @@ class EvalGraph:
         """``rows``: the LM head and loss run on that many positions (the targets)."""
         self.model = model
         self.B, self.T, self.rows = B, T, rows
+        self.ce = None
         size = model.graph_budget(T)
         self.ctx = ggml.Context(n_tensors=size, graph_size=size)
+        try:
+            self._build(adapter, size)
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self, adapter: LoraAdapter | None, size: int) -> None:
+        model, B, T, rows = self.model, self.B, self.T, self.rows
         c = self.ctx.ptr
         self.fwd = model.graph.build(c, B, T, adapter.hook if adapter else None, rows=rows)
         self.ce = loss_mod.build(model.runtime, c, self.fwd.logits, model.config.n_vocab, rows)
@@ -146,5 +176,6 @@ class EvalGraph:
 
     def close(self) -> None:
         self.model.runtime.forget_graph()
-        self.ce.close()
+        if self.ce is not None:
+            self.ce.close()
         self.ctx.close()

@@ -35,8 +35,13 @@ class OptimizerState:
                 t = lib.ggml_dup_tensor(ctx.ptr, p)
                 ggml.set_name(t, f"{tag}.{nm}"[:63])
                 store[nm] = t
-        self.grad_buffer = runtime.alloc(self.grad_ctx)
-        self.buffer = runtime.alloc(self.ctx)
+        self.grad_buffer = self.buffer = None
+        try:
+            self.grad_buffer = runtime.alloc(self.grad_ctx)
+            self.buffer = runtime.alloc(self.ctx)
+        except BaseException:
+            self.close()
+            raise
         for b in (self.grad_buffer, self.buffer):
             lib.ggml_backend_buffer_clear(b, 0)
 
@@ -65,8 +70,12 @@ class OptimizerState:
             at += n
 
     def close(self) -> None:
+        """Free the accumulators and moments (their buffers live until the runtime closes
+        otherwise); a second call does nothing."""
         for buf in (self.grad_buffer, self.buffer):
-            self.runtime.free(buf)
+            if buf is not None:
+                self.runtime.free(buf)
+        self.grad_buffer = self.buffer = None
         self.grad_ctx.close()
         self.ctx.close()
 
@@ -132,9 +141,21 @@ class Optimizer:
                 self.update_graph,
                 lib.ggml_opt_step_adamw(c, p, g, opt_state.m[k], opt_state.v[k], self.adamw_params))
         # allocated once, beside the scheduler: the step graph stays allocated between steps
-        runtime.alloc_resident(self.norm_graph)
-        runtime.alloc_resident(self.update_graph)
+        self._kept: list = []
+        try:
+            for graph in (self.norm_graph, self.update_graph):
+                self._kept.append(runtime.alloc_resident(graph))
+        except BaseException:
+            self.close()
+            raise
         self.t = 0
+
+    def close(self) -> None:
+        """Free the two kept graphs' buffers and their context; a second call does nothing."""
+        for galloc in self._kept:
+            self.rt.free_resident(galloc)
+        self._kept = []
+        self.ctx.close()
 
     def grad_norm(self) -> float:
         self.rt.compute_resident(self.norm_graph)

@@ -69,31 +69,48 @@ class RecomputeGraph:
                  opt_state: OptimizerState | None = None):
         cfg, rt = model.config, model.runtime
         self.model, self.adapter = model, adapter
-        self.opt_state = opt_state or OptimizerState(rt, adapter.params())
-        self.own_state = opt_state is None
         self.B, self.T = B, model.arch.padded_length(T)
         self.l0 = first_adapted_layer(adapter.names)
-        L, E, N, T = cfg.n_layer, cfg.n_embd, B * self.T, self.T
-        g = model.graph
-        f32 = lib.GGML_TYPE_F32
-        self.rows = head_chunk(cfg.n_vocab, N)
+        self.rows = head_chunk(cfg.n_vocab, B * self.T)
+        self.params = {ggml.address(p): p for p in adapter.params()}
+        self.pctx = self.pbuf = self.ce = None
+        self._made: list[_Graph] = []     # every graph context made so far, freed by close
+        self.own_state = opt_state is None
+        self.opt_state = opt_state or OptimizerState(rt, adapter.params())
+        try:
+            self._build_inputs()
+            size = model.arch.layer_budget(cfg, self.T)
+            self._build_forward(size)
+            self._build_head()
+            self._build_backward(size)
+        except BaseException:     # a failed build keeps no buffer (they outlive Python's GC)
+            self.close()
+            raise
 
-        # persistent: the batch's inputs (shared by every graph), each layer's input, the
-        # gradient handed down (two, alternating), d(loss)/d(loss) = 1
+    def _graph(self, size: int, grads: bool = False) -> _Graph:
+        gr = _Graph(size, grads)
+        self._made.append(gr)
+        return gr
+
+    def _build_inputs(self) -> None:
+        """Persistent: the batch's inputs (shared by every graph), each layer's input, the
+        gradient handed down (two, alternating), d(loss)/d(loss) = 1."""
+        cfg, B, T, f32 = self.model.config, self.B, self.T, lib.GGML_TYPE_F32
+        L, E, N = cfg.n_layer, cfg.n_embd, B * self.T
         self.pctx = ggml.Context(n_tensors=32 + (L - self.l0 + 1) + 3)
-        self.inp = g.new_inputs(self.pctx.ptr, B, T)
+        self.inp = self.model.graph.new_inputs(self.pctx.ptr, B, T)
         self.xs = {l: lib.ggml_new_tensor_2d(self.pctx.ptr, f32, E, N)
                    for l in range(self.l0, L + 1)}
         self.gs = [lib.ggml_new_tensor_2d(self.pctx.ptr, f32, E, N) for _ in range(2)]
         self.seed = lib.ggml_new_tensor_1d(self.pctx.ptr, f32, 1)
-        self.pbuf = rt.alloc(self.pctx)
+        self.pbuf = self.model.runtime.alloc(self.pctx)
         ggml.from_numpy(self.seed, np.ones(1, np.float32))
-        self.params = {ggml.address(p): p for p in adapter.params()}
-        size = model.arch.layer_budget(cfg, T)
 
-        # forward: embedding and the frozen layers below the first adapter, then one graph per
-        # layer, each writing its output into the next layer's input
-        self.pre = _Graph(size * (self.l0 + 1))
+    def _build_forward(self, size: int) -> None:
+        """Embedding and the frozen layers below the first adapter, then one graph per layer,
+        each writing its output into the next layer's input."""
+        g, B, T, L = self.model.graph, self.B, self.T, self.model.config.n_layer
+        self.pre = self._graph(size * (self.l0 + 1))
         x = g.embed(self.pre.c, self.inp)
         for il in range(self.l0):
             x = g.layer(self.pre.c, il, x, self.inp, B, T, None)
@@ -101,31 +118,35 @@ class RecomputeGraph:
                                             size=self.pre.size)
         self.fwd = []
         for il in range(self.l0, L):
-            fg = _Graph(size)
-            y = g.layer(fg.c, il, self.xs[il], self.inp, B, T, adapter.hook)
+            fg = self._graph(size)
+            y = g.layer(fg.c, il, self.xs[il], self.inp, B, T, self.adapter.hook)
             fg.graph = ggml.new_graph_for(fg.c, lib.ggml_cpy(fg.c, y, self.xs[il + 1]), size=size)
             self.fwd.append(fg)
 
-        # head + loss on a chunk of rows: gradient of x_L accumulated into gs[0]
-        hg = _Graph(4096, grads=True)
+    def _build_head(self) -> None:
+        """Head + loss on a chunk of rows: the gradient of x_L accumulated into gs[0]."""
+        cfg, g, L = self.model.config, self.model.graph, self.model.config.n_layer
+        hg = self._graph(4096, grads=True)
         lib.ggml_set_param(self.xs[L])
-        logits = g.head(hg.c, self.xs[L], self.inp, B, T, self.rows)
-        self.ce = loss_mod.build(rt, hg.c, logits, cfg.n_vocab, self.rows)
+        logits = g.head(hg.c, self.xs[L], self.inp, self.B, self.T, self.rows)
+        self.ce = loss_mod.build(self.model.runtime, hg.c, logits, cfg.n_vocab, self.rows)
         gf = ggml.new_graph(hg.ctx, 4096, grads=True)
         lib.ggml_build_forward_expand(gf, self.ce.loss)
         hg.graph = ggml.build_backward(hg.ctx, gf, self.ce.loss,
                                        {ggml.address(self.xs[L]): self.gs[0]}, self.seed)
         self.head = hg
 
-        # backward of layer l: surrogate Σ y ⊙ g_{l+1}; LoRA gradients into the accumulators,
-        # x_l's gradient copied into the other buffer
+    def _build_backward(self, size: int) -> None:
+        """Backward of layer l: surrogate Σ y ⊙ g_{l+1}; LoRA gradients into the
+        accumulators, x_l's gradient copied into the other buffer."""
+        g, B, T, L = self.model.graph, self.B, self.T, self.model.config.n_layer
         self.bwd = {}
         for il in reversed(range(self.l0, L)):
-            bg = _Graph(size * 2, grads=True)
+            bg = self._graph(size * 2, grads=True)
             g_in, g_out = self.gs[(L - 1 - il) % 2], self.gs[(L - il) % 2]
             x_in = self.xs[il]
             lib.ggml_set_param(x_in)
-            y = g.layer(bg.c, il, x_in, self.inp, B, T, adapter.hook)
+            y = g.layer(bg.c, il, x_in, self.inp, B, T, self.adapter.hook)
             surrogate = lib.ggml_sum(bg.c, lib.ggml_mul(bg.c, y, g_in))
             gf = ggml.new_graph(bg.ctx, size * 2, grads=True)
             lib.ggml_build_forward_expand(gf, surrogate)
@@ -186,12 +207,18 @@ class RecomputeGraph:
                 *(b.graph for b in self.bwd.values())]
 
     def close(self) -> None:
+        """Free what the graph made, also after a build that stopped half-way."""
         rt = self.model.runtime
         rt.forget_graph()
-        self.ce.close()
-        for gr in [self.pre, *self.fwd, self.head, *self.bwd.values()]:
+        if self.ce is not None:
+            self.ce.close()
+        for gr in self._made:
             gr.close()
-        rt.free(self.pbuf)
-        self.pctx.close()
+        self._made = []
+        if self.pbuf is not None:
+            rt.free(self.pbuf)
+            self.pbuf = None
+        if self.pctx is not None:
+            self.pctx.close()
         if self.own_state:
             self.opt_state.close()

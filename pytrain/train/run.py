@@ -206,6 +206,7 @@ class Session:
     log: Callable[[str], None]
     world: World = field(default_factory=World)
     _epochs: dict = field(default_factory=dict)
+    _examples_digest: str | None = None        # resume_key's, computed once (see there)
 
     @property
     def seed(self) -> int:
@@ -240,13 +241,17 @@ class Session:
 
     def resume_key(self) -> dict:
         """What the saved data position means: a resumed run must see the same training
-        examples cut into the same batches in the same order, and the same adapter shapes."""
-        h = hashlib.sha256()
-        for e in self.splits.train:
-            h.update(e.tokens.tobytes())
-            h.update(e.train_mask.tobytes())
+        examples cut into the same batches in the same order, and the same adapter shapes.
+        The examples' digest is computed once: they do not change during a run, and hashing
+        every token again at each checkpoint cost time proportional to the data set."""
+        if self._examples_digest is None:
+            h = hashlib.sha256()
+            for e in self.splits.train:
+                h.update(e.tokens.tobytes())
+                h.update(e.train_mask.tobytes())
+            self._examples_digest = h.hexdigest()
         c = self.cfg
-        return {"training examples": h.hexdigest(),
+        return {"training examples": self._examples_digest,
                 "train.batch_size": c.train.batch_size,
                 MICRO_BATCHES: c.train.grad_accum * self.world.size,
                 "data.packing": c.data.packing, "data.max_seq_len": c.data.max_seq_len,

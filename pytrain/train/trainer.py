@@ -1,5 +1,6 @@
 """The training step and evaluation over batches: graphs cached per shape, token-mean loss
-over the whole optimizer step, NaN stops before any parameter changes."""
+over the whole optimizer step, NaN stops before any parameter changes.  Evaluation alone
+(no optimizer state) is ``pytrain.train.evaluate.Evaluator``."""
 from __future__ import annotations
 
 import math
@@ -10,7 +11,8 @@ import numpy as np
 
 from pytrain.train import loss as loss_mod
 from pytrain.train.distributed import World
-from pytrain.train.graphs import EvalGraph, GradGraph
+from pytrain.train.evaluate import MAX_EVAL_GRAPHS, Evaluator
+from pytrain.train.graphs import GradGraph, bucket_length
 from pytrain.models.lora import LoraAdapter
 from pytrain.models.model import Model
 from pytrain.train.optimizer import OptimizerState, AdamWSettings, Optimizer
@@ -21,12 +23,6 @@ from pytrain.train.recompute import RecomputeGraph
 
 class NonFiniteLoss(RuntimeError):
     """Loss or gradient norm became NaN/inf; the parameters were left as they were."""
-
-
-def bucket_length(model: Model, T: int) -> int:
-    """Graph length for a batch of T tokens: a multiple of 16 (few distinct graphs), then
-    what the architecture pads to (e.g. whole chunks of a recurrent layer)."""
-    return model.arch.padded_length(-(-T // 16) * 16)
 
 
 @dataclass
@@ -44,7 +40,7 @@ class StepResult:
 class Trainer:
     def __init__(self, model: Model, adapter: LoraAdapter, hp: AdamWSettings, buggy_loss: bool = False,
                  max_graphs: int = 12, recompute: str = "auto", memory_bytes: int | None = None,
-                 world=None):
+                 world=None, max_eval_graphs: int = MAX_EVAL_GRAPHS):
         """``memory_bytes``: what ``recompute="auto"`` may plan a step for, weights included
         (``train.memory_gib``); None: what the device has free (pytrain.train.memory).
         ``world``: the data-parallel ranks a step is shared by (pytrain.train.distributed;
@@ -57,11 +53,20 @@ class Trainer:
         self.recompute = recompute
         self.memory_bytes = memory_bytes
         self.opt_state = OptimizerState(model.runtime, adapter.params())
-        self.opt = Optimizer(model.runtime, self.opt_state, hp)
+        try:
+            self.opt = Optimizer(model.runtime, self.opt_state, hp)
+        except BaseException:
+            self.opt_state.close()
+            raise
         self.graphs: dict[tuple[int, int, int | None], GradGraph] = {}   # (B, T, rows)
         self.max_graphs = max_graphs
         self._auto: dict[tuple[int, int], bool] = {}
-        self.eval_graphs: dict[tuple[int, int, int], EvalGraph] = {}
+        self.evaluator = Evaluator(model, adapter, self.world, max_eval_graphs)
+
+    @property
+    def eval_graphs(self) -> dict:
+        """The evaluation graphs kept now, by (B, T, rows)."""
+        return self.evaluator.graphs
 
     def graph(self, B: int, T: int, n_targets: int | None = None):
         """The step graph for a [B, T] micro-batch with ``n_targets`` targets (None: the head
@@ -93,8 +98,10 @@ class Trainer:
         if (B, T) not in self._auto:
             g = GradGraph(self.model, self.adapter, B, T, opt_state=self.opt_state,
                           rows=loss_mod.rows_bucket(B * T, B * T))
-            need = compute_bytes(self.model.runtime, g.graph)
-            g.close()
+            try:
+                need = compute_bytes(self.model.runtime, g.graph)
+            finally:
+                g.close()
             left = (self.memory_bytes - self.model.weights.total_bytes
                     if self.memory_bytes is not None else available_bytes(self.model.runtime))
             self._auto[(B, T)] = needs_recompute(need, left)
@@ -147,34 +154,15 @@ class Trainer:
                           t_comm)
 
     def evaluate(self, batches: list) -> dict:
-        """Loss, token accuracy and perplexity over valid targets only; with several
-        data-parallel ranks each evaluates a share of ``batches`` and the sums are combined."""
-        nll, correct, n = 0.0, 0, 0
-        w = self.world
-        for b in batches[w.rank::w.size]:
-            tg = loss_mod.shift_targets(b.tokens, b.train_mask, b.seg)
-            k = int((tg >= 0).sum())
-            if k == 0:
-                continue
-            B, T = b.tokens.shape[0], bucket_length(self.model, b.tokens.shape[1])
-            key = (B, T, loss_mod.rows_bucket(k, B * T))
-            if key not in self.eval_graphs:
-                self.eval_graphs[key] = EvalGraph(self.model, self.adapter, *key)
-            s, c = self.eval_graphs[key].run(b.tokens, b.seg, tg)
-            nll += s
-            correct += c
-            n += k
-        if w.size > 1:
-            sums = w.allreduce_sum(np.array([nll, correct, n], np.float64))
-            nll, correct, n = float(sums[0]), int(sums[1]), int(sums[2])
-        if n == 0:
-            return {"loss": float("nan"), "accuracy": float("nan"), "perplexity": float("nan"),
-                    "n_valid": 0}
-        return {"loss": nll / n, "accuracy": correct / n, "perplexity": math.exp(min(nll / n, 50)),
-                "n_valid": n}
+        """Loss, token accuracy and perplexity over valid targets only (``Evaluator``)."""
+        return self.evaluator.evaluate(batches)
 
     def close(self) -> None:
-        for g in list(self.graphs.values()) + list(self.eval_graphs.values()):
+        """Free every graph and the optimizer state; the model and the adapter are the
+        caller's."""
+        for g in self.graphs.values():
             g.close()
         self.graphs.clear()
-        self.eval_graphs.clear()
+        self.evaluator.close()
+        self.opt.close()
+        self.opt_state.close()
