@@ -239,6 +239,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
+    except KeyboardInterrupt:
+        # Ctrl-C outside a training run's own handling (generate, eval, export, loading):
+        # they write nothing until they are done, so there is nothing to say but that
+        print(f"error: pytrain {args.command} interrupted", file=sys.stderr)
+        return 130
     except (PytrainError, OSError) as e:
         # bad config, data, model or adapter files, a missing device or file: one clear line;
         # anything else is a bug in pytrain and keeps its traceback
