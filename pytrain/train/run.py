@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import sys
 import time
 from dataclasses import dataclass, field
@@ -24,6 +23,7 @@ from pytrain.formats import atomic
 from pytrain.train import checkpoint as ckpt
 from pytrain.train.distributed import World, check_agreement, world as get_world
 from pytrain.train.interrupt import Interrupt
+from pytrain.train.metrics import plot_losses, read_metrics
 from pytrain.train.run_dir import RunDir, RunDirError, drop_replaced, new_run_id
 from pytrain.models import lora as lora_mod
 from pytrain.formats.adapter_gguf import write_lora_gguf
@@ -79,42 +79,6 @@ def save_adapter(model: Model, adapter, path: Path, formats=("gguf",)) -> Path:
 
 def step_batches(batches: list, grad_accum: int) -> list[list]:
     return [batches[i:i + grad_accum] for i in range(0, len(batches), grad_accum)]
-
-
-def read_metrics(path: Path) -> list[dict]:
-    """The records of a metrics.jsonl; a torn last line (a crash mid-append) is left out."""
-    out = []
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                continue
-    return out
-
-
-def plot_losses(metrics_path: Path, png: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    train, valid = [], []
-    for r in read_metrics(metrics_path):
-        if isinstance(r.get("loss"), (int, float)) and math.isfinite(r["loss"]):
-            (valid if r.get("split") == "valid" else train).append((r["step"], r["loss"]))
-    fig, ax = plt.subplots(figsize=(7, 4))
-    if train:
-        ax.plot(*zip(*train), label="train (valid tokens)", lw=1)
-    if valid:
-        ax.plot(*zip(*valid), "o-", label="validation", lw=2)
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("cross-entropy per target token")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    with atomic.replacing(png) as tmp:
-        fig.savefig(tmp, dpi=120, format="png")
-    plt.close(fig)
 
 
 # --------------------------------------------------------------------------- setup
@@ -540,10 +504,9 @@ def train(cfg: Config, progress: bool = True, log=print, resume: str | bool | No
                 raise
             newest = ckpt.latest(Path(cfg.output.dir or Path("runs") / "run") / "checkpoints")
             raise Interrupted(
-                "stopped at once by a third interrupt; " +
+                "stopped at once by a further interrupt; " +
                 (f"the newest checkpoint, {newest}, is intact (resume with --resume)" if newest
-                 else "no checkpoint was written (--resume starts the run again from step 0)")
-            ) from None
+                 else "no checkpoint was written")) from None
 
 
 def _claim_and_train(cfg: Config, w: World, log, progress: bool, resume, overwrite: bool,
@@ -618,11 +581,11 @@ def _train(s: Session, progress: bool, resume: str | bool | None, interrupt: Int
     loop = Loop(s, total, step, bar, run_id, replaced)
     if where is not None:
         loop.saved_step = step                 # that checkpoint exists: not written again
-    else:
-        loop.validate()                        # the base model's metrics: the "before"
-    interrupt.training()
-    s.trainer.hold = interrupt.holding
     try:
+        if where is None:
+            loop.validate()                    # the base model's metrics: the "before"
+        interrupt.training()
+        s.trainer.hold = interrupt.holding
         loop.run(start, interrupt)
         if loop.step > step or where is None:  # a resumed run with nothing left to do
             loop.validate()                    # writes nothing new
