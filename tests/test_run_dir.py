@@ -187,6 +187,19 @@ def test_resuming_an_earlier_checkpoint_sets_the_later_ones_aside(tmp_path, caps
     assert sorted(a) == sorted(b)
     for k in a:
         np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+    # going back to the abandoned timeline sets this one aside the same way: none of its
+    # checkpoints is on the way to step 6
+    assert steps_of(out) == ["step-0000003", "step-0000004", "step-0000005"]
+    capsys.readouterr()
+    assert main(["train", str(cfg), "--no-progress", "--resume",
+                 str(aside[0] / "step-0000006"), "--set", "train.max_steps=7"]) == 0
+    said = capsys.readouterr().out
+    assert steps_of(out) == ["step-0000007"]
+    again = [p for p in ckdir.iterdir() if p.name.startswith("abandoned-") and p != aside[0]]
+    assert len(again) == 1 and "(step-0000003, step-0000004, step-0000005)" in said, said
+    assert sorted(p.name for p in again[0].glob("step-*")) == \
+        ["step-0000003", "step-0000004", "step-0000005"]
+    assert ckpt.latest(ckdir) == ckdir / "step-0000007"
 
 
 # ------------------------------------------------------------------ --overwrite checks first

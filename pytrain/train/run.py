@@ -263,14 +263,18 @@ def cut_back(s: Session, where: Path, step: int) -> None:
     this timeline, not that one."""
     metrics = s.out / "metrics.jsonl"
     recs = read_metrics(metrics)
-    aside = ckpt.set_aside_after(s.out / "checkpoints", step)
+    folder = s.out / "checkpoints"
+    # a checkpoint from elsewhere (another folder, an abandoned timeline): none of this
+    # folder's checkpoints is on the way to it
+    own = folder.is_dir() and where.parent.resolve() == folder.resolve()
+    aside = ckpt.set_aside_after(folder, step if own else -1)
     if aside is not None:
         atomic.write_bytes(aside / "metrics.jsonl",
                            "".join(json.dumps(r) + "\n" for r in recs).encode())
         names = ", ".join(sorted(p.name for p in aside.glob("step-*")))
         s.log(f"{where} is not the newest checkpoint: the run continues from step {step}, and "
-              f"the later checkpoints ({names}) and the metrics of that timeline were moved "
-              f"to {aside}")
+              f"the checkpoints of the timeline it leaves ({names}) and that timeline's "
+              f"metrics were moved to {aside}")
     kept = [r for r in recs if r.get("step", 0) <= step]
     atomic.write_bytes(metrics, "".join(json.dumps(r) + "\n" for r in kept).encode())
 
