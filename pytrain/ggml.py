@@ -503,6 +503,11 @@ def request_abort(on: bool = True) -> None:
     lib.pytrain_request_abort(1 if on else 0)
 
 
+def abort_requested() -> bool:
+    """Whether ``request_abort`` is in force (the next compute would stop at its first node)."""
+    return bool(lib.pytrain_abort_is_requested())
+
+
 def _check(status) -> None:
     if status == lib.GGML_STATUS_ABORTED or (status == lib.GGML_STATUS_SUCCESS
                                              and lib.pytrain_abort_is_requested()):

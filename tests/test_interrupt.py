@@ -71,3 +71,44 @@ def test_a_second_interrupt_stops_a_compute_in_progress():
     # where the Python handler alone would have waited for the whole compute to end
     assert took < 0.6 * full and since_second < 0.3 * full, (took, full, since_second)
     assert after == "AFTER OK"
+
+
+def test_second_signal_drops_a_step_never_an_update_and_the_third_stops_at_once():
+    """The step loop's three signals (pytrain.train.interrupt), in process: the first is a
+    request; the second raises nowhere but where a step can be dropped whole (before its
+    optimizer update), stops the next compute once an update under way is done, and drops the
+    next step before it starts; the third raises at once and puts the earlier handlers back."""
+    import os
+    import signal
+    import time
+
+    import pytest
+
+    from pytrain import ggml
+    from pytrain.train.interrupt import Interrupt
+
+    def until(cond):
+        end = time.monotonic() + 60
+        while not cond():
+            assert time.monotonic() < end, "the signal was never handled"
+            time.sleep(0.001)
+    before = signal.getsignal(signal.SIGINT)
+    with Interrupt() as it:
+        it.training()
+        os.kill(os.getpid(), signal.SIGINT)
+        until(lambda: it.requested == "SIGINT")
+        assert not it.stop_now and not ggml.abort_requested()
+        with it.interruptible():                 # a step's gradients
+            with it.holding():                   # its update: the second signal waits
+                os.kill(os.getpid(), signal.SIGINT)
+                until(lambda: it.count == 2)
+                assert it.stop_now and not ggml.abort_requested()
+        until(ggml.abort_requested)              # the next compute stops at its first node
+        with pytest.raises(KeyboardInterrupt):
+            with it.interruptible():             # the next step is dropped before it starts
+                pytest.fail("a step started after the second signal")
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            until(lambda: False)
+        assert signal.getsignal(signal.SIGINT) is before
+    assert not ggml.abort_requested()

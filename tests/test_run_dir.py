@@ -136,3 +136,123 @@ def test_a_refused_resume_rewrites_nothing_and_checkpoints_keep_the_config(tmp_p
     assert (out / "config.toml").read_bytes() == config
     assert (out / "data_stats.json").read_bytes() == stats
     assert b"batch_size = 4" in config
+
+
+# ------------------------------------------------------------------ resume from an earlier one
+def tree_bytes(folder: Path) -> dict:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*"))
+            if p.is_file() and p.name != ".pytrain.lock"}
+
+
+def loss_steps(out: Path) -> list[int]:
+    recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r["step"] for r in recs if "loss" in r and r.get("split") != "valid"]
+
+
+def test_resuming_an_earlier_checkpoint_sets_the_later_ones_aside(tmp_path, capsys):
+    """The reproduced defect: a run with step-2/4/6 resumed from step-2 with keep = 1.  Pruning
+    kept the highest step names, so the new step-3 was deleted right after it was written,
+    and a later plain --resume took the abandoned step-6 (metrics.jsonl already cut at 2).
+    Now pruning and `latest` go by save order, and the later checkpoints (another timeline)
+    are moved aside whole, with that timeline's metrics; a later --resume continues from
+    step 3 and ends with the adapter of a straight run, bit for bit (constant lr: the same
+    float32 operations in the same order, test_train_run's assert_resumed_equals_straight)."""
+    cfg = write_run(tmp_path, max_steps=6)
+    out, ckdir = tmp_path / "out", tmp_path / "out" / "checkpoints"
+    assert main(["train", str(cfg), "--no-progress", "--set", "output.keep_checkpoints=0"]) == 0
+    assert steps_of(out) == ["step-0000002", "step-0000004", "step-0000006"]
+    later = {n: tree_bytes(ckdir / n) for n in ("step-0000004", "step-0000006")}
+    metrics_before = (out / "metrics.jsonl").read_text()
+    capsys.readouterr()
+    assert main(["train", str(cfg), "--no-progress", "--resume", str(ckdir / "step-0000002"),
+                 "--set", "train.max_steps=3", "--set", "output.keep_checkpoints=1"]) == 0
+    said = capsys.readouterr().out
+    assert steps_of(out) == ["step-0000003"]               # the resumed run's own, kept
+    aside = [p for p in ckdir.iterdir() if p.name.startswith("abandoned-")]
+    assert len(aside) == 1, sorted(p.name for p in ckdir.iterdir())
+    assert str(aside[0]) in said and "(step-0000004, step-0000006)" in said, said
+    assert {n: tree_bytes(aside[0] / n) for n in later} == later      # nothing of them lost
+    assert (aside[0] / "metrics.jsonl").read_text() == metrics_before
+    assert loss_steps(out) == [1, 2, 3]
+    capsys.readouterr()
+    assert main(["train", str(cfg), "--no-progress", "--resume",
+                 "--set", "train.max_steps=5"]) == 0
+    assert f"resuming from {ckdir / 'step-0000003'} at step 3" in capsys.readouterr().out
+    assert loss_steps(out) == [1, 2, 3, 4, 5]
+    straight = write_run(tmp_path, max_steps=5)
+    assert main(["train", str(straight), "--no-progress", "--set",
+                 f"output.dir={tmp_path / 'straight'}"]) == 0
+    a, b = ckpt.load(ckdir / "step-0000005", str(MODEL))[1], \
+        ckpt.load(tmp_path / "straight" / "checkpoints" / "step-0000005", str(MODEL))[1]
+    assert sorted(a) == sorted(b)
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+    # going back to the abandoned timeline sets this one aside the same way: none of its
+    # checkpoints is on the way to step 6
+    assert steps_of(out) == ["step-0000003", "step-0000004", "step-0000005"]
+    capsys.readouterr()
+    assert main(["train", str(cfg), "--no-progress", "--resume",
+                 str(aside[0] / "step-0000006"), "--set", "train.max_steps=7"]) == 0
+    said = capsys.readouterr().out
+    assert steps_of(out) == ["step-0000007"]
+    again = [p for p in ckdir.iterdir() if p.name.startswith("abandoned-") and p != aside[0]]
+    assert len(again) == 1 and "(step-0000003, step-0000004, step-0000005)" in said, said
+    assert sorted(p.name for p in again[0].glob("step-*")) == \
+        ["step-0000003", "step-0000004", "step-0000005"]
+    assert ckpt.latest(ckdir) == ckdir / "step-0000007"
+
+
+# ------------------------------------------------------------------ --overwrite checks first
+def cli_train(cfg: Path, *args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    return subprocess.run([sys.executable, "-m", "pytrain", "train", str(cfg), "--no-progress",
+                           *args], cwd=cfg.parent, env=env, capture_output=True, text=True,
+                          timeout=600)
+
+
+@pytest.mark.parametrize("setting, named", [
+    ("data.train=nope.jsonl", "nope.jsonl: cannot read"),
+    ("lora.targets=attn_q,mlp", "lora.targets: unknown LoRA target 'mlp'")])
+def test_overwrite_checks_the_new_run_before_touching_the_earlier_one(tmp_path, setting, named):
+    """`python -m pytrain train --overwrite` with a missing data file, or a target the model
+    lacks, deleted the earlier run first ("--overwrite: deleted the earlier run") and then
+    failed, leaving the folder empty.  Now the new run is checked whole first: it fails
+    naming the problem, and every file of the earlier run is as it was."""
+    cfg = write_run(tmp_path)
+    assert main(["train", str(cfg), "--no-progress"]) == 0
+    out = tmp_path / "out"
+    before = tree_bytes(out)
+    r = cli_train(cfg, "--overwrite", "--set", setting)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert named in r.stderr and "--overwrite" not in r.stdout + r.stderr, r.stdout + r.stderr
+    assert tree_bytes(out) == before
+
+
+def test_overwrite_keeps_the_earlier_run_until_the_new_one_has_a_checkpoint(
+        tmp_path, capsys, monkeypatch):
+    """The earlier run is moved to out/replaced-TIME once the new run is checked, and deleted
+    only when the new run has written its first checkpoint: a new run that stops before one
+    (here a NaN loss at its first step) leaves the earlier one whole, and says where."""
+    from pytrain.train.trainer import NonFiniteLoss, Trainer
+    cfg = write_run(tmp_path)
+    assert main(["train", str(cfg), "--no-progress"]) == 0
+    out = tmp_path / "out"
+    before = tree_bytes(out)
+
+    def nan_step(self, micro, lr):
+        raise NonFiniteLoss("loss is nan")
+    monkeypatch.setattr(Trainer, "step", nan_step)
+    capsys.readouterr()
+    assert main(["train", str(cfg), "--no-progress", "--overwrite"]) == 1
+    said = capsys.readouterr()
+    aside = sorted(out.glob("replaced-*"))
+    assert len(aside) == 1 and tree_bytes(aside[0]) == before
+    assert "stopped at step 1" in said.err and f"kept in {aside[0]}" in said.out, said
+    assert steps_of(out) == []
+    monkeypatch.undo()
+    assert main(["train", str(cfg), "--no-progress", "--overwrite"]) == 0
+    said = capsys.readouterr().out
+    assert "--overwrite: deleted the earlier run" in said
+    assert sorted(out.glob("replaced-*")) == aside          # the failed run's went, not that
+    assert steps_of(out) == ["step-0000002", "step-0000004"]

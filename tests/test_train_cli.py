@@ -207,20 +207,26 @@ raise SystemExit(main())
 """
 
 
-def test_second_ctrl_c_exits_at_once_without_a_new_checkpoint(tmp_path):
-    """A subprocess run (100 steps of 8 micro-batches, save_every = 2) gets its first SIGINT
-    while paused after micro-batch 26 (step 3 done, step 4 two micro-batches in), which the
-    handler records as soon as the run goes on; the second while paused after micro-batch 29,
-    still inside step 4.  The process must end there: no step line 4, no new checkpoint,
-    exit status 130; checkpoint step-0000002 stays loadable.  Were the second signal
-    ignored, the run would finish step 4, write step-0000004 and exit 130 with "interrupted
-    by SIGINT after step 4".  (A second signal during a graph compute: test_interrupt.py.)"""
+@pytest.mark.parametrize("save_every", [0, 2])
+def test_second_ctrl_c_drops_the_step_in_flight_and_saves_the_finished_ones(tmp_path, capsys,
+                                                                             save_every):
+    """A subprocess run (100 steps of 8 micro-batches) gets its first SIGINT while paused
+    after micro-batch 26 (step 3 done, step 4 two micro-batches in), which the handler records
+    as soon as the run goes on; the second while paused after micro-batch 29, still inside
+    step 4.  The run must stop there, dropping step 4 (no step line 4, no further micro-batch),
+    and still write the checkpoint of step 3, exit status 130, saying so.  With save_every = 0
+    (the default) it lost every step: it exited with no checkpoint at all, saying "the newest
+    checkpoint in checkpoints/ is intact", and the folder could then be neither resumed nor
+    started again.  Were the second signal ignored, the run would finish step 4 and write
+    step-0000004.  `--resume` then continues from step 3 and ends, bit for bit, with the
+    adapter of a straight run (test_train_run's assert_resumed_equals_straight says why).
+    (A second signal during a graph compute: test_interrupt.py.)"""
     texts = [{"text": "Tom went to the farm and the cow said moo. " * 8}] * 16   # equal lengths
     write_jsonl(tmp_path / "train.jsonl", texts)
     write_jsonl(tmp_path / "valid.jsonl", texts[:1])
     ga, total = 8, 100
-    cfg = write_config(tmp_path, max_steps=total, batch_size=1, grad_accum=ga, save_every=2,
-                       threads=1)
+    cfg = write_config(tmp_path, max_steps=total, batch_size=1, grad_accum=ga,
+                       save_every=save_every, threads=1)
     out = tmp_path / "out"
     metrics, marks, ckdir = out / "metrics.jsonl", tmp_path / "marks", out / "checkpoints"
     marks.touch()
@@ -233,7 +239,8 @@ def test_second_ctrl_c_exits_at_once_without_a_new_checkpoint(tmp_path):
     def paused_at(n):
         return f"paused {n}" in marks.read_text()
     wait_for(lambda: paused_at(first), proc, 120, f"micro-batch {first}")
-    assert count_step_lines(metrics) == 3 and checkpoint_steps(ckdir) == [2]
+    assert count_step_lines(metrics) == 3
+    assert checkpoint_steps(ckdir) == ([2] if save_every else [])
     proc.send_signal(signal.SIGINT)
     (tmp_path / f"go-{first}").touch()
     wait_for(lambda: paused_at(second), proc, 60, f"micro-batch {second}")
@@ -245,19 +252,31 @@ def test_second_ctrl_c_exits_at_once_without_a_new_checkpoint(tmp_path):
         proc.kill()
         proc.communicate()
         pytest.fail("the run went on after the second SIGINT")
-    # exited by the second signal: not the first signal's orderly stop (status 130 after
-    # finishing the step and writing its checkpoint)
-    assert proc.returncode in (-signal.SIGINT, 130), (proc.returncode, err[-2000:])
+    assert proc.returncode == 130, (proc.returncode, err[-2000:])
     assert "interrupted by SIGINT after step" not in err, err[-2000:]
-    assert "stopped at once by a second interrupt" in err, err[-2000:]
+    assert (f"stopped at once by a second interrupt (SIGINT) after step 3: the step in flight "
+            f"was dropped; checkpoint {ckdir / 'step-0000003'}") in err, err[-2000:]
+    assert "intact" not in err and "Traceback" not in err, err[-2000:]
     assert count_step_lines(metrics) == 3               # step 4 was never finished
     assert marks.read_text().split()[-1] == str(second)  # nor another micro-batch run
-    assert checkpoint_steps(ckdir) == [2]               # nothing written after the signal
+    assert checkpoint_steps(ckdir) == ([2, 3] if save_every else [3])
     assert not list(ckdir.glob(".tmp-*"))
     where = ckpt.latest(ckdir)
-    assert where == ckdir / "step-0000002"
+    assert where == ckdir / "step-0000003"
     state, tensors, moments = ckpt.load(where, str(MODEL))
-    assert state.step == 2 and tensors and moments
+    assert state.step == 3 and state.adam_t == 3 and (state.epoch, state.position) == (1, 1)
+    assert_same_adapter(tensors, adapter_of(out / "adapter.gguf"), atol=0, rtol=0)
+
+    capsys.readouterr()
+    assert main(["train", str(cfg), "--no-progress", "--resume", "--set",
+                 "train.max_steps=5"]) == 0
+    assert f"resuming from {where} at step 3" in capsys.readouterr().out
+    assert [r["step"] for r in step_records(out)] == [1, 2, 3, 4, 5]
+    straight = write_config(tmp_path, "straight.toml", max_steps=5, batch_size=1, grad_accum=ga,
+                            threads=1, output={"dir": "straight"})
+    assert main(["train", str(straight), "--no-progress"]) == 0
+    assert_same_adapter(adapter_of(out / "adapter.gguf"),
+                        adapter_of(tmp_path / "straight" / "adapter.gguf"), atol=0, rtol=0)
 
 
 # ------------------------------------------------------------------------------- checkpoints

@@ -185,9 +185,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="continue from the newest checkpoint of the run folder, or from "
                         "CHECKPOINT (a step-N folder or a checkpoints folder)")
     p.add_argument("--overwrite", action="store_true",
-                   help="start a new run in an output.dir that holds an earlier one, deleting "
-                        "the earlier run's checkpoints, metrics and adapter (without it such a "
-                        "folder is refused)")
+                   help="start a new run in an output.dir that holds an earlier one: once the "
+                        "new run is checked, the earlier run's files move to replaced-TIME/, "
+                        "deleted when the new run writes its first checkpoint (without it such "
+                        "a folder is refused)")
     p.set_defaults(func=_train)
     p = sub.add_parser("plan", help="the memory a run needs on its device (weights, LoRA, "
                        "optimizer state, compute buffer), the recompute choice and why, and "
@@ -243,6 +244,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
+    except KeyboardInterrupt:
+        # Ctrl-C outside a training run's own handling (generate, eval, export, loading):
+        # they write nothing until they are done, so there is nothing to say but that
+        print(f"error: pytrain {args.command} interrupted", file=sys.stderr)
+        return 130
     except (PytrainError, OSError) as e:
         # bad config, data, model or adapter files, a missing device or file: one clear line;
         # anything else is a bug in pytrain and keeps its traceback

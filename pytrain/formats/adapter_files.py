@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from pytrain.formats.adapter_gguf import check_adapter_matches, read_lora_gguf
+from pytrain.formats.atomic import restore_folder
 from pytrain.formats.adapter_peft import read_peft_adapter
 
 
@@ -21,6 +22,7 @@ def read_adapter(path: str | os.PathLike[str], arch: str, model_config
     fits the base model: its architecture ``arch`` (a GGUF's) and ``model_config`` (names and
     shapes; a PEFT folder's tensors are converted with it)."""
     p = Path(path)
+    restore_folder(p)                 # a PEFT folder whose write was killed half way
     if p.is_dir():
         tensors, alpha, _rank, _cfg = read_peft_adapter(p, model_config, arch=arch)
     else:

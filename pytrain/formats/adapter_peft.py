@@ -41,7 +41,7 @@ import numpy as np
 
 from pytrain.formats import hf_llama, hf_qwen35
 from pytrain.formats.adapter_gguf import AdapterError, check_alpha, lora_pairs
-from pytrain.formats.atomic import replacing_folder
+from pytrain.formats.atomic import replacing_folder, restore_folder
 from pytrain.formats.hf_layout import HFLayout, PeftAdapterError
 
 CONFIG_NAME = "adapter_config.json"
@@ -528,6 +528,7 @@ def read_peft_adapter(folder: str | os.PathLike[str], model_config: Any = None,
     """
     folder = Path(folder)
     cpath, wpath = folder / CONFIG_NAME, folder / WEIGHTS_NAME
+    restore_folder(folder)            # a write killed half way leaves the old folder aside
     if not folder.is_dir():
         raise PeftAdapterError(f"{folder}: no such adapter folder")
     if not cpath.is_file():

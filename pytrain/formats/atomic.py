@@ -74,16 +74,37 @@ def _exchange(a: Path, b: Path) -> bool:
     return fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
 
 
+def restore_folder(path: str | os.PathLike) -> bool:
+    """Finish what a killed ``replacing_folder`` left where it could not swap in one step: the
+    old folder moved aside (``.NAME.HEX.old``) and the process gone before the new one was
+    renamed in.  The old one goes back (the write did not happen, as for any failed write);
+    an aside folder left beside a ``p`` in place (killed while deleting it) goes.  True when
+    a folder was put back.  Readers and the next write call this."""
+    import shutil
+    p = Path(path)
+    olds = sorted(p.parent.glob(f".{p.name}.*.old"), key=lambda q: q.stat().st_mtime)
+    restored = False
+    if olds and not p.exists():
+        os.replace(olds.pop(), p)
+        fsync_dir(p.parent)
+        restored = True
+    for q in olds:
+        shutil.rmtree(q, ignore_errors=True)
+    return restored
+
+
 @contextmanager
 def replacing_folder(path: str | os.PathLike) -> Iterator[Path]:
     """``with replacing_folder(p) as tmp: write files into tmp`` — on success every file is
     fsync'ed and the folder takes ``p``'s place as a unit: swapped with the old one in one
     rename where Linux allows it (a reader sees the old folder or the new one, never a mix of
-    their files), else the old one moved aside and then the new one renamed in.  On any
-    exception ``p`` is untouched."""
+    their files), else the old one moved aside and then the new one renamed in (a process
+    killed between the two renames leaves the old one aside: ``restore_folder``, which readers
+    and the next write call, puts it back).  On any exception ``p`` is untouched."""
     import shutil
     import tempfile
     p = Path(path)
+    restore_folder(p)
     if p.exists() and not p.is_dir():
         raise NotADirectoryError(f"{p}: exists and is not a folder")
     p.parent.mkdir(parents=True, exist_ok=True)

@@ -14,6 +14,12 @@ examples' digest, batch size, accumulation, packing, seeds, adapter shapes), so 
 other batches is refused instead of silently continuing somewhere else, and the run's id: a
 run prunes only its own checkpoints (``run_dir``).  Each checkpoint keeps the run's resolved
 ``config.toml`` as well.
+
+Which checkpoint is newest goes by save order (``TrainState.saved``, one more than any
+checkpoint already in the folder), not by step: a run resumed from an earlier checkpoint saves
+lower steps after higher ones.  Such a resume moves the later checkpoints, another timeline
+that the resumed run abandons, aside (``set_aside_after``) instead of leaving them for
+``latest`` to jump back to.
 """
 from __future__ import annotations
 
@@ -22,6 +28,7 @@ import json
 import os
 import shutil
 import tempfile
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -32,7 +39,8 @@ from pytrain.formats.adapter_gguf import read_lora_gguf, write_lora_gguf
 from pytrain.formats.atomic import fsync_dir
 from pytrain.formats.gguf_tensors import open_reader
 
-FORMAT = 3          # 3: run_id, config.toml; 2: total_steps and resume_key; 1 and 2 still load
+FORMAT = 4          # 4: saved (save order); 3: run_id, config.toml; 2: total_steps and
+                    # resume_key; 1 to 3 still load
 
 
 class CheckpointError(PytrainError, RuntimeError):
@@ -50,6 +58,7 @@ class TrainState:
     resume_key: dict | None = None   # what the position means (see pytrain.train.run.Session)
     run_id: str | None = None        # the run the checkpoint belongs to (run_dir)
     format: int = FORMAT
+    saved: int | None = None         # save order in its folder (set by ``save``)
 
 
 def base_fingerprint(path: str | os.PathLike) -> dict:
@@ -70,6 +79,7 @@ def save(folder: Path, step: int, adapter, moments: dict[str, np.ndarray], state
     config, kept beside it."""
     folder.mkdir(parents=True, exist_ok=True)
     recover(folder)
+    state.saved = 1 + max((order(p)[0] for p in folder.glob("step-*")), default=0)
     final = folder / f"step-{step:07d}"
     aside = folder / f".replaced-{final.name}"
     tmp = Path(tempfile.mkdtemp(dir=folder, prefix=".tmp-"))
@@ -98,18 +108,58 @@ def save(folder: Path, step: int, adapter, moments: dict[str, np.ndarray], state
         recover(folder)
         raise
     if keep:
-        own = [p for p in sorted(folder.glob("step-*")) if run_id_of(p) == state.run_id]
+        own = sorted((p for p in folder.glob("step-*") if run_id_of(p) == state.run_id),
+                     key=order)
         for old in own[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     return final
 
 
+def _state_of(path: Path) -> dict:
+    try:
+        got = json.loads((path / "state.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return got if isinstance(got, dict) else {}
+
+
 def run_id_of(path: Path) -> str | None:
     """The run id a checkpoint records (None for one that predates run ids, or unreadable)."""
+    return _state_of(path).get("run_id")
+
+
+def order(path: Path) -> tuple[int, int]:
+    """(save order, step) of checkpoint ``path``, what sorts it among its folder's: one saved
+    before save orders were recorded comes before any that has one, by step."""
+    saved = _state_of(path).get("saved")
+    return (saved if isinstance(saved, int) else 0, step_of(path))
+
+
+def step_of(path: Path) -> int:
     try:
-        return json.loads((path / "state.json").read_text()).get("run_id")
-    except (OSError, ValueError):
+        return int(path.name.split("-", 1)[1])
+    except (IndexError, ValueError):
+        return -1
+
+
+def set_aside_after(folder: Path, step: int) -> Path | None:
+    """Move every checkpoint of ``folder`` past ``step`` into ``folder/abandoned-TIME/``: a
+    run resumed from ``step`` goes another way, and these must neither be taken by a later
+    ``--resume`` nor pruned as old.  Returns that folder, or None when there were none."""
+    later = sorted((p for p in folder.glob("step-*") if step_of(p) > step), key=step_of)
+    if not later:
         return None
+    aside = folder / time.strftime("abandoned-%Y%m%d-%H%M%S")
+    n = 1
+    while aside.exists():
+        n += 1
+        aside = folder / time.strftime(f"abandoned-%Y%m%d-%H%M%S-{n}")
+    aside.mkdir()
+    for p in later:
+        os.replace(p, aside / p.name)
+    fsync_dir(aside)
+    fsync_dir(folder)
+    return aside
 
 
 def recover(folder: Path) -> None:
@@ -129,9 +179,10 @@ def recover(folder: Path) -> None:
 
 
 def latest(folder: Path) -> Path | None:
+    """The checkpoint saved last in ``folder`` (save order, not the highest step)."""
     if folder.is_dir():
         recover(folder)
-    done = sorted(p for p in folder.glob("step-*") if (p / "state.json").exists())
+    done = sorted((p for p in folder.glob("step-*") if (p / "state.json").exists()), key=order)
     return done[-1] if done else None
 
 
@@ -142,7 +193,7 @@ def load(path: Path, model_path: str) -> tuple[TrainState, dict, dict]:
         state = TrainState(**json.loads((path / "state.json").read_text()))
     except (OSError, ValueError, TypeError) as e:
         raise CheckpointError(f"{path}: not a usable checkpoint ({e})") from e
-    if state.format not in (1, 2, FORMAT):
+    if state.format not in (1, 2, 3, FORMAT):
         raise CheckpointError(f"{path}: checkpoint format {state.format}, expected {FORMAT}")
     now = base_fingerprint(model_path)
     if now != state.base_fingerprint:

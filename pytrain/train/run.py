@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
-import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -24,7 +22,9 @@ from pytrain.errors import PytrainError
 from pytrain.formats import atomic
 from pytrain.train import checkpoint as ckpt
 from pytrain.train.distributed import World, check_agreement, world as get_world
-from pytrain.train.run_dir import RunDir, RunDirError, new_run_id
+from pytrain.train.interrupt import Interrupt
+from pytrain.train.metrics import plot_losses, read_metrics
+from pytrain.train.run_dir import RunDir, RunDirError, drop_replaced, new_run_id
 from pytrain.models import lora as lora_mod
 from pytrain.formats.adapter_gguf import write_lora_gguf
 from pytrain.config import Config
@@ -40,7 +40,8 @@ class RunError(PytrainError, RuntimeError):
 
 
 class Interrupted(RunError):
-    """Ctrl-C or SIGTERM: the run stopped after a step and wrote a checkpoint."""
+    """Ctrl-C or SIGTERM: the run stopped; the message says after which step and what it
+    saved."""
 
 
 @dataclass
@@ -78,116 +79,6 @@ def save_adapter(model: Model, adapter, path: Path, formats=("gguf",)) -> Path:
 
 def step_batches(batches: list, grad_accum: int) -> list[list]:
     return [batches[i:i + grad_accum] for i in range(0, len(batches), grad_accum)]
-
-
-def read_metrics(path: Path) -> list[dict]:
-    """The records of a metrics.jsonl; a torn last line (a crash mid-append) is left out."""
-    out = []
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                continue
-    return out
-
-
-def plot_losses(metrics_path: Path, png: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    train, valid = [], []
-    for r in read_metrics(metrics_path):
-        if isinstance(r.get("loss"), (int, float)) and math.isfinite(r["loss"]):
-            (valid if r.get("split") == "valid" else train).append((r["step"], r["loss"]))
-    fig, ax = plt.subplots(figsize=(7, 4))
-    if train:
-        ax.plot(*zip(*train), label="train (valid tokens)", lw=1)
-    if valid:
-        ax.plot(*zip(*valid), "o-", label="validation", lw=2)
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("cross-entropy per target token")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    with atomic.replacing(png) as tmp:
-        fig.savefig(tmp, dpi=120, format="png")
-    plt.close(fig)
-
-
-class Interrupt:
-    """First Ctrl-C / SIGTERM: finish the current step, write a checkpoint, stop.  Second:
-    stop at once (KeyboardInterrupt; the previous checkpoint is intact, checkpoints are
-    written atomically).
-
-    "At once" includes a graph compute in progress: Python runs a signal handler only when
-    the main thread is back in the interpreter, which a training step's compute (tens of
-    seconds at the 2B shape) is not.  So the signals are also counted by a thread woken
-    through Python's wakeup fd, and at the second it sets the flag ggml checks after every
-    node (``ggml.request_abort``: ggml-cpu's abort callback, the scheduler's eval callback on
-    a GPU); the compute returns at its next node and the handler raises."""
-
-    def __init__(self):
-        self.requested: str | None = None
-        self.old: dict = {}
-        self._wakeup: tuple[int, int] | None = None
-        self._old_wakeup = -1
-        self._thread = None
-
-    def __enter__(self) -> "Interrupt":
-        import os
-        import threading
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            self.old[sig] = signal.signal(sig, self.handle)
-        r, w = os.pipe()
-        os.set_blocking(w, False)
-        self._wakeup = (r, w)
-        self._old_wakeup = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
-
-        def watch():
-            seen = 0
-            while True:
-                try:
-                    data = os.read(r, 64)
-                except OSError:
-                    return
-                seen += sum(b in (signal.SIGINT, signal.SIGTERM) for b in data)
-                if seen >= 2:
-                    ggml.request_abort()
-                if not data or 0xff in data:              # closed, or told to stop
-                    return
-        self._thread = threading.Thread(target=watch, name="pytrain-interrupt", daemon=True)
-        self._thread.start()
-        return self
-
-    def handle(self, signum, frame) -> None:
-        if self.requested is not None:
-            self.restore()
-            raise KeyboardInterrupt
-        self.requested = signal.Signals(signum).name
-
-    def restore(self) -> None:
-        import os
-        for sig, h in self.old.items():
-            signal.signal(sig, h)
-        self.old = {}
-        if self._wakeup is not None:
-            signal.set_wakeup_fd(self._old_wakeup)
-            r, w = self._wakeup
-            self._wakeup = None
-            try:
-                os.write(w, b"\xff")
-            except OSError:
-                pass
-            if self._thread is not None:
-                self._thread.join(timeout=5)
-            os.close(r)
-            os.close(w)
-        ggml.request_abort(False)
-
-    def __exit__(self, *exc) -> None:
-        self.restore()
 
 
 # --------------------------------------------------------------------------- setup
@@ -316,11 +207,19 @@ def open_session(cfg: Config, out: Path, log: Callable[[str], None],
 
 # --------------------------------------------------------------------------- resume
 
-def find_checkpoint(ckpt_dir: Path, resume: str | bool) -> Path:
+def find_checkpoint(out: Path, resume: str | bool, log: Callable[[str], None]) -> Path | None:
+    """The checkpoint ``--resume`` continues from, or None for an earlier run in ``out`` that
+    stopped before it wrote one (killed at once): that run starts again from step 0."""
+    ckpt_dir = out / "checkpoints"
     where = ckpt.latest(ckpt_dir) if resume is True else Path(resume)
     if where is not None and where.is_dir() and not (where / "state.json").exists():
         where = ckpt.latest(where)
     if where is None or not (where / "state.json").exists():
+        earlier = RunDir(out).earlier_run() if resume is True else None
+        if earlier is not None:
+            log(f"{out} holds an earlier run that stopped before writing a checkpoint "
+                f"({earlier}): starting it again from step 0")
+            return None
         raise RunError(f"no checkpoint to resume from in {ckpt_dir if resume is True else resume}")
     return where
 
@@ -357,11 +256,32 @@ def resume_from(s: Session, where: Path, total: int) -> ckpt.TrainState:
     s.trainer.opt_state.set_moments(moments)
     s.trainer.opt.t = state.adam_t
     if s.world.is_main:
-        metrics = s.out / "metrics.jsonl"
-        kept = [r for r in read_metrics(metrics) if r.get("step", 0) <= state.step]
-        atomic.write_bytes(metrics, "".join(json.dumps(r) + "\n" for r in kept).encode())
+        cut_back(s, where, state.step)
     s.log(f"resuming from {where} at step {state.step}")
     return state
+
+
+def cut_back(s: Session, where: Path, step: int) -> None:
+    """The run folder as it was at ``step``: metrics past it dropped; checkpoints past it (a
+    resume from an earlier checkpoint: the run goes another way from there) moved aside with
+    the metrics of their timeline, so that nothing is lost and a later ``--resume`` continues
+    this timeline, not that one."""
+    metrics = s.out / "metrics.jsonl"
+    recs = read_metrics(metrics)
+    folder = s.out / "checkpoints"
+    # a checkpoint from elsewhere (another folder, an abandoned timeline): none of this
+    # folder's checkpoints is on the way to it
+    own = folder.is_dir() and where.parent.resolve() == folder.resolve()
+    aside = ckpt.set_aside_after(folder, step if own else -1)
+    if aside is not None:
+        atomic.write_bytes(aside / "metrics.jsonl",
+                           "".join(json.dumps(r) + "\n" for r in recs).encode())
+        names = ", ".join(sorted(p.name for p in aside.glob("step-*")))
+        s.log(f"{where} is not the newest checkpoint: the run continues from step {step}, and "
+              f"the checkpoints of the timeline it leaves ({names}) and that timeline's "
+              f"metrics were moved to {aside}")
+    kept = [r for r in recs if r.get("step", 0) <= step]
+    atomic.write_bytes(metrics, "".join(json.dumps(r) + "\n" for r in kept).encode())
 
 
 def on_main(w: World, fn):
@@ -391,8 +311,12 @@ def _short(v) -> str:
 class Loop:
     """The step loop's state and the things it writes: metrics, checkpoints, validation."""
 
-    def __init__(self, s: Session, total: int, step: int, bar, run_id: str | None):
+    def __init__(self, s: Session, total: int, step: int, bar, run_id: str | None,
+                 replaced: Path | None = None):
+        """``replaced``: an earlier run moved aside by ``--overwrite``, deleted once this run
+        has a checkpoint."""
         self.s, self.total, self.step, self.bar, self.run_id = s, total, step, bar, run_id
+        self.replaced = replaced
         self.main = s.world.is_main                # one writer: rank 0
         self.metrics = open(s.out / "metrics.jsonl", "a") if self.main else None
         self.ckpt_dir = s.out / "checkpoints"
@@ -455,23 +379,30 @@ class Loop:
             if differ:
                 raise RunError(f"the adapter of {', '.join(differ)} differs from rank 0's at "
                                f"step {self.step}: the ranks went apart (a bug); not saved")
-        self.saved_step = self.step
         if not self.main:
+            self.saved_step = self.step
             return where
         save_adapter(s.model, s.adapter, self.adapter_path, s.cfg.output.formats)
         epoch, index = self.position
         state = ckpt.TrainState(self.step, epoch, index, s.trainer.opt.t, self.fingerprint,
                                 total_steps=self.total, resume_key=s.resume_key(),
                                 run_id=self.run_id)
-        return ckpt.save(self.ckpt_dir, self.step, s.adapter, s.trainer.opt_state.moments(), state,
-                         keep=s.cfg.output.keep_checkpoints, arch=s.model.arch.name,
-                         config_toml=s.cfg.to_toml())
+        where = ckpt.save(self.ckpt_dir, self.step, s.adapter, s.trainer.opt_state.moments(),
+                          state, keep=s.cfg.output.keep_checkpoints, arch=s.model.arch.name,
+                          config_toml=s.cfg.to_toml())
+        self.saved_step = self.step              # only once it is on disk
+        if self.replaced is not None:
+            drop_replaced(self.replaced, s.log)
+            self.replaced = None
+        return where
 
     def done(self, epoch: int) -> bool:
         t = self.s.cfg.train
         return self.step >= self.total or (not t.max_steps and epoch >= t.epochs)
 
     def run(self, start: tuple[int, int], interrupt: Interrupt) -> None:
+        """Steps from position ``start`` to the end; after each one (skipped ones too), the
+        stop every rank agrees on when any of them was asked to (Ctrl-C, SIGTERM)."""
         s, t, w = self.s, self.s.cfg.train, self.s.world
         self.position = start
         for epoch, index, micro in s.steps_from(*start):
@@ -479,28 +410,13 @@ class Loop:
                 return
             lr = schedule(t.schedule, self.step, self.total, t.lr, t.warmup)
             # this rank's share of the step (possibly none: it still joins the collectives)
-            r = s.trainer.step(micro[w.rank::w.size], lr)   # NonFiniteLoss: nothing changed
+            with interrupt.interruptible():             # a second signal drops it whole
+                r = s.trainer.step(micro[w.rank::w.size], lr)   # NonFiniteLoss: no change
             self.position = (epoch, index + 1)
             if r is None:                              # no valid target: skipped, counted
                 self.record({"step": self.step + 1, "skipped": "no valid targets"})
-                continue
-            self.step += 1
-            self.tokens_seen += r.tokens
-            self.record({"step": self.step, "epoch": epoch, "loss": r.loss, "n_valid": r.n_valid,
-                         "lr": lr, "grad_norm": r.grad_norm, "clip": r.clip, "tokens": r.tokens,
-                         "tokens_per_s": r.tokens / r.seconds if r.seconds > 0 else None,
-                         **({"allreduce_s": r.allreduce_seconds} if w.size > 1 else {}),
-                         "drift": s.adapter.drift()})
-            if self.bar is not None:
-                el = time.perf_counter() - self.t_start
-                self.bar.set_postfix(loss=f"{r.loss:.4f}", tok_s=f"{self.tokens_seen / el:.0f}",
-                                     lr=f"{lr:.2e}")
-                self.bar.update(1)
-            self.log_steps(r, lr)
-            if t.eval_every and self.step % t.eval_every == 0 and self.step < self.total:
-                self.validate()
-            if t.save_every and self.step % t.save_every == 0:
-                self.checkpoint()
+            else:
+                self.finished(r, epoch, lr)
             if w.any(interrupt.requested is not None):      # every rank stops after this step
                 where = self.checkpoint() if self.saved_step != self.step else \
                     self.ckpt_dir / f"step-{self.step:07d}"
@@ -508,12 +424,60 @@ class Loop:
                 raise Interrupted(f"interrupted by {by} after step {self.step}; "
                                   f"checkpoint {where} (resume with --resume)")
 
+    def finished(self, r, epoch: int, lr: float) -> None:
+        """A step done: its metrics, the progress line, validation and the periodic checkpoint
+        when they are due."""
+        s, t, w = self.s, self.s.cfg.train, self.s.world
+        self.step += 1
+        self.tokens_seen += r.tokens
+        self.record({"step": self.step, "epoch": epoch, "loss": r.loss, "n_valid": r.n_valid,
+                     "lr": lr, "grad_norm": r.grad_norm, "clip": r.clip, "tokens": r.tokens,
+                     "tokens_per_s": r.tokens / r.seconds if r.seconds > 0 else None,
+                     **({"allreduce_s": r.allreduce_seconds} if w.size > 1 else {}),
+                     "drift": s.adapter.drift()})
+        if self.bar is not None:
+            el = time.perf_counter() - self.t_start
+            self.bar.set_postfix(loss=f"{r.loss:.4f}", tok_s=f"{self.tokens_seen / el:.0f}",
+                                 lr=f"{lr:.2e}")
+            self.bar.update(1)
+        self.log_steps(r, lr)
+        if t.eval_every and self.step % t.eval_every == 0 and self.step < self.total:
+            self.validate()
+        if t.save_every and self.step % t.save_every == 0:
+            self.checkpoint()
+
+    def stop_at_once(self, interrupt: Interrupt) -> None:
+        """A second Ctrl-C / SIGTERM dropped the step in flight: write the checkpoint of the
+        last finished step (if it has none yet) and stop."""
+        ggml.request_abort(False)                # saving computes nothing, but be sure
+        try:
+            where = self.checkpoint() if self.saved_step != self.step else \
+                self.ckpt_dir / f"step-{self.step:07d}"
+        finally:
+            self.close()
+        raise Interrupted(f"stopped at once by a second interrupt ({interrupt.requested}) after "
+                          f"step {self.step}: the step in flight was dropped; checkpoint {where} "
+                          f"(resume with --resume)")
+
     def close(self) -> None:
+        """The progress bar, metrics file and loss plot.  Called on every way out of the run,
+        errors included: a plot that cannot be drawn (a full disk, matplotlib missing) is a
+        warning, never the error the run ends with."""
         if self.bar is not None:
             self.bar.close()
+            self.bar = None
         if self.metrics is not None:
-            self.metrics.close()
-            plot_losses(self.s.out / "metrics.jsonl", self.s.out / "loss.png")
+            png = self.s.out / "loss.png"
+            try:
+                self.metrics.close()
+                plot_losses(self.s.out / "metrics.jsonl", png)
+            except Exception as e:
+                self.s.log(f"warning: {png} not drawn: {e}")
+            self.metrics = None
+        if self.replaced is not None and self.main:
+            self.s.log(f"--overwrite: this run stopped before its first checkpoint; the "
+                       f"earlier run is kept in {self.replaced}")
+            self.replaced = None
 
 
 # --------------------------------------------------------------------------- train
@@ -521,8 +485,10 @@ class Loop:
 def train(cfg: Config, progress: bool = True, log=print, resume: str | bool | None = None,
           overwrite: bool = False) -> RunResult:
     """``resume``: True for the newest checkpoint of the run folder, or a checkpoint path.
-    ``overwrite``: a fresh run may delete an earlier run left in ``output.dir`` (run_dir).
-    Under an MPI launcher every rank calls this; rank 0 alone writes (distributed)."""
+    ``overwrite``: a fresh run may replace an earlier run left in ``output.dir`` (run_dir).
+    Under an MPI launcher every rank calls this; rank 0 alone writes (distributed).
+    Ctrl-C and SIGTERM are handled as ``pytrain.train.interrupt`` says, on the main thread
+    only: called from another thread, the run handles no signal (and says so)."""
     if cfg.lora.dropout > 0:
         raise RunError("lora.dropout > 0 is not supported yet (ggml has no random op to draw "
                        "dropout masks inside the graph); set lora.dropout = 0")
@@ -532,27 +498,52 @@ def train(cfg: Config, progress: bool = True, log=print, resume: str | bool | No
     if not w.is_main:
         log, progress = (lambda *a, **k: None), False
 
+    def before_training(name: str) -> BaseException:
+        return Interrupted(f"interrupted by {name} before training started: nothing was "
+                           f"trained, nothing needed saving")
+    # several ranks stop together or not at all: a signal before the loop is a request like
+    # one inside it, and the second stops at once (the job is ended by the launcher)
+    one = w.size == 1
+    with Interrupt(log, on_setup=before_training if one else None,
+                   hard_at=3 if one else 2) as interrupt:
+        try:
+            return _claim_and_train(cfg, w, log, progress, resume, overwrite, interrupt)
+        except KeyboardInterrupt:
+            if not one:
+                raise
+            newest = ckpt.latest(Path(cfg.output.dir or Path("runs") / "run") / "checkpoints")
+            raise Interrupted(
+                "stopped at once by a further interrupt; " +
+                (f"the newest checkpoint, {newest}, is intact (resume with --resume)" if newest
+                 else "no checkpoint was written")) from None
+
+
+def _claim_and_train(cfg: Config, w: World, log, progress: bool, resume, overwrite: bool,
+                     interrupt: Interrupt) -> RunResult:
+    """The folder claimed, the run checked whole (config, data, model, targets), only then an
+    earlier run moved aside (``--overwrite``), and trained."""
     def claim():            # rank 0: the folder, its lock, and what an earlier run left
         out = output_dir(cfg)
         run_dir = RunDir(out).__enter__()
         try:
-            if not resume:
-                run_dir.check_fresh(overwrite, log)
+            replace = not resume and run_dir.check_fresh(overwrite)
         except BaseException:
             run_dir.__exit__()
             raise
-        return out, run_dir
+        return out, run_dir, replace
     try:
         claimed = on_main(w, claim)
     except RunDirError as e:
         raise RunError(str(e)) from None
-    out, run_dir = claimed if w.is_main else (Path(cfg.output.dir or Path("runs") / "run"), None)
+    replace = claimed[2]
+    out, run_dir = claimed[:2] if w.is_main else (Path(cfg.output.dir or Path("runs") / "run"), None)
     try:
         s = open_session(cfg, out, log, w)
         try:
             if w.size > 1:
                 check_agreement(w, _run_facts(s))
-            return _train(s, progress, resume)
+            replaced = on_main(w, lambda: run_dir.set_aside(log)) if replace else None
+            return _train(s, progress, resume, interrupt, replaced)
         finally:
             s.close()
     finally:
@@ -570,12 +561,15 @@ def _run_facts(s: Session) -> dict[str, str]:
                                                info.get("ffi_sha256")]).encode()).hexdigest()[:16]}
 
 
-def _train(s: Session, progress: bool, resume: str | bool | None) -> RunResult:
+def _train(s: Session, progress: bool, resume: str | bool | None, interrupt: Interrupt,
+           replaced: Path | None = None) -> RunResult:
     total = s.total_steps()
     step, start = 0, (0, 0)
     main = s.world.is_main
+    where = None
     if resume:       # checked against the checkpoint before anything of the run is rewritten
-        where = on_main(s.world, lambda: find_checkpoint(s.out / "checkpoints", resume))
+        where = on_main(s.world, lambda: find_checkpoint(s.out, resume, s.log))
+    if where is not None:
         state = resume_from(s, where, total)
         step, start, run_id = state.step, (state.epoch, state.position), state.run_id
         if step >= total:
@@ -593,30 +587,44 @@ def _train(s: Session, progress: bool, resume: str | bool | None) -> RunResult:
     if progress:
         from tqdm import tqdm
         bar = tqdm(total=total, initial=step, unit="step", dynamic_ncols=True, file=sys.stderr)
-    loop = Loop(s, total, step, bar, run_id)
-    if resume:
+    loop = Loop(s, total, step, bar, run_id, replaced)
+    if where is not None:
         loop.saved_step = step                 # that checkpoint exists: not written again
-    else:
-        loop.validate()                        # the base model's metrics: the "before"
     try:
-        with Interrupt() as interrupt:
-            loop.run(start, interrupt)
-    except NonFiniteLoss as e:
-        stopped = (f"stopped at step {loop.step + 1}: {e}; kept the adapter from step "
-                   f"{loop.step}")
-        if main:
+        if where is None:
+            loop.validate()                    # the base model's metrics: the "before"
+        interrupt.training()
+        s.trainer.hold = interrupt.holding
+        loop.run(start, interrupt)
+        if loop.step > step or where is None:  # a resumed run with nothing left to do
+            loop.validate()                    # writes nothing new
+        if loop.saved_step != loop.step:
+            loop.checkpoint()
+        elif main and not loop.adapter_path.exists():
             save_adapter(s.model, s.adapter, loop.adapter_path, s.cfg.output.formats)
-        loop.record({"step": loop.step + 1, "stopped": stopped})
-        loop.close()
-        raise RunError(f"{stopped}: {loop.adapter_path}") from None
+    except NonFiniteLoss as e:
+        _stop_on_nan(s, loop, e)
+    except KeyboardInterrupt:                  # a second Ctrl-C / SIGTERM dropped a step
+        if s.world.size > 1 or interrupt.hard:
+            loop.close()
+            raise
+        loop.stop_at_once(interrupt)
     except BaseException:
         loop.close()
         raise
-    if loop.step > step or not resume:         # a resumed run with nothing left to do
-        loop.validate()                        # writes nothing new
-    if loop.saved_step != loop.step:
-        loop.checkpoint()
-    elif main and not loop.adapter_path.exists():
-        save_adapter(s.model, s.adapter, loop.adapter_path, s.cfg.output.formats)
     loop.close()
     return RunResult(s.out, loop.adapter_path, loop.step, loop.last_eval)
+
+
+def _stop_on_nan(s: Session, loop: Loop, e: NonFiniteLoss) -> None:
+    """Keep the last good adapter, record where the run stopped, raise the error that says
+    so (a failure writing the adapter is added to it, never put in its place)."""
+    stopped = f"stopped at step {loop.step + 1}: {e}; kept the adapter from step {loop.step}"
+    try:
+        if s.world.is_main:
+            save_adapter(s.model, s.adapter, loop.adapter_path, s.cfg.output.formats)
+        loop.record({"step": loop.step + 1, "stopped": stopped})
+    except Exception as err:
+        stopped = f"{stopped} (but it could not be written: {err})"
+    loop.close()
+    raise RunError(f"{stopped}: {loop.adapter_path}") from None

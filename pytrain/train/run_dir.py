@@ -8,8 +8,13 @@ the wrong one.  So:
 * a lock file (``.pytrain.lock``, held with ``flock`` for the run's life, naming its pid)
   stops a second run in the same folder;
 * a fresh run into a folder with an earlier run's checkpoints, metrics or adapter is refused
-  unless resumed (``--resume``) or replaced (``--overwrite``, which deletes the earlier run's
-  files and says which);
+  unless resumed (``--resume``) or replaced (``--overwrite``).  ``--overwrite`` touches nothing
+  until the new run has been checked whole (config, data, model, targets: ``run.train``), then
+  moves the earlier run's files into ``replaced-TIME/`` and deletes that once the new run has
+  written its first checkpoint: a new run that fails early leaves the earlier one complete;
+* an earlier run that stopped before it wrote a checkpoint (killed, or an error at its first
+  step) has nothing to continue from: ``--resume`` starts it again from step 0, and a fresh
+  run is told so;
 * each run has an id, written into every checkpoint's ``state.json``; a run prunes only its
   own checkpoints (``checkpoint.save``).
 """
@@ -18,6 +23,7 @@ from __future__ import annotations
 import fcntl
 import os
 import shutil
+import time
 import uuid
 from pathlib import Path
 
@@ -67,6 +73,9 @@ class RunDir:
             os.close(self._fd)
             self._fd = None
 
+    def has_checkpoint(self) -> bool:
+        return any((p / "state.json").exists() for p in (self.out / "checkpoints").glob("step-*"))
+
     def earlier_run(self) -> str | None:
         """What an earlier run left here, in words, or None for a folder a run may start in.
         A config.toml or data_stats.json alone (a run refused before it trained) is none."""
@@ -82,25 +91,45 @@ class RunDir:
             found.append("an adapter")
         return ", ".join(found) or None
 
-    def check_fresh(self, overwrite: bool, log) -> None:
-        """Before a fresh (not resumed) run: refuse an earlier run's folder, or, with
-        ``overwrite``, delete the earlier run's files."""
+    def check_fresh(self, overwrite: bool) -> bool:
+        """Before a fresh (not resumed) run: refuse an earlier run's folder unless
+        ``overwrite``.  True when there is an earlier run to replace (``set_aside``, once the
+        new run is checked)."""
         earlier = self.earlier_run()
         if earlier is None:
-            return
-        if not overwrite:
+            return False
+        if overwrite:
+            return True
+        if not self.has_checkpoint():
             raise RunDirError(
-                f"{self.out} holds an earlier run ({earlier}): continue it with --resume, "
-                f"replace it with --overwrite (deletes its checkpoints, metrics and adapter), "
-                f"or set another output.dir")
-        removed = []
+                f"{self.out} holds an earlier run that stopped before writing a checkpoint "
+                f"({earlier}): start it again from step 0 with --resume, replace it with "
+                f"--overwrite, or set another output.dir")
+        raise RunDirError(
+            f"{self.out} holds an earlier run ({earlier}): continue it with --resume, "
+            f"replace it with --overwrite (deletes its checkpoints, metrics and adapter), "
+            f"or set another output.dir")
+
+    def set_aside(self, log) -> Path:
+        """Move the earlier run's files into ``replaced-TIME/`` (deleted by ``drop_replaced``
+        once the new run has a checkpoint)."""
+        aside = self.out / time.strftime("replaced-%Y%m%d-%H%M%S")
+        n = 1
+        while aside.exists():
+            n += 1
+            aside = self.out / time.strftime(f"replaced-%Y%m%d-%H%M%S-{n}")
+        aside.mkdir()
+        moved = []
         for name in RUN_FILES:
-            p = self.out / name
-            if p.is_dir():
-                shutil.rmtree(p)
-            elif p.exists():
-                p.unlink()
-            else:
-                continue
-            removed.append(name)
-        log(f"--overwrite: deleted the earlier run in {self.out} ({', '.join(removed)})")
+            if (self.out / name).exists():
+                os.replace(self.out / name, aside / name)
+                moved.append(name)
+        log(f"--overwrite: moved the earlier run in {self.out} ({', '.join(moved)}) to {aside}; "
+            f"it is deleted when this run writes its first checkpoint")
+        return aside
+
+
+def drop_replaced(aside: Path, log) -> None:
+    """The new run has a checkpoint: the earlier run it replaces goes."""
+    shutil.rmtree(aside, ignore_errors=True)
+    log(f"--overwrite: deleted the earlier run ({aside}) now that this run has a checkpoint")

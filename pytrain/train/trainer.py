@@ -3,6 +3,7 @@ over the whole optimizer step, NaN stops before any parameter changes.  Evaluati
 (no optimizer state) is ``pytrain.train.evaluate.Evaluator``."""
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass
@@ -62,6 +63,9 @@ class Trainer:
         self.max_graphs = max_graphs
         self._auto: dict[tuple[int, int], bool] = {}
         self.evaluator = Evaluator(model, adapter, self.world, max_eval_graphs)
+        # the optimizer update runs inside hold(): the run's Interrupt lets no second Ctrl-C
+        # stop it half way (a checkpoint must never hold half an update)
+        self.hold = contextlib.nullcontext
 
     @property
     def eval_graphs(self) -> dict:
@@ -149,7 +153,8 @@ class Trainer:
         norm = self.opt.grad_norm()
         if not math.isfinite(norm):
             raise NonFiniteLoss(f"gradient norm is {norm}")
-        clip = self.opt.step(lr, norm)
+        with self.hold():
+            clip = self.opt.step(lr, norm)
         return StepResult(total, n_step, norm, clip, lr, tokens, time.perf_counter() - t0,
                           t_comm)
 
