@@ -9,6 +9,7 @@ against ((a + b) + c) + d) by the rounding of that regrouping, and the adapter b
 own bound (tests/bounds.py)."""
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -232,8 +233,12 @@ def test_a_failing_rank_ends_the_job(tmp_path, how):
     took = time.time() - float(stamp.read_text())
     text = r.stdout + r.stderr
     assert r.returncode != 0, text[-2000:]
-    if how == "raise":
+    kept = tmp_path / "run" / "error-rank-1.log"
+    if how == "raise":       # said on stderr, and kept where no launcher can lose it
         assert "[rank 1 on" in text and "planted failure at step 4" in text, text[-2000:]
+        assert "planted failure at step 4" in kept.read_text()
+        assert named_file(r.stderr) == kept.resolve(), r.stderr[-2000:]
+        assert r.stderr.count("planted failure at step 4") == 1, r.stderr[-3000:]  # said once
     else:
         assert "rank 1" in text.lower() or "killed" in text.lower(), text[-2000:]
     assert took < 10, (took, text[-2000:])
@@ -241,6 +246,7 @@ def test_a_failing_rank_ends_the_job(tmp_path, how):
         sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
     run(tmp_path, 2, cfg, "--resume")
     assert [s["step"] for s in steps(tmp_path / "run")] == list(range(1, 7))
+    assert not kept.exists()         # the run that failed is not the one that finished
 
 
 def test_sigint_stops_every_rank_after_the_same_step(tmp_path):
@@ -264,12 +270,48 @@ def test_sigint_stops_every_rank_after_the_same_step(tmp_path):
     assert (tmp_path / "run" / "checkpoints" / f"step-{done:07d}" / "state.json").exists()
 
 
+def named_file(stderr: str) -> Path | None:
+    """The file a message on stderr says it was also written to."""
+    m = re.search(r"\(also in (.+?)\)$", stderr, re.M)
+    return Path(m.group(1)).resolve() if m else None
+
+
+def assert_ended_together(r, *words: str, kept: Path | None):
+    """Every rank stopped at the same point and left normally, code 1: the message once
+    (rank 0's), no MPI_Abort, and the message in ``kept`` (the run folder's error.log) as
+    well."""
+    assert r.returncode == 1, (r.returncode, r.stderr[-3000:])
+    assert "MPI_Abort" not in r.stderr and "[rank" not in r.stderr, r.stderr[-3000:]
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1 and all(w in lines[0] for w in words), r.stderr[-3000:]
+    if kept is not None:
+        assert all(w in kept.read_text() for w in words), kept.read_text()
+        assert named_file(r.stderr) == kept.resolve(), r.stderr[-3000:]
+
+
 def test_a_rank_with_other_data_is_refused_at_start(tmp_path):
+    """The ranks compare what they see (check_agreement): each gets the same answer from one
+    allgather, so the job ends normally and the message cannot be lost to an abort."""
     cfg = write_run(tmp_path, "run")
     (tmp_path / "other.jsonl").write_text((tmp_path / "train.jsonl").read_text()
                                           .replace("moo", "muh"))
     r = run(tmp_path, 2, cfg, env={"RANK_DATA": f"1:{tmp_path / 'other.jsonl'}"}, check=False,
             timeout=120)
-    assert r.returncode != 0
-    assert "rank 1 on" in r.stderr and "training data" in r.stderr, r.stderr[-2000:]
+    assert_ended_together(r, "rank 1 on", "training data", kept=tmp_path / "run" / "error.log")
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("what", ["config", "data on one rank", "nan"])
+def test_an_error_every_rank_learns_of_ends_the_job_normally(tmp_path, what):
+    """A config error (every rank loads the config, then they compare how it went), a data
+    file only rank 1 cannot read (the same: the others learn it from the allgather, not by
+    waiting), a NaN loss (found after the all-reduce, so by every rank): rank 0 says it once,
+    every rank exits 1 through MPI_Finalize."""
+    cfg = write_run(tmp_path, "run", lr=1e30 if what == "nan" else 5e-3)
+    args = ["--set", "train.lr=abc"] if what == "config" else []
+    env = {"RANK_DATA": f"1:{tmp_path / 'missing.jsonl'}"} if what == "data on one rank" else {}
+    r = run(tmp_path, 2, cfg, *args, env=env, check=False, timeout=120)
+    words, kept = {"config": (["train.lr", "abc"], None),     # no config: no run folder known
+                   "data on one rank": (["rank 1 on", "missing.jsonl"], "error.log"),
+                   "nan": (["stopped at step 2:", "kept the adapter from step 1"], "error.log")}[what]
+    assert_ended_together(r, *words, kept=kept and tmp_path / "run" / kept)

@@ -34,32 +34,38 @@ def _profile(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
+    """Under an MPI launcher, how the job ends is decided by where the error was raised
+    (pytrain.train.distributed): a ``CollectiveError`` reached every rank at the same point and
+    ends the job normally, said once by rank 0; any other error may be this rank's alone and
+    aborts the job, so that no rank waits for it forever."""
     from pytrain.train import run
-    from pytrain.train.distributed import world
-    cfg = _config(args)
+    from pytrain.train.distributed import CollectiveError, agree, world
     w = world()
+    cfg = None
     try:
+        cfg = agree(w, lambda: _config(args))
         res = run.train(cfg, progress=not args.no_progress, resume=args.resume,
                         overwrite=args.overwrite)
     except run.Interrupted as e:           # every rank stopped after the same step
         if w.is_main:
             print(f"error: {e}", file=sys.stderr)
         return 130
+    except CollectiveError as e:
+        if w.size == 1:
+            raise
+        return w.end_together(f"error: {e}", e.code, cfg and run.run_folder(cfg))
     except BaseException as e:
-        if w.size > 1:    # one rank's failure ends the job: no rank may wait for it forever
+        if w.size > 1:
             import traceback
             what = (f"error: {e}" if isinstance(e, PytrainError) else
                     "stopped at once by a second interrupt" if isinstance(e, KeyboardInterrupt)
                     else "".join(traceback.format_exception(e)).rstrip())
-            w.abort(what, 130 if isinstance(e, KeyboardInterrupt) else 1)
+            w.abort(what, 130 if isinstance(e, KeyboardInterrupt) else 1,
+                    cfg and run.run_folder(cfg))
         if isinstance(e, run.RunError):
             print(f"error: {e}", file=sys.stderr)
             return 1
-        if isinstance(e, KeyboardInterrupt):
-            print("error: stopped at once by a second interrupt; the newest checkpoint in "
-                  "checkpoints/ is intact (resume with --resume)", file=sys.stderr)
-            return 130
-        raise
+        raise           # a KeyboardInterrupt before the run's own handling: main() says it
     if not w.is_main:
         return 0
     print(f"adapter:  {res.adapter}")

@@ -21,7 +21,9 @@ from pytrain import ggml
 from pytrain.errors import PytrainError
 from pytrain.formats import atomic
 from pytrain.train import checkpoint as ckpt
-from pytrain.train.distributed import World, check_agreement, world as get_world
+from pytrain.train.distributed import (CollectiveError, RanksDisagree, World, agree,
+                                       check_agreement, forget_messages, on_main,
+                                       world as get_world)
 from pytrain.train.interrupt import Interrupt
 from pytrain.train.metrics import plot_losses, read_metrics
 from pytrain.train.run_dir import RunDir, RunDirError, drop_replaced, new_run_id
@@ -39,9 +41,15 @@ class RunError(PytrainError, RuntimeError):
     """A run that cannot start or had to stop; the message says why and what was kept."""
 
 
-class Interrupted(RunError):
+class Interrupted(RunError, CollectiveError):
     """Ctrl-C or SIGTERM: the run stopped; the message says after which step and what it
-    saved."""
+    saved (every rank: they agree after each step whether any was interrupted)."""
+    code = 130
+
+
+class NonFiniteStop(RunError, CollectiveError):
+    """A step's loss or gradient norm was NaN or inf: every rank sees it in the same summed
+    values (after the all-reduce), so every rank stops."""
 
 
 @dataclass
@@ -52,8 +60,13 @@ class RunResult:
     final_eval: dict | None
 
 
+def run_folder(cfg: Config) -> Path:
+    """The run's output folder (``output.dir``), whether or not it exists yet."""
+    return Path(cfg.output.dir or Path("runs") / "run")
+
+
 def output_dir(cfg: Config) -> Path:
-    out = Path(cfg.output.dir or Path("runs") / "run")
+    out = run_folder(cfg)
     try:
         out.mkdir(parents=True, exist_ok=True)
         probe = out / ".write-test"
@@ -227,24 +240,9 @@ def find_checkpoint(out: Path, resume: str | bool, log: Callable[[str], None]) -
 def resume_from(s: Session, where: Path, total: int) -> ckpt.TrainState:
     """Load checkpoint ``where`` into the session; refuse one whose data position would mean
     other batches; drop metrics past its step."""
-    state, tensors, moments = on_main(s.world, lambda: ckpt.load(where, s.cfg.model.path))
-    if state.resume_key is not None and "train.grad_accum" in state.resume_key:
-        key = dict(state.resume_key)          # saved by a single process before ranks existed
-        key[MICRO_BATCHES] = key.pop("train.grad_accum")
-        state.resume_key = key
-    if state.resume_key is None:
-        s.log(f"warning: {where} predates resume checks; the data and batch settings cannot "
-              f"be compared with the checkpoint's")
-    else:
-        now = s.resume_key()
-        changed = [k for k in now if state.resume_key.get(k) != now[k]]
-        if changed:
-            what = "; ".join(
-                f"{k}: {_short(state.resume_key.get(k))} -> {_short(now[k])}" for k in changed)
-            raise RunError(
-                f"cannot resume from {where}: {what}. The checkpoint's position in the data "
-                f"would point at other batches. Restore the setting, or start a new run "
-                f"(another output.dir)")
+    # loaded and checked on rank 0, its verdict on every rank
+    state, tensors, moments = on_main(s.world, lambda: _check_resume_key(
+        s, where, ckpt.load(where, s.cfg.model.path)))
     if state.total_steps is not None and state.total_steps != total:
         t = s.cfg.train
         before = schedule(t.schedule, state.step, state.total_steps, t.lr, t.warmup)
@@ -284,22 +282,28 @@ def cut_back(s: Session, where: Path, step: int) -> None:
     atomic.write_bytes(metrics, "".join(json.dumps(r) + "\n" for r in kept).encode())
 
 
-def on_main(w: World, fn):
-    """``fn()`` on rank 0 (what reads or writes the run folder, which may exist there only),
-    its result broadcast to every rank; a failure there is raised on every rank, so that no
-    rank waits in a collective for one that has stopped."""
-    if w.size == 1:
-        return fn()
-    got = None
-    if w.is_main:
-        try:
-            got = ("ok", fn())
-        except (PytrainError, OSError) as e:
-            got = ("error", str(e))
-    got = w.bcast(got)
-    if got[0] == "error":
-        raise RunError(got[1])
-    return got[1]
+def _check_resume_key(s: Session, where: Path, loaded: tuple):
+    """``loaded`` (a checkpoint's state, tensors, moments), or a RunError where its data
+    position would mean other batches now."""
+    state = loaded[0]
+    if state.resume_key is not None and "train.grad_accum" in state.resume_key:
+        key = dict(state.resume_key)          # saved by a single process before ranks existed
+        key[MICRO_BATCHES] = key.pop("train.grad_accum")
+        state.resume_key = key
+    if state.resume_key is None:
+        s.log(f"warning: {where} predates resume checks; the data and batch settings cannot "
+              f"be compared with the checkpoint's")
+    else:
+        now = s.resume_key()
+        changed = [k for k in now if state.resume_key.get(k) != now[k]]
+        if changed:
+            what = "; ".join(
+                f"{k}: {_short(state.resume_key.get(k))} -> {_short(now[k])}" for k in changed)
+            raise RunError(
+                f"cannot resume from {where}: {what}. The checkpoint's position in the data "
+                f"would point at other batches. Restore the setting, or start a new run "
+                f"(another output.dir)")
+    return loaded
 
 
 def _short(v) -> str:
@@ -377,8 +381,9 @@ class Loop:
             digests = s.world.allgather((s.world.name, digest))
             differ = [n for n, d in digests if d != digests[0][1]]
             if differ:
-                raise RunError(f"the adapter of {', '.join(differ)} differs from rank 0's at "
-                               f"step {self.step}: the ranks went apart (a bug); not saved")
+                raise RanksDisagree(f"the adapter of {', '.join(differ)} differs from rank 0's "
+                                    f"at step {self.step}: the ranks went apart (a bug); not "
+                                    f"saved")
         if not self.main:
             self.saved_step = self.step
             return where
@@ -489,12 +494,8 @@ def train(cfg: Config, progress: bool = True, log=print, resume: str | bool | No
     Under an MPI launcher every rank calls this; rank 0 alone writes (distributed).
     Ctrl-C and SIGTERM are handled as ``pytrain.train.interrupt`` says, on the main thread
     only: called from another thread, the run handles no signal (and says so)."""
-    if cfg.lora.dropout > 0:
-        raise RunError("lora.dropout > 0 is not supported yet (ggml has no random op to draw "
-                       "dropout masks inside the graph); set lora.dropout = 0")
-    if resume and overwrite:
-        raise RunError("--overwrite starts a new run and --resume continues one: pass one")
     w = get_world()
+    agree(w, lambda: _refuse_unsupported(cfg, resume, overwrite))
     if not w.is_main:
         log, progress = (lambda *a, **k: None), False
 
@@ -511,7 +512,7 @@ def train(cfg: Config, progress: bool = True, log=print, resume: str | bool | No
         except KeyboardInterrupt:
             if not one:
                 raise
-            newest = ckpt.latest(Path(cfg.output.dir or Path("runs") / "run") / "checkpoints")
+            newest = ckpt.latest(run_folder(cfg) / "checkpoints")
             raise Interrupted(
                 "stopped at once by a further interrupt; " +
                 (f"the newest checkpoint, {newest}, is intact (resume with --resume)" if newest
@@ -536,9 +537,11 @@ def _claim_and_train(cfg: Config, w: World, log, progress: bool, resume, overwri
     except RunDirError as e:
         raise RunError(str(e)) from None
     replace = claimed[2]
-    out, run_dir = claimed[:2] if w.is_main else (Path(cfg.output.dir or Path("runs") / "run"), None)
+    out, run_dir = claimed[:2] if w.is_main else (run_folder(cfg), None)
+    if w.is_main:
+        forget_messages(out)        # an earlier attempt's error.log is not this run's
     try:
-        s = open_session(cfg, out, log, w)
+        s = agree(w, lambda: open_session(cfg, out, log, w), undo=Session.close)
         try:
             if w.size > 1:
                 check_agreement(w, _run_facts(s))
@@ -549,6 +552,14 @@ def _claim_and_train(cfg: Config, w: World, log, progress: bool, resume, overwri
     finally:
         if run_dir is not None:
             run_dir.__exit__()
+
+
+def _refuse_unsupported(cfg: Config, resume, overwrite: bool) -> None:
+    if cfg.lora.dropout > 0:
+        raise RunError("lora.dropout > 0 is not supported yet (ggml has no random op to draw "
+                       "dropout masks inside the graph); set lora.dropout = 0")
+    if resume and overwrite:
+        raise RunError("--overwrite starts a new run and --resume continues one: pass one")
 
 
 def _run_facts(s: Session) -> dict[str, str]:
@@ -627,4 +638,4 @@ def _stop_on_nan(s: Session, loop: Loop, e: NonFiniteLoss) -> None:
     except Exception as err:
         stopped = f"{stopped} (but it could not be written: {err})"
     loop.close()
-    raise RunError(f"{stopped}: {loop.adapter_path}") from None
+    raise NonFiniteStop(f"{stopped}: {loop.adapter_path}") from None
