@@ -66,7 +66,9 @@ class RecomputeGraph:
     shared accumulators and returns its share of the step loss."""
 
     def __init__(self, model: Model, adapter: LoraAdapter, B: int, T: int,
-                 opt_state: OptimizerState | None = None):
+                 opt_state: OptimizerState | None = None, measure_only: bool = False):
+        """``measure_only``: graphs only measured (``pytrain plan``), never run: the layer
+        inputs kept between graphs, B·T·n_embd floats per layer, are not allocated."""
         cfg, rt = model.config, model.runtime
         self.model, self.adapter = model, adapter
         self.opt_state = opt_state or OptimizerState(rt, adapter.params())
@@ -86,8 +88,9 @@ class RecomputeGraph:
                    for l in range(self.l0, L + 1)}
         self.gs = [lib.ggml_new_tensor_2d(self.pctx.ptr, f32, E, N) for _ in range(2)]
         self.seed = lib.ggml_new_tensor_1d(self.pctx.ptr, f32, 1)
-        self.pbuf = rt.alloc(self.pctx)
-        ggml.from_numpy(self.seed, np.ones(1, np.float32))
+        self.pbuf = rt.alloc(self.pctx, measure_only=measure_only)
+        if not measure_only:
+            ggml.from_numpy(self.seed, np.ones(1, np.float32))
         self.params = {ggml.address(p): p for p in adapter.params()}
         size = model.arch.layer_budget(cfg, T)
 
@@ -110,7 +113,7 @@ class RecomputeGraph:
         hg = _Graph(4096, grads=True)
         lib.ggml_set_param(self.xs[L])
         logits = g.head(hg.c, self.xs[L], self.inp, B, T, self.rows)
-        self.ce = loss_mod.build(rt, hg.c, logits, cfg.n_vocab, self.rows)
+        self.ce = loss_mod.build(rt, hg.c, logits, cfg.n_vocab, self.rows, measure_only)
         gf = ggml.new_graph(hg.ctx, 4096, grads=True)
         lib.ggml_build_forward_expand(gf, self.ce.loss)
         hg.graph = ggml.build_backward(hg.ctx, gf, self.ce.loss,
