@@ -677,7 +677,7 @@ class Runtime:
         placed elsewhere, as it does weights.  ``pytrain plan`` sizes a run whose layer inputs
         alone may exceed the machine's memory this way."""
         if measure_only:
-            stand_in = self.alloc_buffer(64)
+            stand_in = self.alloc_buffer(64, on_cpu=on_cpu)     # where the scheduler looks
             for t in ctx.tensors():
                 t.data = _PLACEHOLDER
                 t.buffer = stand_in

@@ -207,6 +207,16 @@ def test_export_a_gguf_adapter_as_a_peft_folder(tmp_path, capsys):
                              base_model_name_or_path=base.name, model_config=cfg, arch="qwen35")
     for f in (CONFIG_NAME, WEIGHTS_NAME):
         assert (tmp_path / "peft" / f).read_bytes() == (ref / f).read_bytes(), f
+    # a folder of other files (a run folder, say) is never replaced by the PEFT folder
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_text("{}\n")
+    assert main(["export", str(base), "--adapter", str(ad), "--format", "peft",
+                 "-o", str(tmp_path / "run")]) == 1
+    assert "holds other files (metrics.jsonl)" in capsys.readouterr().err
+    assert [p.name for p in (tmp_path / "run").iterdir()] == ["metrics.jsonl"]
+    assert main(["export", str(base), "--adapter", str(ad), "--format", "peft",
+                 "-o", str(tmp_path / "peft")]) == 0          # an earlier PEFT folder: replaced
+    capsys.readouterr()
     # neither --merge nor --format: both are named
     assert main(["export", str(base), "--adapter", str(ad), "-o", str(tmp_path / "x")]) == 2
     assert "--format peft" in capsys.readouterr().err

@@ -147,6 +147,13 @@ def _output_problem(out, folder: bool) -> str | None:
         return f"is a folder; give the merged model's file name (for example {out / 'merged.gguf'})"
     if out.exists() and folder and not out.is_dir():
         return "is a file; give a folder for the PEFT adapter"
+    if folder and out.is_dir():      # the folder is replaced whole: never a folder of other files
+        from pytrain.formats.adapter_peft import CONFIG_NAME, WEIGHTS_NAME
+        others = sorted(p.name for p in out.iterdir() if p.name not in (CONFIG_NAME, WEIGHTS_NAME))
+        if others:
+            more = ", ..." if len(others) > 3 else ""
+            return (f"holds other files ({', '.join(others[:3])}{more}), which writing the "
+                    f"PEFT folder would delete; give a new folder")
     for parent in out.parents:
         if parent.exists():
             return None if parent.is_dir() else f"{parent} is a file, not a folder"
