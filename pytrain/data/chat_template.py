@@ -222,7 +222,8 @@ def wants_string_content(template: str) -> bool:
     def probe(content: Any) -> str | None:
         try:
             return compile_template(template).render(
-                messages=[{"role": "user", "content": content}], add_generation_prompt=False)
+                messages=[{"role": "user", "content": content}], add_generation_prompt=False,
+                bos_token="", eos_token="", pad_token="")     # as transformers passes them
         except Exception:
             return None
     as_string = probe(_PROBE)
