@@ -520,6 +520,29 @@ class DeviceError(PytrainError, ValueError):
     """A device that is not there or not known."""
 
 
+class OutOfMemoryError(PytrainError, MemoryError):
+    """A buffer the device could not give: the run needs more memory than it has."""
+
+
+class SettingError(PytrainError, ValueError):
+    """An environment variable pytrain reads holds a value it cannot use."""
+
+
+def forced_threads() -> int | None:
+    """``PYTRAIN_THREADS``: the thread count every runtime uses (None: unset)."""
+    raw = os.environ.get("PYTRAIN_THREADS", "").strip()
+    if not raw:
+        return None
+    if not raw.isdigit() or int(raw) < 1:
+        raise SettingError(f"PYTRAIN_THREADS={raw!r}: expected a whole number of threads >= 1 "
+                           f"(or unset it)")
+    return int(raw)
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
+
+
 def _cuda_device(index: int = 0):
     """The ``index``-th GPU device (modulo their count) of a CUDA build (not one an RPC
     server serves), or None."""
@@ -554,6 +577,9 @@ class CPUFallbackError(PytrainError, RuntimeError):
     """A GPU run would execute some ops on the CPU, copying their inputs every step."""
 
 
+_PLACEHOLDER = ffi.cast("void *", 1 << 20)   # data of measured-only tensors: never dereferenced
+
+
 class Runtime:
     """Backends plus a scheduler: the primary backend (GPU when chosen) first, CPU last.
 
@@ -571,8 +597,7 @@ class Runtime:
                               f"{device!r}")
         # PYTRAIN_THREADS overrides every runtime's thread count, configs and callers
         # included: for running a whole test suite or benchmark at another count
-        forced = os.environ.get("PYTRAIN_THREADS", "")
-        self.threads = int(forced) if forced else (threads or default_threads())
+        self.threads = forced_threads() or threads or default_threads()
         self.allow_cpu_fallback = allow_cpu_fallback
         gpu = None
         if device.startswith("rpc:"):
@@ -665,12 +690,27 @@ class Runtime:
             pass
 
     # -- persistent tensors (weights, adapters, optimizer state)
-    def alloc(self, ctx: Context, on_cpu: bool = False):
-        """Allocate every tensor of ``ctx`` in one buffer of the primary (or CPU) backend."""
+    def alloc(self, ctx: Context, on_cpu: bool = False, measure_only: bool = False):
+        """Allocate every tensor of ``ctx`` in one buffer of the primary (or CPU) backend.
+
+        ``measure_only``: allocate nothing; the tensors get a placeholder data pointer in a
+        tiny stand-in buffer (returned, freed like a real one), so graphs over them can be
+        built and measured (``reserve_sizes``), never computed: the allocator counts them as
+        placed elsewhere, as it does weights.  ``pytrain plan`` sizes a run whose layer inputs
+        alone may exceed the machine's memory this way."""
+        if measure_only:
+            stand_in = self.alloc_buffer(64, on_cpu=on_cpu)     # where the scheduler looks
+            for t in ctx.tensors():
+                t.data = _PLACEHOLDER
+                t.buffer = stand_in
+            return stand_in
         backend = self.cpu if on_cpu else self.primary
         buf = lib.ggml_backend_alloc_ctx_tensors(ctx.ptr, backend)
         if buf == ffi.NULL:
-            raise MemoryError("could not allocate the backend buffer for a context")
+            need = sum(int(lib.ggml_nbytes(t)) for t in ctx.tensors())
+            raise OutOfMemoryError(f"out of memory: could not allocate {_gib(need)} on "
+                                   f"{self.device} (`pytrain plan CONFIG` shows what a run "
+                                   f"needs and whether it fits)")
         self._buffers.append(buf)
         _LIVE["buffers"] += 1
         return buf
@@ -682,7 +722,8 @@ class Runtime:
         buf = lib.ggml_backend_buft_alloc_buffer(lib.ggml_backend_get_default_buffer_type(backend),
                                                  n_bytes)
         if buf == ffi.NULL:
-            raise MemoryError(f"could not allocate a backend buffer of {n_bytes} bytes")
+            raise OutOfMemoryError(f"out of memory: could not allocate a buffer of "
+                                   f"{_gib(n_bytes)} on {self.device}")
         self._buffers.append(buf)
         _LIVE["buffers"] += 1
         return buf
@@ -747,7 +788,10 @@ class Runtime:
                 if t.flags & lib.GGML_TENSOR_FLAG_INPUT:
                     lib.ggml_backend_sched_set_tensor_backend(self.sched, t, self.primary)
         if not lib.ggml_backend_sched_alloc_graph(self.sched, graph):
-            raise MemoryError("ggml_backend_sched_alloc_graph failed")
+            raise OutOfMemoryError(f"out of memory: could not allocate a graph's compute "
+                                   f"buffer on {self.device} (`pytrain plan CONFIG` shows "
+                                   f"what a run needs; train.recompute = \"layers\" or a "
+                                   f"smaller batch needs less)")
         self._current = address(graph)
         if self.gpu is not None and not self.allow_cpu_fallback:
             fb = self.cpu_fallbacks(graph)
@@ -774,7 +818,8 @@ class Runtime:
         if galloc == ffi.NULL or not lib.ggml_gallocr_alloc_graph(galloc, graph):
             if galloc != ffi.NULL:
                 lib.ggml_gallocr_free(galloc)
-            raise MemoryError("could not allocate a kept graph")
+            raise OutOfMemoryError(f"out of memory: could not allocate a kept graph on "
+                                   f"{self.device}")
         self._gallocs.append(galloc)
         _LIVE["kept graph allocators"] += 1
         return galloc

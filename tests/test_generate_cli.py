@@ -169,4 +169,5 @@ def test_chat_template_from_a_file(tmp_path, capsys):
     assert "rendered by the file" in capsys.readouterr().err
     bare = with_keys(MODEL, tmp_path / "no-template.gguf", {"tokenizer.chat_template": ""})
     assert main(["generate", str(bare), *COMMON, "--prompt", PROMPT]) != 0
-    assert "has no chat template: pass --chat-template FILE" in capsys.readouterr().err
+    assert "has no chat template: pass --chat-template NAME (built-in: gemma) or FILE" in \
+        capsys.readouterr().err

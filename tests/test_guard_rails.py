@@ -60,6 +60,8 @@ SAVER = textwrap.dedent("""
 
     fp = ckpt.base_fingerprint(model)
     big = {"m.x": np.random.default_rng(0).normal(size=(300_000,)).astype(np.float32)}
+    for k, v in Adapter(0).t.items():      # a moment per adapter tensor, as load checks
+        big["m." + k] = big["v." + k] = np.zeros_like(v)
     def save(step, version):
         ckpt.save(folder, step, Adapter(version), big,
                   ckpt.TrainState(step, 0, step, version, fp), keep=3, arch="qwen35")

@@ -61,3 +61,14 @@ def test_inspect_not_a_gguf(tmp_path, capsys):
     p.write_text("hello")
     rc, _out, err = run(capsys, p)
     assert rc == 2 and f"{p}: not a GGUF file" in err
+
+
+def test_a_model_without_ssm_layers_lists_no_skip_ssm_variants(capsys):
+    """skip_ssm only matters where some layers are recurrent: a Llama lists each target set
+    once, without skip_ssm (it listed both variants, "(same tensors)")."""
+    from pathlib import Path
+    llama = Path(__file__).resolve().parent / "fixtures" / "llama" / "gqa-f32.gguf"
+    rc, out, _ = run(capsys, llama)
+    assert rc == 0 and "skip_ssm" not in out and "(same tensors)" not in out
+    assert "  default attn_q,attn_k,attn_v,attn_output: 12 tensors in layers 0, 1, 2;" in out
+    assert "  all: 21 tensors in layers 0, 1, 2;" in out

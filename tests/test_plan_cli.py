@@ -138,3 +138,44 @@ def test_errors_name_the_file_or_the_key(capsys, cfg, tmp_path):
     assert rc == 1 and "no_such_key" in out
     rc, out = plan(capsys, tmp_path / "nope.toml")
     assert rc == 1 and "nope.toml" in out
+
+
+DEMO = MODEL.parent.parent.parent.parent / "config" / "demo.toml"
+
+
+@pytest.mark.parametrize("max_seq_len", [32768, 100000])
+def test_a_sequence_too_long_for_memory_does_not_fit_without_allocating(capsys, monkeypatch,
+                                                                        max_seq_len):
+    """The demo config at 32768 and 100000 tokens: DOES NOT FIT (exit 3), not a failed
+    allocation of the layer inputs the plan only measures; nothing the plan allocates grows
+    with the sequence (the LoRA tensors, their optimizer state and a few small inputs), and
+    a length past the model's context is named."""
+    from pytrain import ggml
+    allocated = []
+    real_alloc = ggml.Runtime.alloc
+
+    def alloc(self, ctx, on_cpu=False, **kw):
+        if not kw.get("measure_only"):
+            allocated.append(sum(int(ggml.lib.ggml_nbytes(t)) for t in ctx.tensors()))
+        return real_alloc(self, ctx, on_cpu, **kw)
+    monkeypatch.setattr(ggml.Runtime, "alloc", alloc)
+    args = ("--set", f"data.max_seq_len={max_seq_len}", "--set", "train.memory_gib=16",
+            "--set", "model.device=cpu")
+    warning = (f"warning: data.max_seq_len = {max_seq_len} is longer than the model's context "
+               f"length (4096)")
+    if max_seq_len == 32768:
+        rc, out = plan(capsys, DEMO, *args)
+        assert rc == NOT_FIT, out
+        assert "DOES NOT FIT" in out and "Traceback" not in out and warning in out
+    else:
+        d = plan_json(capsys, DEMO, *args)
+        assert not d["fits"] and any(w.startswith(warning) for w in d["warnings"])
+        # the kept layer inputs (3 GiB per layer here) are measured, not allocated
+        assert d["layerwise"]["persistent"] > 6 * 8 * max_seq_len * 128 * 4
+    assert max(allocated) < 2**20
+
+
+def test_a_sequence_within_the_context_gets_no_warning(capsys):
+    rc, out = plan(capsys, DEMO, "--set", "model.device=cpu", "--set", "data.max_seq_len=4096")
+    assert rc in (0, NOT_FIT) and "batch:   8 x 4096" in out
+    assert "context length" not in out

@@ -299,3 +299,27 @@ dir = "out"
     arch, alpha, tensors, _ = read_lora_gguf(tmp_path / "out" / "adapter.gguf")
     assert arch == "llama" and alpha == 8.0 and len(tensors) == 2 * 4 * 30
     assert 'type_policy = "auto"' in (tmp_path / "out" / "config.toml").read_text()
+
+
+def test_content_parts_train_like_strings_with_its_template(gguf_path, tmp_path):
+    """SmolLM2's template joins `'...' + message['content']`: content given as a list of text
+    parts (which the data validator accepts) raised TypeError out of the run, even with
+    data.on_error = "skip".  The parts are joined (llama.cpp's rule for such templates), so
+    the record trains exactly as its string form."""
+    import json
+    from pytrain.data import load_examples
+    from pytrain.data.tokenizer import Tokenizer
+    from pytrain.formats.gguf_meta import read_metadata
+    tok = Tokenizer.from_metadata(read_metadata(gguf_path))
+    parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]},
+                          {"role": "assistant", "content": [{"type": "text", "text": "Hello!"}]}]}
+    plain = {"messages": [{"role": "user", "content": "hi"},
+                          {"role": "assistant", "content": "Hello!"}]}
+    p = tmp_path / "d.jsonl"
+    p.write_text(json.dumps(parts) + "\n" + json.dumps(plain) + "\n")
+    for on_error in ("stop", "skip"):
+        (a, b), stats = load_examples(p, tok, on_error=on_error)
+        assert stats.skipped == {}
+        assert a.tokens.tolist() == b.tokens.tolist()
+        assert a.train_mask.tolist() == b.train_mask.tolist()
+        assert tok.decode(a.tokens[a.train_mask]) == "Hello!<|im_end|>"

@@ -118,7 +118,8 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from pytrain.data.chat_template import ChatTemplateError, render
+    from pytrain.data.chat_template import ChatTemplateError, TemplateSecurityError, render
+    from pytrain.data.template_files import builtin_names, read_template
     from pytrain.models.model import load_model
     model = load_model(args.model, args.device, args.threads)
     tok = model.tokenizer
@@ -126,18 +127,20 @@ def _generate(args: argparse.Namespace) -> int:
     if args.raw:
         ids = tok.encode(args.prompt, add_special=True)
     else:
-        template = tok.chat_template
+        template, source = tok.chat_template, args.model
         if args.chat_template:
-            from pathlib import Path
-            template = Path(args.chat_template).read_text(encoding="utf-8")
+            template, source = read_template(args.chat_template, "--chat-template")
         elif not template:
             raise ChatTemplateError(f"{args.model} has no chat template: pass --chat-template "
-                                    f"FILE (pytrain/assets/chat_templates/gemma.jinja for "
-                                    f"Gemma) or --raw")
+                                    f"NAME (built-in: {', '.join(builtin_names())}) or FILE, "
+                                    f"or --raw")
         msgs = ([{"role": "system", "content": args.system}] if args.system else []) + \
             [{"role": "user", "content": args.prompt}]
-        text = render(template, msgs, add_generation_prompt=True,
-                      enable_thinking=False, **tok.special_tokens_map())
+        try:
+            text = render(template, msgs, add_generation_prompt=True,
+                          enable_thinking=False, **tok.special_tokens_map())
+        except TemplateSecurityError as e:
+            raise ChatTemplateError(f"the chat template of {source}: {e}") from None
         ids = tok.encode(text)
     out = model.generate(ids, args.max_new_tokens, args.temperature, args.seed,
                          lora=adapter.hook if adapter else None)
@@ -145,20 +148,49 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _output_problem(out, folder: bool) -> str | None:
+    """What is wrong with ``-o OUT`` before anything is written: an existing folder where a
+    file goes (or the reverse), a parent that is a file; None when it can be written."""
+    from pathlib import Path
+    out = Path(out)
+    if out.is_dir() and not folder:
+        return f"is a folder; give the merged model's file name (for example {out / 'merged.gguf'})"
+    if out.exists() and folder and not out.is_dir():
+        return "is a file; give a folder for the PEFT adapter"
+    if folder and out.is_dir():      # the folder is replaced whole: never a folder of other files
+        from pytrain.formats.adapter_peft import CONFIG_NAME, WEIGHTS_NAME
+        others = sorted(p.name for p in out.iterdir() if p.name not in (CONFIG_NAME, WEIGHTS_NAME))
+        if others:
+            more = ", ..." if len(others) > 3 else ""
+            return (f"holds other files ({', '.join(others[:3])}{more}), which writing the "
+                    f"PEFT folder would delete; give a new folder")
+    for parent in out.parents:
+        if parent.exists():
+            return None if parent.is_dir() else f"{parent} is a file, not a folder"
+    return None
+
+
 def _export(args: argparse.Namespace) -> int:
-    """Merge an adapter into its base model (``--merge``); the only export for now."""
+    """Merge an adapter into its base model (``--merge``), or write a GGUF adapter as a PEFT
+    folder (``--format peft``)."""
     from pathlib import Path
 
     from pytrain.formats.adapter_files import read_adapter
     from pytrain.formats.adapter_gguf import AdapterError
     from pytrain.formats.merge import MergeError, merge_adapter
     from pytrain.models.model_file import open_model
-    if not args.merge:
-        print("error: only `pytrain export MODEL --adapter ADAPTER --merge -o OUT.gguf` is "
-              "supported for now (merging the adapter into the base model); pass --merge",
-              file=sys.stderr)
+    fmt = args.format or ("merged" if args.merge else None)
+    if fmt is None or (args.merge and fmt != "merged"):
+        print("error: pass --merge (the adapter merged into the base model: -o OUT.gguf) or "
+              "--format peft (the adapter as a PEFT folder: -o DIR)", file=sys.stderr)
         return 2
+    problem = _output_problem(args.output, folder=fmt == "peft")
+    if problem:
+        print(f"error: -o/--output {args.output}: {problem}", file=sys.stderr)
+        return 1
     arch, _meta, _infos, config = open_model(args.model)
+    if fmt == "peft":
+        return _export_peft(args, arch, config)
     try:
         tensors, alpha = read_adapter(args.adapter, arch, config)
     except AdapterError as e:
@@ -170,8 +202,31 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export_peft(args: argparse.Namespace, arch: str, config) -> int:
+    """The adapter (GGUF or PEFT) as the PEFT folder training writes with output.formats =
+    ["peft"]: adapter_config.json + adapter_model.safetensors, checked against the model."""
+    from pathlib import Path
+
+    from pytrain.formats.adapter_files import read_adapter
+    from pytrain.formats.adapter_peft import write_peft_adapter
+    tensors, alpha = read_adapter(args.adapter, arch, config)
+    ranks = sorted({t.shape[0] for k, t in tensors.items() if k.endswith(".lora_a")})
+    if len(ranks) != 1:
+        print(f"error: {args.adapter}: pairs of ranks {', '.join(map(str, ranks))}; a PEFT "
+              f"adapter has one rank", file=sys.stderr)
+        return 1
+    out = write_peft_adapter(args.output, tensors, alpha, ranks[0],
+                             base_model_name_or_path=Path(args.model).name,
+                             model_config=config, arch=arch)
+    print(f"wrote {out}: {len(tensors) // 2} adapted tensors, rank {ranks[0]}, alpha {alpha:g} "
+          f"(PEFT: PeftModel.from_pretrained(model, \"{out}\"))")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from pytrain._version import __version__
     ap = argparse.ArgumentParser(prog="pytrain", description=__doc__)
+    ap.add_argument("--version", action="version", version=f"pytrain {__version__}")
     sub = ap.add_subparsers(dest="command", required=True)
     p = sub.add_parser("doctor", help="ggml version, pinned archive, backends, devices, CPU features")
     p.set_defaults(func=_doctor)
@@ -219,31 +274,41 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", required=True, help="user message (or raw text with --raw)")
     p.add_argument("--system", help="system message")
     p.add_argument("--raw", action="store_true", help="no chat template")
-    p.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template instead of "
-                   "the model's (needed where the GGUF has none, e.g. "
-                   "pytrain/assets/chat_templates/gemma.jinja for Gemma)")
+    from pytrain.data.template_files import builtin_names
+    p.add_argument("--chat-template", metavar="NAME|FILE", help="a chat template instead of "
+                   "the model's (needed where the GGUF has none): a built-in one by name ("
+                   + ", ".join(builtin_names()) + ") or a Jinja file")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto")
     p.add_argument("--threads", type=int, default=None)
     p.set_defaults(func=_generate)
-    p = sub.add_parser("export", help="merge a LoRA adapter into its base model: one GGUF "
-                       "that needs no --lora (llama.cpp loads it as a plain model)")
+    _add_export_parser(sub)
+    return ap
+
+
+def _add_export_parser(sub) -> None:
+    p = sub.add_parser("export", help="merge a LoRA adapter into its base model (--merge: "
+                       "one GGUF that needs no --lora, llama.cpp loads it as a plain model), "
+                       "or write it as a PEFT folder (--format peft)")
     p.add_argument("model", help="base model .gguf the adapter was trained on")
     p.add_argument("--adapter", required=True,
                    help="LoRA adapter: a GGUF file or a PEFT adapter folder")
     p.add_argument("--merge", action="store_true",
-                   help="write W + (alpha/r)·B·A for every adapted tensor (required: the only "
-                        "export for now)")
-    p.add_argument("-o", "--output", required=True, metavar="OUT.gguf",
-                   help="merged model to write (atomically; never the base file itself)")
+                   help="write W + (alpha/r)·B·A for every adapted tensor (= --format merged)")
+    p.add_argument("--format", choices=("merged", "peft"),
+                   help="merged: the merged model GGUF (as --merge); peft: the adapter as a "
+                        "PEFT folder (adapter_config.json + adapter_model.safetensors) that "
+                        "PeftModel.from_pretrained loads")
+    p.add_argument("-o", "--output", required=True, metavar="OUT",
+                   help="merged model file to write (atomically; never the base file itself), "
+                        "or the PEFT folder")
     p.add_argument("--merged-type", choices=("keep", "f16", "f32"), default="keep",
                    help="type of the adapted tensors: keep = the base tensor's type (quantized "
                         "bases are requantized with ggml, error reported), or f16/f32; other "
                         "tensors are copied unchanged (default: keep)")
     p.set_defaults(func=_export)
-    return ap
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -87,21 +87,30 @@ def report(path: str | os.PathLike[str]) -> str:
     else:
         lines.append("ignored (MTP/nextn and extras): none")
 
-    lines.append(f"LoRA targets (rank {LORA_RANK}):")
+    return "\n".join(lines + _target_lines(cfg, shapes, infos))
+
+
+def _target_lines(cfg, shapes: dict, infos: dict) -> list[str]:
+    """The LoRA targets section: the default set (its tensors listed) and all targets, with
+    and without skip_ssm where the model has recurrent layers (without them it changes
+    nothing, so each set is one line)."""
+    lines = [f"LoRA targets (rank {LORA_RANK}):"]
     present = {n.split(".")[2] for n in shapes if n.startswith("blk.") and n.endswith(".weight")}
     default = models.get(cfg.arch).default_targets
     here = tuple(t for t in models.get(cfg.arch).targets if t in present)   # this model's
     lines.append(f"  all = {','.join(here)}")
+    skips = (True, False) if any(getattr(cfg, "recurrent", ())) else (False,)
     for label, targets in (("default " + ",".join(default), default), ("all", here)):
         previous: list[str] | None = None
-        for skip in (True, False):
+        for skip in skips:
+            variant = f"{label}, skip_ssm={skip}" if len(skips) > 1 else label
             try:
                 names = select_targets(cfg, targets, skip_ssm=skip)
             except LoraTargetError as e:
-                lines.append(f"  {label}, skip_ssm={skip}: {e}")
+                lines.append(f"  {variant}: {e}")
                 continue
             layers = sorted({int(n.split(".")[1]) for n in names})
-            lines.append(f"  {label}, skip_ssm={skip}: {len(names)} tensors in layers "
+            lines.append(f"  {variant}: {len(names)} tensors in layers "
                          f"{', '.join(map(str, layers))}; "
                          f"{_params(lora_param_count(cfg, names, LORA_RANK))} LoRA parameters"
                          + (" (same tensors)" if names == previous else ""))
@@ -110,7 +119,7 @@ def report(path: str | os.PathLike[str]) -> str:
                     out_, in_ = shapes[n]
                     lines.append(f"    {n}  [{out_}, {in_}] {infos[n].type_name}")
             previous = names
-    return "\n".join(lines)
+    return lines
 
 
 def _loaded_bytes(info, t: int) -> int:

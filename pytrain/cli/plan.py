@@ -21,7 +21,7 @@ def render(plan) -> list[str]:
     lines = [f"model:   {plan.model} ({plan.arch})",
              f"device:  {plan.device}",
              f"batch:   {B} x {T} tokens (train.batch_size x data.max_seq_len, every token a "
-             f"target: the largest micro-batch)", "",
+             f"target: the largest micro-batch)", *plan.warnings, "",
              f"weights as loaded on {plan.device}:",
              f"  {'file type -> loaded':<22} {'tensors':>8} {'in file':>12} {'loaded':>12}"]
     for g in plan.weights:

@@ -3,6 +3,7 @@ type is an error naming the key, the file and, when found, the line."""
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import re
 import sys
@@ -122,8 +123,8 @@ def _build(raw: dict[str, Any], source: str, text: str | None, base: Path,
     origin: dict[tuple[str, str], tuple[_Where, Path]] = {}
     for section, table in raw.items():
         if section not in SECTIONS:
-            raise where.error(section, None, f"unknown section; valid sections: "
-                                             f"{', '.join(SECTIONS)}")
+            raise where.error(section, None, f"unknown section;{_did_you_mean(section, SECTIONS)}"
+                                             f" valid sections: {', '.join(SECTIONS)}")
         if not isinstance(table, dict):
             raise where.error(section, None, f"expected a table [{section}], got "
                                              f"{_describe(table)}")
@@ -132,7 +133,8 @@ def _build(raw: dict[str, Any], source: str, text: str | None, base: Path,
     for section, key, value, label in overrides:
         w = _Where(label, None)
         if section not in SECTIONS:
-            raise w.error(section, None, f"unknown section; valid sections: {', '.join(SECTIONS)}")
+            raise w.error(section, None, f"unknown section;{_did_you_mean(section, SECTIONS)} "
+                                         f"valid sections: {', '.join(SECTIONS)}")
         _take(values, origin, section, key, value, w, Path.cwd())
     cfg = Config(**{section: _section(cls, section, values[section], origin)
                     for section, cls in SECTIONS.items()})
@@ -140,12 +142,32 @@ def _build(raw: dict[str, Any], source: str, text: str | None, base: Path,
     return _resolve(cfg, origin, where, base, partial)
 
 
+# the names other trainers (transformers' TrainingArguments, PEFT's LoraConfig) give keys
+# that pytrain calls otherwise: too far apart for a spelling match
+_OTHER_NAMES = {"learning_rate": "lr", "num_train_epochs": "epochs", "max_length": "max_seq_len",
+                "per_device_train_batch_size": "batch_size", "warmup_steps": "warmup",
+                "gradient_accumulation_steps": "grad_accum", "lora_alpha": "alpha", "r": "rank",
+                "lora_dropout": "dropout", "target_modules": "targets", "output_dir": "dir",
+                "lr_scheduler_type": "schedule", "save_steps": "save_every",
+                "eval_steps": "eval_every", "logging_steps": "log_every"}
+
+
+def _did_you_mean(name: str, valid: Iterable[str]) -> str:
+    """" did you mean `x`?" for the valid name ``name`` most likely stands for, else ""."""
+    valid = list(valid)
+    guess = _OTHER_NAMES.get(name)
+    if guess not in valid:
+        close = difflib.get_close_matches(name, valid, n=1, cutoff=0.6)
+        guess = close[0] if close else None
+    return f" did you mean `{guess}`?" if guess else ""
+
+
 def _take(values, origin, section: str, key: str, value: Any, w: "_Where", base_dir: Path
           ) -> None:
     names = {f.name for f in dataclasses.fields(SECTIONS[section])}
     if key not in names:
-        raise w.error(section, key, f"unknown key; valid keys of [{section}]: "
-                                    f"{', '.join(sorted(names))}")
+        raise w.error(section, key, f"unknown key;{_did_you_mean(key, names)} valid keys of "
+                                    f"[{section}]: {', '.join(sorted(names))}")
     values[section][key] = value
     origin[(section, key)] = (w, base_dir)
 
@@ -172,7 +194,9 @@ def _section(cls, section: str, given: dict[str, Any], origin) -> Any:
         if problem:
             raise w.error(section, f.name, f"{problem}, got {v!r}")
         if meta.get("path") and v is not None:
-            v = str((base_dir / Path(v).expanduser()).resolve())
+            resolved = (base_dir / Path(v).expanduser()).resolve()
+            name = meta.get("or_name") and re.fullmatch(r"[\w-]+", v) and not resolved.exists()
+            v = v if name else str(resolved)
         kwargs[f.name] = v
     return cls(**kwargs)
 

@@ -30,10 +30,12 @@ class ConfigError(PytrainError, ValueError):
 
 def _opt(default: Any = None, help: str = "", *, choices: Sequence[Any] | None = None,
          check: Callable[[Any], str | None] | None = None, path: bool = False,
-         factory: Callable[[], Any] | None = None) -> Any:
-    """A dataclass field with help text, allowed values, a range check and a path flag."""
+         factory: Callable[[], Any] | None = None, or_name: bool = False) -> Any:
+    """A dataclass field with help text, allowed values, a range check and a path flag;
+    ``or_name``: a bare word (no folder, no suffix) that is no file there stays a name (a
+    built-in chat template's)."""
     meta = {"help": help, "choices": tuple(choices) if choices else None, "check": check,
-            "path": path}
+            "path": path, "or_name": or_name}
     if factory is not None:
         return field(default_factory=factory, metadata=meta)
     return field(default=default, metadata=meta)
@@ -97,10 +99,10 @@ class DataConfig:
     mask: str | None = _opt(None, "which tokens are targets: assistant_only, completion_only "
                             "or all (unset: follows the format: assistant_only for chat, "
                             "completion_only for completion, all for text)", choices=MASKS)
-    chat_template: str | None = _opt(None, "a Jinja chat template file for chat records (unset: "
-                                     "the model's tokenizer.chat_template); "
-                                     "pytrain/assets/chat_templates/gemma.jinja is Gemma's turn "
-                                     "format, for Gemma GGUFs that carry no template", path=True)
+    chat_template: str | None = _opt(None, "the chat template of chat records: a built-in "
+                                     "one by name (gemma: Gemma's turn format, for Gemma GGUFs "
+                                     "that carry no template) or a Jinja file (unset: the "
+                                     "model's tokenizer.chat_template)", path=True, or_name=True)
     shuffle_seed: int | None = _opt(None, "seed of the batch order and the validation split "
                                     "(unset: train.seed)")
     on_error: str = _opt("stop", "bad records (malformed JSON, wrong types, unknown roles): stop "

@@ -10,11 +10,11 @@ token after the first.
 
 Nothing is dropped silently: every record that does not become an example is either an error
 naming ``file:line`` (``on_error="stop"``) or counted by reason in :class:`DataStats`.
-Reasons: ``malformed_json``, ``not_an_object``, ``unrecognised_record``, ``bad_field``,
+Reasons: ``malformed_json``, ``not_an_object``, ``unrecognised_record``, ``other_format``
+(a record of another format than the file's: one file holds one format), ``bad_field``,
 ``unknown_role``, ``template_error`` (errors, subject to ``on_error``) and
 ``no_assistant_turn``, ``too_long`` (truncation "drop"), ``no_targets`` (always skipped and
-counted: they are valid records with nothing to train).  Mixing record formats in one file is
-always an error: it means the file is not what the config says.
+counted: they are valid records with nothing to train).
 """
 
 from pytrain.data.batches import make_batches, pad_token_id

@@ -68,6 +68,11 @@ class ChatTemplateError(PytrainError, ValueError):
     """A conversation that cannot be rendered or masked reliably."""
 
 
+class TemplateSecurityError(ChatTemplateError, jinja2.exceptions.SecurityError):
+    """A template that tried what the sandbox forbids: a fault of the template (of the model
+    file or the template file), never of one record, so never skipped as one."""
+
+
 # -- environment (transformers' _cached_compile_jinja_template) ----------------------------
 class _GenerationTag(Extension):
     """``{% generation %}...{% endgeneration %}``: parsed so such templates load; renders its body."""
@@ -192,10 +197,50 @@ def _render_prepared(template: str, messages: list[dict[str, Any]], add_generati
         return compile_template(template).render(
             messages=messages, tools=_plain(tools), documents=_plain(documents),
             add_generation_prompt=add_generation_prompt, **_plain(kwargs))
+    except jinja2.exceptions.SecurityError as e:
+        raise TemplateSecurityError(f"the chat template tried what the sandbox forbids ({e}); "
+                                    f"refusing to use it") from e
     except jinja2.exceptions.TemplateError as e:
-        if isinstance(e, jinja2.exceptions.SecurityError):
-            raise
         raise ChatTemplateError(f"chat template error: {e}") from e
+    except Exception as e:       # a Python error inside the template on this conversation
+        raise ChatTemplateError(f"chat template error: {type(e).__name__}: {e}") from e
+
+
+# -- content parts (llama.cpp's common/chat.cpp: messages_inp_normalizer) -------------------
+_PROBE = "\ue000probe\ue001"
+
+
+@lru_cache(maxsize=16)
+def wants_string_content(template: str) -> bool:
+    """True for a template that renders a message's content as a string and not as a list of
+    ``{"type": "text", "text": ...}`` parts (SmolLM2's concatenates it: a list raises
+    ``TypeError``; Gemma's ``| trim`` prints the list's repr).  Probed once per template, as
+    llama.cpp probes its templates' capabilities: one user message rendered with string
+    content and with the same text as a part; different output means the parts are not
+    understood.  A template that fails on the string probe (it wants other turns) is left
+    as it is."""
+    def probe(content: Any) -> str | None:
+        try:
+            return compile_template(template).render(
+                messages=[{"role": "user", "content": content}], add_generation_prompt=False,
+                bos_token="", eos_token="", pad_token="")     # as transformers passes them
+        except Exception:
+            return None
+    as_string = probe(_PROBE)
+    return (as_string is not None and _PROBE in as_string
+            and probe([{"type": "text", "text": _PROBE}]) != as_string)
+
+
+def _joined_content(template: str, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages whose content is a list of text parts, joined with a newline (llama.cpp's
+    ``concat_content_parts``) where the template wants strings; unchanged otherwise (what
+    transformers passes, for templates that read the parts themselves)."""
+    if not any(isinstance(m.get("content"), list) for m in messages) or \
+            not wants_string_content(template):
+        return messages
+    return [{**m, "content": "\n".join(p.get("text", "") for p in m["content"]
+                                        if p.get("type", "text") == "text")}
+            if isinstance(m.get("content"), list) else m for m in messages]
 
 
 def render(template: str, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = False,
@@ -206,8 +251,8 @@ def render(template: str, messages: Sequence[Mapping[str, Any]], add_generation_
     ``kwargs`` become template variables (``enable_thinking``, ``bos_token``, ...); transformers
     also passes the tokenizer's special-token strings, which :func:`encode_chat` does.
     """
-    return _render_prepared(template, _prepare_messages(messages), add_generation_prompt,
-                            tools, documents, kwargs)
+    return _render_prepared(template, _joined_content(template, _prepare_messages(messages)),
+                            add_generation_prompt, tools, documents, kwargs)
 
 
 # -- assistant spans -----------------------------------------------------------------------
@@ -253,7 +298,7 @@ def render_with_assistant_spans(
     eots = [e for e in end_of_turn if e]
     if not eots:
         raise ChatTemplateError("end_of_turn must name at least one end-of-turn string")
-    msgs = _prepare_messages(messages)
+    msgs = _joined_content(template, _prepare_messages(messages))
     text = _render_prepared(template, msgs, add_generation_prompt, tools, documents, kwargs)
     assistant = [i for i, m in enumerate(msgs) if m.get("role") == "assistant"]
     if assistant and _render_prepared(template, msgs, add_generation_prompt, tools, documents,

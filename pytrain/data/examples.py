@@ -11,8 +11,8 @@ import numpy as np
 from pytrain.errors import PytrainError
 
 ROLES = ("system", "user", "assistant", "tool")
-ERROR_REASONS = ("malformed_json", "not_an_object", "unrecognised_record", "bad_field",
-                 "unknown_role", "template_error")
+ERROR_REASONS = ("malformed_json", "not_an_object", "unrecognised_record", "other_format",
+                 "bad_field", "unknown_role", "template_error")
 SKIP_REASONS = ("no_assistant_turn", "too_long", "no_targets")
 _KEEP_MESSAGES = 3  # first messages kept per skip reason, for the report
 
@@ -94,6 +94,8 @@ class DataStats:
     tokens: int = 0
     target_tokens: int = 0
     padding_share: float | None = None  # set by record_batches
+    held_out: int = 0                 # examples moved to the validation split (data.split)
+    split_of: str | None = None       # a validation split: the file it was held out from
 
     @property
     def dropped(self) -> int:
@@ -117,7 +119,17 @@ class DataStats:
                 "records": self.records, "skipped": dict(self.skipped),
                 "truncated": self.truncated, "dropped": self.dropped,
                 "examples": self.examples, "tokens": self.tokens,
-                "target_tokens": self.target_tokens, "padding_share": self.padding_share}
+                "target_tokens": self.target_tokens, "padding_share": self.padding_share,
+                **({"held_out": self.held_out} if self.held_out else {}),
+                **({"split_of": self.split_of} if self.split_of else {})}
+
+    @classmethod
+    def of_split(cls, examples: Sequence[Example], source: DataStats) -> "DataStats":
+        """The counts of a validation split held out from ``source``'s examples."""
+        return cls(path=source.path, format=source.format, mask=source.mask,
+                   records=len(examples), examples=len(examples),
+                   tokens=sum(len(e) for e in examples),
+                   target_tokens=sum(e.n_targets for e in examples), split_of=source.path)
 
     def summary(self) -> str:
         """One line for the run log."""

@@ -5,14 +5,14 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import numpy as np
 
 from pytrain.config import MASKS, MASKS_FOR_FORMAT, mask_for
-from pytrain.data.chat_template import ChatTemplateError, encode_chat
+from pytrain.data.chat_template import ChatTemplateError, TemplateSecurityError, encode_chat
 from pytrain.data.examples import ROLES, DataError, DataStats, Example
+from pytrain.data.template_files import no_template_hint, read_template
 
 if TYPE_CHECKING:
     from pytrain.config import DataConfig
@@ -116,6 +116,8 @@ def encode_record(tokenizer: "Tokenizer", obj: dict[str, Any], fmt: str, mask: s
         messages, tools = _check_chat(obj)
         try:
             enc = encode_chat(tokenizer, messages, template, tools=tools)
+        except TemplateSecurityError:
+            raise                           # the template's fault, not this record's
         except ChatTemplateError as e:
             raise _RecordError("template_error", str(e)) from None
         return enc.ids, (enc.mask if mask == "assistant_only" else [True] * len(enc.ids))
@@ -147,13 +149,15 @@ def _truncate(ids: list[int], flags: list[bool], max_len: int, policy: str
 
 def load_examples(path: str | os.PathLike[str], tokenizer: "Tokenizer", *, format: str = "auto",
                   mask: str | None = None, max_seq_len: int = 1024, truncation: str = "right",
-                  on_error: str = "stop", template: str | None = None
-                  ) -> tuple[list[Example], DataStats]:
+                  on_error: str = "stop", template: str | None = None,
+                  template_source: str | None = None) -> tuple[list[Example], DataStats]:
     """Read one JSONL file into examples (see the module docstring for what is skipped).
 
+    ``template_source``: the file ``template`` came from, named when the sandbox refuses the
+    template (default: the model file the tokenizer's template came from).
     ``mask`` None follows the file's format.  Raises :class:`DataError` for a record error
-    with ``on_error="stop"``, mixed formats, a mask that does not fit the format, and a file
-    with no usable example.
+    (a record of another format than the file's among them) with ``on_error="stop"``, a mask
+    that does not fit the format, and a file with no usable example.
     """
     path = os.fspath(path)
     if format not in ("auto", *MASKS_FOR_FORMAT):
@@ -175,7 +179,8 @@ def load_examples(path: str | os.PathLike[str], tokenizer: "Tokenizer", *, forma
             raise DataError(f"{path}: mask {m!r} does not apply to {f} records (valid: "
                             f"{', '.join(MASKS_FOR_FORMAT[f])})")
         if f == "chat" and not (template or tokenizer.chat_template):
-            raise DataError(f"{path}: chat records need a chat template and the model has none")
+            raise DataError(f"{path}: chat records need a chat template and the model has "
+                            f"none: {no_template_hint('data.chat_template')}")
         stats.format, stats.mask = f, m
 
     if fmt is not None:
@@ -194,9 +199,13 @@ def load_examples(path: str | os.PathLike[str], tokenizer: "Tokenizer", *, forma
                 set_format(kind, line)
             elif kind != fmt:
                 why = f"line {fmt_line}" if fmt_line else "data.format"
-                raise DataError(f"{where}: a {kind} record in a file of {fmt} records (decided "
-                                f"by {why}); one file holds one format")
+                raise _RecordError("other_format", f"a {kind} record in a file of {fmt} records "
+                                                   f"(decided by {why}); one file holds one format")
             ids, flags = encode_record(tokenizer, obj, fmt, stats.mask, template)
+        except TemplateSecurityError as e:
+            source = template_source if template else getattr(tokenizer, "source", None)
+            raise DataError(f"{where}: the chat template of {source or 'the model'}: {e}"
+                            ) from None
         except _RecordError as e:
             if on_error == "stop":
                 raise DataError(f"{where}: {e}") from None
@@ -218,7 +227,9 @@ def load_examples(path: str | os.PathLike[str], tokenizer: "Tokenizer", *, forma
 def _parse_record(raw: bytes) -> dict[str, Any]:
     """One line's JSON object, or a _RecordError saying what is wrong with it."""
     try:
-        obj = json.loads(raw.decode("utf-8"))
+        # without the line break: an error at the end of the line is in its last column,
+        # not in column 1 of a second line
+        obj = json.loads(raw.decode("utf-8").rstrip("\r\n"))
     except UnicodeDecodeError as e:
         raise _RecordError("malformed_json", f"not UTF-8 ({e.reason} at byte {e.start})")
     except json.JSONDecodeError as e:
@@ -275,21 +286,22 @@ class DataSplits:
     train: list[Example]
     valid: list[Example]
     train_stats: DataStats
-    valid_stats: DataStats | None   # None when the validation set is a split of train
+    valid_stats: DataStats | None   # None when there is no validation set
 
 
 def load_data(cfg: "DataConfig", tokenizer: "Tokenizer", template: str | None = None
               ) -> DataSplits:
     """Training and validation examples as ``cfg`` ([data] section) describes them; chat
     records rendered with ``template``, else ``data.chat_template``'s file, else the model's."""
+    source = None
     if template is None and cfg.chat_template:
         try:
-            template = Path(cfg.chat_template).read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise DataError(f"data.chat_template: cannot read {cfg.chat_template}: "
-                            f"{getattr(e, 'strerror', None) or e}") from None
+            template, source = read_template(cfg.chat_template, "data.chat_template")
+        except ChatTemplateError as e:
+            raise DataError(str(e)) from None
     kw = dict(format=cfg.format, mask=cfg.mask, max_seq_len=cfg.max_seq_len,
-              truncation=cfg.truncation, on_error=cfg.on_error, template=template)
+              truncation=cfg.truncation, on_error=cfg.on_error, template=template,
+              template_source=source)
     if cfg.train is None:
         raise DataError("data.train is not set")
     train, tstats = load_examples(cfg.train, tokenizer, **kw)
@@ -301,4 +313,7 @@ def load_data(cfg: "DataConfig", tokenizer: "Tokenizer", template: str | None = 
                         "fills it from train.seed")
     seed = cfg.shuffle_seed
     train, valid = split_examples(train, cfg.split, seed)
-    return DataSplits(train, valid, tstats, None)
+    if not valid:
+        return DataSplits(train, valid, tstats, None)
+    tstats.held_out = len(valid)
+    return DataSplits(train, valid, tstats, DataStats.of_split(valid, tstats))

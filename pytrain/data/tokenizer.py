@@ -146,6 +146,7 @@ class Tokenizer:
         if self.add_eos and eos_id is None:
             raise TokenizerError("add_eos_token is set but the GGUF has no eos_token_id")
         self.chat_template = chat_template
+        self.source: str | None = None   # the model file it came from (load_model sets it)
 
         # llama.cpp's token_to_id map: a later duplicate wins.
         vocab = {tok: i for i, tok in enumerate(self._tokens)}

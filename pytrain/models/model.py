@@ -188,6 +188,7 @@ def load_model(path: str | os.PathLike, device: str = "auto", threads: int | Non
     reader = open_reader(path)
     arch, meta, _infos, config = open_model(path, reader)
     tokenizer = Tokenizer.from_metadata(meta)
+    tokenizer.source = str(path)
     if tokenizer.vocab_size > config.n_vocab:     # llama.cpp refuses such a file too
         raise ModelFileError(
             f"{path}: the tokenizer has {tokenizer.vocab_size} tokens but token_embd.weight "

@@ -163,10 +163,14 @@ def set_inputs(inp: GraphInputs, vals: dict[str, np.ndarray]) -> None:
 
 
 def layer_budget(config: Qwen35Config, T: int) -> int:
-    """Nodes (and tensors) a forward graph of one layer may need: the DeltaNet recurrence adds
-    a few dozen per chunk."""
+    """Nodes (and tensors) a forward graph of one layer may need; its backward gets twice
+    this.  Every loop of the layer's code is counted: the DeltaNet recurrence adds a few dozen
+    nodes per chunk, its causal convolution six per tap (forward; nine with the backward) of
+    the file's ``ssm.conv_kernel``.  An uncounted loop let a file abort the process
+    (GGML_ASSERT) instead of training; tests/test_cli_messages.py checks that the budget grows
+    at least as fast as the graphs in each loop."""
     n_chunks = max(1, T // dn.chunk_size(T))
-    return 2048 + (400 + 60 * n_chunks) * 3
+    return 2048 + (400 + 60 * n_chunks) * 3 + 16 * config.conv_kernel
 
 
 ARCHITECTURE = Architecture(

@@ -29,6 +29,7 @@ import os
 import shutil
 import tempfile
 import time
+import zipfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -203,6 +204,26 @@ def load(path: Path, model_path: str) -> tuple[TrainState, dict, dict]:
             f"header {state.base_fingerprint.get('header_sha256', '')[:12]} vs {model_path}, "
             f"{now['size']} bytes, header {now['header_sha256'][:12]}); refusing to resume")
     _arch, _alpha, tensors, _meta = read_lora_gguf(path / "adapter.gguf")
-    with np.load(path / "optimizer.npz") as z:
-        moments = {k: z[k] for k in z.files}
-    return state, tensors, moments
+    return state, tensors, _read_moments(path / "optimizer.npz", tensors)
+
+
+def _read_moments(npz: Path, tensors: dict) -> dict[str, np.ndarray]:
+    """AdamW's two moments per adapter tensor, each of its tensor's shape: a file cut short,
+    not a zip or without a moment is a ``CheckpointError`` naming it, never a numpy or zip
+    traceback."""
+    try:
+        with np.load(npz, allow_pickle=False) as z:
+            moments = {k: z[k] for k in z.files}
+    except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile) as e:
+        raise CheckpointError(f"{npz}: not a usable checkpoint ({type(e).__name__}: {e})"
+                              ) from None
+    for name, t in tensors.items():
+        for key in ("m." + name, "v." + name):
+            if key not in moments:
+                raise CheckpointError(f"{npz}: not a usable checkpoint: moment {key!r} is "
+                                      f"missing")
+            if moments[key].shape != np.shape(t):
+                raise CheckpointError(f"{npz}: not a usable checkpoint: moment {key!r} has "
+                                      f"shape {moments[key].shape}, the adapter's tensor "
+                                      f"{np.shape(t)}")
+    return moments

@@ -39,10 +39,12 @@ def pad_batch(B: int, T: int, tokens: np.ndarray, seg: np.ndarray, targets: np.n
 class GradGraph:
     def __init__(self, model: Model, adapter: LoraAdapter, B: int, T: int,
                  opt_state: OptimizerState | None = None, keep_logit_grad: bool = False,
-                 rows: int | None = None):
+                 rows: int | None = None, measure_only: bool = False):
         """``rows``: run the LM head and the loss on that many positions, the micro-batch's
         targets (loss.select_rows), instead of all B·T; None: on all of them (needed by the
-        bug reproduction, which trains every row, and by ``keep_logit_grad``)."""
+        bug reproduction, which trains every row, and by ``keep_logit_grad``).
+        ``measure_only``: a graph only measured (``pytrain plan``), never run: its persistent
+        inputs are not allocated (``Runtime.alloc``)."""
         assert rows is None or not keep_logit_grad, "logit gradients are kept for all rows only"
         self.rows = rows
         self.model, self.adapter = model, adapter
@@ -63,14 +65,16 @@ class GradGraph:
         c = self.ctx.ptr
         self.fwd = model.graph.build(c, B, self.T, adapter.hook, rows=rows)
         V = model.config.n_vocab
-        self.ce = loss_mod.build(model.runtime, c, self.fwd.logits, V, rows or self.T * B)
+        self.ce = loss_mod.build(model.runtime, c, self.fwd.logits, V, rows or self.T * B,
+                                 measure_only)
         gf = ggml.new_graph(self.ctx, size * 2, grads=True)
         lib.ggml_build_forward_expand(gf, self.ce.loss)
         # d(loss)/d(loss) = 1 lives in its own small static buffer
         self.seed_ctx = ggml.Context(n_tensors=1)
         seed = lib.ggml_new_tensor_1d(self.seed_ctx.ptr, lib.GGML_TYPE_F32, 1)
-        self.seed_buf = model.runtime.alloc(self.seed_ctx)
-        ggml.from_numpy(seed, np.ones(1, np.float32))
+        self.seed_buf = model.runtime.alloc(self.seed_ctx, measure_only=measure_only)
+        if not measure_only:
+            ggml.from_numpy(seed, np.ones(1, np.float32))
         accs = {ggml.address(p): self.opt_state.grad[ggml.name(p)] for p in adapter.params()}
         self.graph = ggml.build_backward(self.ctx, gf, self.ce.loss, accs, seed)
         self.logit_grad = None

@@ -97,7 +97,8 @@ class MaskedCE:
     tensor the CE op consumes can be read back (its pad-token column, once) before the loss
     exists: ``set_targets`` → ``build_labels`` → ``check_labels`` → compute."""
 
-    def __init__(self, runtime, ctx, logits, n_vocab: int, n_rows: int):
+    def __init__(self, runtime, ctx, logits, n_vocab: int, n_rows: int,
+                 measure_only: bool = False):
         f32 = lib.GGML_TYPE_F32
         self.runtime, self.n_vocab, self.n_rows = runtime, n_vocab, n_rows
         self.inputs = LossInputs(labels=lib.ggml_new_tensor_2d(ctx, f32, n_vocab, n_rows),
@@ -112,7 +113,7 @@ class MaskedCE:
         # the flat one-positions live in a buffer of their own: only the label graph reads them
         self._index_ctx = ggml.Context(n_tensors=1)
         self.label_index = lib.ggml_new_tensor_1d(self._index_ctx.ptr, lib.GGML_TYPE_I64, n_rows)
-        self._index_buf = runtime.alloc(self._index_ctx)
+        self._index_buf = runtime.alloc(self._index_ctx, measure_only=measure_only)
         zeros = lib.ggml_fill_inplace(ctx, self.inputs.labels, 0.0)
         ones = lib.ggml_set_rows(ctx, lib.ggml_reshape_2d(ctx, zeros, 1, n_vocab * n_rows),
                                  self.inputs.row_mask, self.label_index)
@@ -183,9 +184,11 @@ class MaskedCE:
         self._index_ctx.close()
 
 
-def build(runtime, ctx, logits, n_vocab: int, n_rows: int) -> MaskedCE:
-    """The masked loss over logits [V, N]; see ``MaskedCE``."""
-    return MaskedCE(runtime, ctx, logits, n_vocab, n_rows)
+def build(runtime, ctx, logits, n_vocab: int, n_rows: int, measure_only: bool = False
+          ) -> MaskedCE:
+    """The masked loss over logits [V, N]; see ``MaskedCE``.  ``measure_only``: for a graph
+    that is only measured (``Runtime.alloc``), its small persistent tensor is not allocated."""
+    return MaskedCE(runtime, ctx, logits, n_vocab, n_rows, measure_only)
 
 
 def read_column(labels, col: int) -> np.ndarray:

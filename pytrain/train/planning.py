@@ -20,7 +20,6 @@ from pytrain.formats.gguf_tensors import WeightsError, is_elementwise
 from pytrain.models.model_file import open_model
 from pytrain.models.weights import load_type
 
-_PLACEHOLDER = ffi.cast("void *", 1 << 20)   # never dereferenced: shape models are not computed
 
 def shape_model(arch: str, config: ModelConfig, file_type: str = "f32", device: str = "cpu",
                 threads: int = 1) -> Model:
@@ -64,15 +63,13 @@ def _metadata_model(arch: str, config: ModelConfig, types: dict, label: str,
     """A Model over tensors ``name -> (numpy shape, ggml type)`` that hold no data."""
     ctx = ggml.Context(n_tensors=len(types))
     rt = ggml.Runtime("cpu", threads=threads)
-    # a tiny CPU buffer the weights claim to live in: the scheduler places their ops by it
-    stand_in = rt.alloc_buffer(64)
     tensors = {}
     for name, (shape, t) in types.items():
         ne = list(reversed(shape))
         tensors[name] = ggml.set_name(
             lib.ggml_new_tensor(ctx.ptr, t, len(ne), ffi.new("int64_t[]", ne)), name)
-        tensors[name].data = _PLACEHOLDER
-        tensors[name].buffer = stand_in
+    # the weights claim to live in a tiny CPU buffer: the scheduler places their ops by it
+    rt.alloc(ctx, on_cpu=True, measure_only=True)
     n_bytes = sum(int(lib.ggml_nbytes(t)) for t in tensors.values())
     weights = SimpleNamespace(tensors=tensors, ctx=ctx, close=ctx.close, loaded_bytes=n_bytes,
                               total_bytes=n_bytes)
@@ -92,3 +89,16 @@ def needs_recompute(one_graph_bytes: int, left_bytes: int) -> bool:
     kept for the steps that need it; the other half is the margin for what the measure does
     not see (small graphs, allocator slack)."""
     return one_graph_bytes > left_bytes / 2
+
+
+def context_warning(config: ModelConfig, max_seq_len: int) -> str | None:
+    """A warning when ``data.max_seq_len`` exceeds the context length the model file declares
+    (``*.context_length``; 0: not declared): positions past it were never trained, so such a
+    run fine-tunes on what the model cannot read well, at a memory cost that grows with the
+    length.  A warning, not an error: a model may extrapolate, and short examples never reach
+    the limit."""
+    n_ctx = int(getattr(config, "context_length", 0) or 0)
+    if n_ctx <= 0 or max_seq_len <= n_ctx:
+        return None
+    return (f"warning: data.max_seq_len = {max_seq_len} is longer than the model's context "
+            f"length ({n_ctx}): positions past {n_ctx} were never trained")

@@ -66,9 +66,11 @@ class RecomputeGraph:
     shared accumulators and returns its share of the step loss."""
 
     def __init__(self, model: Model, adapter: LoraAdapter, B: int, T: int,
-                 opt_state: OptimizerState | None = None):
+                 opt_state: OptimizerState | None = None, measure_only: bool = False):
+        """``measure_only``: graphs only measured (``pytrain plan``), never run: the layer
+        inputs kept between graphs, B·T·n_embd floats per layer, are not allocated."""
         cfg, rt = model.config, model.runtime
-        self.model, self.adapter = model, adapter
+        self.model, self.adapter, self.measure_only = model, adapter, measure_only
         self.B, self.T = B, model.arch.padded_length(T)
         self.l0 = first_adapted_layer(adapter.names)
         self.rows = head_chunk(cfg.n_vocab, B * self.T)
@@ -103,8 +105,9 @@ class RecomputeGraph:
                    for l in range(self.l0, L + 1)}
         self.gs = [lib.ggml_new_tensor_2d(self.pctx.ptr, f32, E, N) for _ in range(2)]
         self.seed = lib.ggml_new_tensor_1d(self.pctx.ptr, f32, 1)
-        self.pbuf = self.model.runtime.alloc(self.pctx)
-        ggml.from_numpy(self.seed, np.ones(1, np.float32))
+        self.pbuf = self.model.runtime.alloc(self.pctx, measure_only=self.measure_only)
+        if not self.measure_only:
+            ggml.from_numpy(self.seed, np.ones(1, np.float32))
 
     def _build_forward(self, size: int) -> None:
         """Embedding and the frozen layers below the first adapter, then one graph per layer,
@@ -129,7 +132,8 @@ class RecomputeGraph:
         hg = self._graph(4096, grads=True)
         lib.ggml_set_param(self.xs[L])
         logits = g.head(hg.c, self.xs[L], self.inp, self.B, self.T, self.rows)
-        self.ce = loss_mod.build(self.model.runtime, hg.c, logits, cfg.n_vocab, self.rows)
+        self.ce = loss_mod.build(self.model.runtime, hg.c, logits, cfg.n_vocab, self.rows,
+                                 self.measure_only)
         gf = ggml.new_graph(hg.ctx, 4096, grads=True)
         lib.ggml_build_forward_expand(gf, self.ce.loss)
         hg.graph = ggml.build_backward(hg.ctx, gf, self.ce.loss,

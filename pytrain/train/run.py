@@ -34,6 +34,7 @@ from pytrain.data import DataSplits, load_data, make_batches
 from pytrain.models.lora_targets import LoraTargetError, select_targets
 from pytrain.models.model import Model, load_model
 from pytrain.train.optimizer import AdamWSettings, schedule
+from pytrain.train.planning import context_warning
 from pytrain.train.trainer import NonFiniteLoss, Trainer
 
 
@@ -191,6 +192,9 @@ def open_session(cfg: Config, out: Path, log: Callable[[str], None],
                        device_index=w.local_rank)
     try:
         log(runtime_summary(model) + (f"; {w.size} data-parallel ranks" if w.size > 1 else ""))
+        too_long = context_warning(model.config, cfg.data.max_seq_len)
+        if too_long:
+            log(too_long)
         splits = load_data(cfg.data, model.tokenizer)
         log(splits.train_stats.summary())
         try:
@@ -595,7 +599,7 @@ def _train(s: Session, progress: bool, resume: str | bool | None, interrupt: Int
         atomic.write_bytes(s.out / "data_stats.json",
                            (json.dumps(s.stats, indent=2) + "\n").encode())
     bar = None
-    if progress:
+    if progress and sys.stderr.isatty():     # a log file gets the periodic lines only
         from tqdm import tqdm
         bar = tqdm(total=total, initial=step, unit="step", dynamic_ncols=True, file=sys.stderr)
     loop = Loop(s, total, step, bar, run_id, replaced)

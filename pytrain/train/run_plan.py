@@ -14,7 +14,8 @@ from pytrain.train import loss as loss_mod
 from pytrain.train.graphs import GradGraph
 from pytrain.train.memory import available_bytes
 from pytrain.train.optimizer import OptimizerState
-from pytrain.train.planning import compute_bytes, file_shape_model, needs_recompute
+from pytrain.train.planning import (compute_bytes, context_warning, file_shape_model,
+                                     needs_recompute)
 from pytrain.train.recompute import RecomputeGraph
 from pytrain.train.trainer import bucket_length
 
@@ -49,6 +50,7 @@ class RunPlan:
     need_bytes: int
     fits: bool
     notes: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)   # lines starting "warning: "
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -93,13 +95,13 @@ def step_buffers(model: Model, adapter, opt_state, B: int, T: int, n_targets: in
     of layer-wise recompute's graphs (None where the adapter has tensors outside the blocks,
     which layer-wise recompute refuses)."""
     g = GradGraph(model, adapter, B, T, opt_state=opt_state,
-                  rows=loss_mod.rows_bucket(n_targets or B * T, B * T))
+                  rows=loss_mod.rows_bucket(n_targets or B * T, B * T), measure_only=True)
     try:
         one = compute_bytes(model.runtime, g.graph)
     finally:
         g.close()
     try:
-        r = RecomputeGraph(model, adapter, B, T, opt_state=opt_state)
+        r = RecomputeGraph(model, adapter, B, T, opt_state=opt_state, measure_only=True)
     except ValueError:
         return one, None
     try:
@@ -174,4 +176,5 @@ def plan_run(cfg) -> RunPlan:
                    _weight_groups(files, model), weights, not_loaded, len(names),
                    lora_param_count(model.config, names, cfg.lora.rank), adapter, state, one, lw,
                    t.recompute, layers, why, free, total, available, budget, source, need,
-                   need <= budget, notes)
+                   need <= budget, notes,
+                   [w for w in [context_warning(model.config, cfg.data.max_seq_len)] if w])
