@@ -46,7 +46,7 @@ class GradGraph:
         ``measure_only``: a graph only measured (``pytrain plan``), never run: its persistent
         inputs are not allocated (``Runtime.alloc``)."""
         assert rows is None or not keep_logit_grad, "logit gradients are kept for all rows only"
-        self.rows = rows
+        self.rows, self.measure_only = rows, measure_only
         self.model, self.adapter = model, adapter
         self.B, self.T = B, model.arch.padded_length(T)
         self.ce = self.seed_buf = self.seed_ctx = self.ctx = None
@@ -60,6 +60,7 @@ class GradGraph:
 
     def _build(self, keep_logit_grad: bool) -> None:
         model, adapter, rows, B = self.model, self.adapter, self.rows, self.B
+        measure_only = self.measure_only
         size = model.graph_budget(self.T)
         self.ctx = ggml.Context(n_tensors=size * 2, graph_size=size * 2, grads=True)
         c = self.ctx.ptr
