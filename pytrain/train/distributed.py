@@ -17,8 +17,8 @@ How a run ends when something fails (the launcher may drop what a rank wrote jus
 * a verdict every rank reaches together, raised right after a collective that gave each rank
   the same result (``CollectiveError``: ``agree``, ``on_main``, ``check_agreement``, a NaN step
   after the all-reduce, an interrupt after ``any``), ends the job normally: rank 0 says it once
-  and keeps it in the run folder's ``error.log``, and every rank leaves through
-  ``MPI_Finalize`` with the same exit code (``World.end_together``);
+  (an error also in the run folder's ``error.log``: ``World.end_together``), and every rank
+  leaves through ``MPI_Finalize`` with the same exit code (1; 130 for an interrupt);
 * any other exception is a failure this rank may meet alone, while the others wait for it in
   a collective: it ends the job at once (``World.abort``: ``MPI_Abort``), its message on
   stderr and in ``error-rank-N.log`` (one file per rank: several may abort at once).
