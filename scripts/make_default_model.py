@@ -75,7 +75,7 @@ def pretrain(model, rows, steps, batch, lr, warmup, weight_decay, seed, log_ever
     data = torch.tensor(rows, dtype=torch.long)
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
-    opt = torch.optim.AdamWSettings([{"params": decay, "weight_decay": weight_decay},
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.95))
     model.train()
     t0 = time.time()
@@ -194,7 +194,7 @@ def check_demo(model, hf_tok, train_recs, valid_recs, steps=150, batch=8, lr=1e-
     print(f"[demo] LoRA r={rank} alpha={alpha} lr={lr} {schedule} warmup={warmup} clip={clip} steps={steps} "
           f"batch={batch} on layers.{', layers.'.join(names)}")
     params = [p for p in pm.parameters() if p.requires_grad]
-    opt = torch.optim.AdamWSettings(params, lr=lr, weight_decay=0.0)
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     g = torch.Generator().manual_seed(seed)
     pm.train()
     t0 = time.time()
