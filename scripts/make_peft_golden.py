@@ -157,7 +157,9 @@ def check_same_model(model, gold, seqs=(2, 4)) -> None:
     import numpy as np
     import torch
 
-    from tests.bounds import f32_bound
+    from scripts.native_build import import_file
+    # by path: the pinned gguf-py's editable install puts its own ``tests`` package on sys.path
+    f32_bound = import_file("pytrain_test_bounds", ref.REPO / "tests" / "bounds.py").f32_bound
     model64 = copy.deepcopy(model).to(torch.float64)
     for i in seqs:
         n = int(gold["lengths"][i])
