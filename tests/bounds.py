@@ -173,3 +173,29 @@ def assert_adamw_close(got: dict, want: dict, lrs: list[float], beta1: float = 0
     assert far <= ADAMW_FLIP_SHARE * n, (f"{far} of {n} elements differ by more than "
                                          f"{ADAMW_FLIP_FRACTION} of the AdamW bound {bound:.3g}",
                                          worst)
+
+
+# --------------------------------------------------------------------------- weight rounding
+
+# Rounding weights to a type (a merge written back in the base's BF16, Q8_0 or F16; llama.cpp
+# rounding the activations of a BF16 matmul to BF16, the same relative step on the other factor
+# of each product) moves the logits by about what rounding the same model's weights to that
+# type moves them: each element off by at most half the type's step, of the same relative
+# size.  That noise is measured on the same tokens (``weight_noise``: the model with its weights
+# in the type, loaded as float32, against its float32 original).  Two independent roundings of
+# equal size are up to 2x one apart, and 2x for estimating a maximum from one draw: 4x.
+KEPT_SPREAD = 4.0
+
+
+def weight_noise(rounded_logits: np.ndarray, f32_logits: np.ndarray) -> dict:
+    """A weight type's rounding noise on some tokens: max and rms |Δ logits| of the model with
+    its weights in that type against its float32 original (both computed in float32)."""
+    d = np.asarray(rounded_logits, np.float64) - np.asarray(f32_logits, np.float64)
+    return {"max": float(np.abs(d).max()), "rms": float(np.sqrt(np.mean(d * d)))}
+
+
+def rounding_bounds(noise: dict, effect_rms: float) -> tuple[float, float]:
+    """(max |Δ logits|, rms ratio) allowed for one more rounding of the kind ``noise`` measured:
+    KEPT_SPREAD x its max, and KEPT_SPREAD x its rms over the rms of the change (an adapter's
+    effect) the ratio is taken against."""
+    return KEPT_SPREAD * noise["max"], KEPT_SPREAD * noise["rms"] / effect_rms
