@@ -253,6 +253,7 @@ def main() -> int:
     import argparse
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=FIX / "peft_logits.npz")
+    ap.add_argument("--sets", default=",".join(SETS), help="the tensor sets (comma-separated)")
     a = ap.parse_args()
     import numpy as np
     import torch
@@ -272,6 +273,8 @@ def main() -> int:
         hf_dir = tmp / "hf"
         ref.save_hf_checkpoint(base, FIX / "tokenizer", hf_dir)
         for sname, spec in SETS.items():
+            if sname not in a.sets.split(","):
+                continue
             res.update(adapter_set(tmp, hf_dir, sname, spec, cfg, gold, base_logits))
     path = a.out
     np.savez_compressed(path, **res)
