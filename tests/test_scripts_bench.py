@@ -11,7 +11,9 @@ timed: the figures are the benchmarks' job.
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -58,7 +60,7 @@ def test_bench_train_one_step_each_side(toy, ref_python):
     for r in (p, h):
         assert r["tokens"] == 32 and r["n_targets"] == 16, r
         assert all(x == x and 0 < x < 100 for x in r["losses"]), r["losses"]
-        assert r["n_clean"] + (len(r["times"]) - r["n_clean"]) >= 1
+        assert len(r["times"]) >= 1
     assert p["lora_params"] == h["lora_params"], (p["lora_params"], h["lora_params"])
     assert p["lora_names"] == h["lora_names"] == 8      # q/k/v/o of the 2 attention layers
 
@@ -67,11 +69,10 @@ def test_bench_train_report_renders_the_committed_results(tmp_path):
     """python -m scripts.bench_train --report-from: the committed train.md and train-intel.md
     hold every line the script renders from their json (they also keep sections of earlier,
     finished investigations the script no longer makes)."""
-    from pathlib import Path
     repo = Path(bc.REPO)
     for name in ("train", "train-intel"):
         out = tmp_path / f"{name}.md"
-        r = bc.subprocess.run([sys.executable, "-m", "scripts.bench_train", "--report-from",
+        r = subprocess.run([sys.executable, "-m", "scripts.bench_train", "--report-from",
                                str(repo / "bench_results" / f"{name}.json"), "--out", str(out)],
                               cwd=str(repo), capture_output=True, text=True)
         assert r.returncode == 0, r.stderr[-3000:]
@@ -93,7 +94,7 @@ def test_bench_train_gpu_workers_on_cpu(toy, ref_python):
 
 
 def run_script(*argv: str, timeout: float = 600) -> str:
-    r = bc.subprocess.run([sys.executable, "-m", *argv], cwd=str(bc.REPO), capture_output=True,
+    r = subprocess.run([sys.executable, "-m", *argv], cwd=str(bc.REPO), capture_output=True,
                           text=True, timeout=timeout, env=bc.worker_env(1))
     assert r.returncode == 0, f"{' '.join(argv)} exited {r.returncode}:\n{r.stdout[-2000:]}\n" \
                               f"{r.stderr[-4000:]}"
