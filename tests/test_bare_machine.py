@@ -17,6 +17,7 @@ the package but the system's and CUDA's (``portability_problems``).  The carry o
 failed each condition: its prefix linked OpenBLAS by this machine's path, its setup compiled
 the cffi module (Python.h) and fell back to ``pip download``."""
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -99,8 +100,9 @@ def rehearsal(tmp_path_factory):
     namespace = can_unshare()
     if namespace:
         # what the run's own namespace shows, looked at from inside it just before the run
-        looks = "; ".join(f"if [ -e '{f}' ]; then echo '{n}: visible'; else echo '{n}: absent'; fi"
-                          for n, f in PROBES.items())
+        q = shlex.quote
+        looks = "; ".join(f"if [ -e {q(str(f))} ]; then echo {q(n + ': visible')}; "
+                          f"else echo {q(n + ': absent')}; fi" for n, f in PROBES.items())
         mounts = "; ".join(f"mount -t tmpfs none '{h}'" for h in hidden)
         cmd = ["unshare", "-m", "--propagation", "private", "bash", "-c",
                f"set -e; {mounts}; ({looks}) > '{out}/probe.txt'; exec \"$@\"", "_", *cmd]
