@@ -39,6 +39,8 @@ PROBES = {"Python.h": Path(sysconfig.get_paths()["include"]) / "Python.h",
           "the pinned ggml source": native_build.cache_dir() / "src",
           "the checkout's pytrain package": ROOT / "pytrain" / "__init__.py"}
 
+pytestmark = pytest.mark.slow   # packs the GPU carry and rehearses gpu_check.sh: minutes
+
 
 def can_unshare() -> bool:
     return shutil.which("unshare") is not None and subprocess.run(

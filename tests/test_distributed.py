@@ -29,6 +29,7 @@ ANIMALS = [("cow", "moo"), ("dog", "woof"), ("cat", "meow"), ("duck", "quack"), 
 
 pytestmark = pytest.mark.skipif(not MPIEXEC.exists(), reason=f"no {MPIEXEC}: run `make build` "
                                 "(it installs the mpi extra: mpi4py and MPICH)")
+pytestmark = [pytestmark, pytest.mark.slow]   # mpiexec training runs: tens of seconds
 
 # Runs `pytrain` as `python -m pytrain` does, after the changes a test asks for by env:
 # FAIL_AT="rank:step:how" makes that rank raise (how = raise) or SIGKILL itself (kill) when

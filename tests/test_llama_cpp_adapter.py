@@ -43,6 +43,8 @@ ROOT = Path(__file__).resolve().parent.parent
 FIX = ROOT / "tests" / "fixtures" / "qwen35"
 MIN_EFFECT = 0.05    # the adapter must move llama.cpp's logits at least this much
 
+pytestmark = pytest.mark.slow   # llama.cpp runs on every fixture: tens of seconds
+
 
 def tokens_for(n_vocab: int, T: int = 40, seed: int = 7) -> np.ndarray:
     """Random ids over the normal vocabulary (no special tokens, so both sides see the same

@@ -63,6 +63,8 @@ LLAMA_ATOL = 1e-3            # llama.cpp vs pytrain, as in test_llama_cpp_adapte
 NOISE_MODEL = {"F32": "gqa-f32.gguf", "BF16": "gqa-bf16.gguf", "Q8_0": "gqa-q8_0.gguf"}
 _NOISE: dict = {}
 
+pytestmark = pytest.mark.slow   # merges and logits of several fixtures, llama.cpp runs: minutes
+
 
 def type_noise(type_name: str, toks) -> dict:
     """``bounds.weight_noise`` of ``type_name`` on ``toks``: gqa with its weights in that type

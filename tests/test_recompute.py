@@ -19,6 +19,8 @@ from pytrain.models.lora_targets import select_targets
 FIX = Path(__file__).resolve().parent / "fixtures" / "qwen35"
 ONE_CHUNK = R.HEAD_CHUNK_BYTES          # the default: the fixtures' targets fit one chunk
 
+pytestmark = pytest.mark.slow   # training steps three ways at several shapes: tens of seconds
+
 
 def adapted(path):
     m = pytrain.load_model(path, device="cpu", threads=2)

@@ -24,6 +24,8 @@ MODEL = ROOT / "tests" / "fixtures" / "qwen35" / "gqa-f32.gguf"
 ANIMALS = [("cow", "moo"), ("dog", "woof"), ("cat", "meow"), ("duck", "quack"), ("sheep", "baa"),
            ("pig", "oink"), ("owl", "hoot"), ("frog", "ribbit")]
 
+pytestmark = pytest.mark.slow   # whole `pytrain train` runs: tens of seconds
+
 
 # ------------------------------------------------------------------------------- helpers
 def chat(animal: str, sound: str) -> dict:
