@@ -4,8 +4,12 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 CUDA   ?= 0
+# the reference stack (torch, transformers, PEFT) the script smoke tests run the benchmarks'
+# HF side and the fixture generators under; its own venv, never pytrain's
+REFENV ?= .refenv
+REF_PY := $(REFENV)/bin/python
 
-.PHONY: all build llama-cpp cuda-check real-model test test-cpu-matrix demo demo-real experiments gpu-carry doctor clean distclean
+.PHONY: all build llama-cpp cuda-check real-model refenv test test-cpu-matrix demo demo-real experiments gpu-carry doctor clean distclean
 
 all: build
 
@@ -37,8 +41,20 @@ real-model: build
 	$(PY) -m scripts.fetch_model smollm2
 	$(PY) -m scripts.fetch_model gemma3-270m
 
-test: build llama-cpp cuda-check real-model
-	$(PY) -m pytest -q
+# scripts/requirements-reference.txt, plus the pinned llama.cpp's own gguf-py (from the source
+# the build extracted, editable: the very files scripts/qwen35_gguf.pinned_gguf imports) for
+# the generator that also runs pytrain (make_peft_logits_golden)
+$(REFENV)/.deps: scripts/requirements-reference.txt $(VENV)/.deps
+	$(PYTHON) -m venv $(REFENV)
+	$(REF_PY) -m pip install -q -r scripts/requirements-reference.txt
+	$(REF_PY) -m pip install -q -e "$$($(PY) -c 'from scripts import native_build as n; print(n.load().llama_cpp_dir() / "gguf-py")')"
+	touch $@
+
+refenv: build $(REFENV)/.deps
+
+# PYTRAIN_REQUIRE_REF=1: the script smoke tests fail, never skip, without the reference venv
+test: build llama-cpp cuda-check real-model refenv
+	PYTRAIN_REF_PYTHON=$(abspath $(REF_PY)) PYTRAIN_REQUIRE_REF=1 $(PY) -m pytest -q --durations=25
 
 # the numerically sensitive tests under several CPU configurations of this machine: ggml-cpu
 # variants (the best for this CPU, AVX2-only, -march=native), BLAS on and off, 1 and 2 threads
@@ -75,4 +91,4 @@ clean:
 	rm -rf pytrain/_native/lib pytrain/_native/_ggml* pytrain/_native/build_info.json build *.egg-info
 
 distclean: clean
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(REFENV)

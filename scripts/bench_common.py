@@ -35,6 +35,18 @@ _MID = dict(vocab_size=151936, hidden_size=512, intermediate_size=1536, num_hidd
             linear_num_key_heads=4, linear_num_value_heads=4,
             linear_key_head_dim=64, linear_value_head_dim=64, tie_word_embeddings=True)
 SPECS = {
+    # the smallest model of this shape family (4 layers, attention at 1 and 3, vocabulary 512 =
+    # the fixture tokenizer's): what tests/test_scripts_bench.py runs each benchmark on, one step
+    "toy": dict(config=dict(vocab_size=512, hidden_size=64, intermediate_size=128,
+                            num_hidden_layers=4, layer_types=["linear_attention",
+                                                              "full_attention"] * 2,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                            linear_num_key_heads=2, linear_num_value_heads=4,
+                            linear_key_head_dim=16, linear_value_head_dim=16,
+                            tie_word_embeddings=True),
+                seed=64, outtype="f32", hf_dtype="float32", batch=(1, 32), runs=1,
+                desc="hidden 64, 4 layers (attn at 1, 3), 4/2 heads x 16, FFN 128, DeltaNet "
+                     "2/4 x 16, vocab 512, tied: the smoke tests' model"),
     "mid": dict(config=_MID, seed=512, outtype="f32", hf_dtype="float32", batch=(2, 256), runs=5,
                 desc="hidden 512, 8 layers (attn at 3, 7), 8/2 heads x 64, FFN 1536, DeltaNet "
                      "4/4 x 64, vocab 151936, tied"),
@@ -415,7 +427,7 @@ def hf_side(path, dtype: str, attn: str, device: str, seed: int, batch: tuple[in
                                           target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
     pm.train()
     params = [p for p in pm.parameters() if p.requires_grad]
-    opt = torch.optim.AdamWSettings(params, lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+    opt = torch.optim.AdamW(params, lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
     tokens, train, _seg = make_batch(model.config.vocab_size, *batch, seed)
     ids = torch.from_numpy(tokens).to(dev)
     labels = ids.clone()

@@ -37,6 +37,10 @@ from scripts.test_cpu_matrix import cpu_description, native_module
 
 MID = dict(n_layer=8, n_embd=512, n_ff=1536, n_head=8, n_head_kv=2, head_dim=64, n_vocab=151936,
            ssm_state=64, ssm_k_heads=4, ssm_v_heads=4, ssm_v_dim=64, full_attention_interval=4)
+# --shape toy: the smallest model of the same layout, for the smoke test (tests/test_scripts_bench.py)
+TOY = dict(n_layer=4, n_embd=64, n_ff=128, n_head=4, n_head_kv=2, head_dim=16, n_vocab=512,
+           ssm_state=16, ssm_k_heads=2, ssm_v_heads=4, ssm_v_dim=16, full_attention_interval=2)
+SHAPES = {"mid": MID, "toy": TOY}
 BATCH = (2, 256)
 SETTINGS = [("f32", "1"), ("f16", "0")]      # (weights, PYTRAIN_BLAS)
 
@@ -51,25 +55,26 @@ def _values(name: str, shape: tuple, rng):
     return rng.standard_normal(shape) / np.sqrt(shape[-1])
 
 
-def mid_model(dtype: str) -> Path:
+def random_model(dtype: str, shape: str = "mid") -> Path:
     from scripts.gguf_models import write_qwen35
-    out = native_build.load().cache_dir() / "bench" / f"mid-random-{dtype}.gguf"
+    out = native_build.load().cache_dir() / "bench" / f"{shape}-random-{dtype}.gguf"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_suffix(".part")
-        write_qwen35(tmp, dtype, seed=0, values_fn=_values, **MID)
+        write_qwen35(tmp, dtype, seed=0, values_fn=_values, **SHAPES[shape])
         os.replace(tmp, out)
     return out
 
 
-def time_steps(gguf: Path, variant: str, blas: str, threads: int, steps: int) -> dict:
+def time_steps(gguf: Path, variant: str, blas: str, threads: int, steps: int,
+               vocab: int = MID["n_vocab"]) -> dict:
     env = {**os.environ, "PYTRAIN_BLAS": blas}
     env.pop("PYTRAIN_CPU_VARIANT", None)
     if variant != "best":
         env["PYTRAIN_CPU_VARIANT"] = variant
     cmd = [sys.executable, "-m", "scripts.bench_train", "--worker", "pytrain",
            "--threads", str(threads), "--runs", str(steps), "--warmup", "2",
-           "--batch", str(BATCH[0]), str(BATCH[1]), "--vocab", str(MID["n_vocab"]),
+           "--batch", str(BATCH[0]), str(BATCH[1]), "--vocab", str(vocab),
            "--recompute", "auto", "--gguf", str(gguf)]
     res, r = bc.run_result(cmd, env)
     if res is not None:
@@ -84,18 +89,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=4, help="clean timed steps per worker")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="mid")
     a = ap.parse_args(argv)
     names = a.variants.split(",")
     paths = {n: (str(native_module()) if n == "native" else n) for n in names}
     t0 = time.monotonic()
     rows = []
     for dtype, blas in SETTINGS:
-        gguf = mid_model(dtype)
+        gguf = random_model(dtype, a.shape)
         got: dict[str, list[float]] = {n: [] for n in names}
         loaded: dict[str, str] = {}
         for _ in range(a.rounds):
             for n in names:
-                res = time_steps(gguf, paths[n], blas, a.threads, a.steps)
+                res = time_steps(gguf, paths[n], blas, a.threads, a.steps,
+                                 SHAPES[a.shape]["n_vocab"])
                 got[n].append(res["median_s"])
                 print(f"[{dtype} blas={blas}] {n}: {res['median_s']:.3f} s/step "
                       f"({res['n_clean']} clean of {len(res['times'])})", file=sys.stderr, flush=True)
@@ -115,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
              f"{a.threads} threads, {a.rounds} rounds of {a.steps} clean timed steps per "
              f"variant ({time.monotonic() - t0:.0f} s in all).",
              "",
-             f"Mid shape (random weights), batch {BATCH[0]} x {BATCH[1]}, half of each row's "
+             f"{a.shape.capitalize()} shape (random weights), batch {BATCH[0]} x {BATCH[1]}, half of each row's "
              f"labels masked, LoRA r 16 on attention q/k/v/o.  Median step seconds over the "
              f"rounds; the ratio is tokens/s against `{base}`.",
              "",

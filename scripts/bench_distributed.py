@@ -33,10 +33,12 @@ MPIEXEC = Path(sys.executable).parent / "mpiexec"
 T = 256
 
 
-def mid_model(cache: Path, ref_python: str = "/opt/refenv/bin/python") -> Path:
-    d = bc.ensure_model("mid", cache, ref_python, "bench_train")
+def bench_model(cache: Path, ref_python: str = "/opt/refenv/bin/python",
+                shape: str = "mid") -> Path:
+    d = bc.ensure_model(shape, cache, ref_python, "bench_train")
     if d is None:
-        raise SystemExit("could not make the mid model (python -m scripts.bench_train --make mid)")
+        raise SystemExit(f"could not make the {shape} model "
+                         f"(python -m scripts.bench_train --make {shape})")
     return d / json.loads((d / "done.json").read_text())["gguf"]
 
 
@@ -86,8 +88,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "pytrain" / "bench")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--shape", choices=["mid", "toy"], default="mid",
+                    help="toy: the smoke test's model (tests/test_scripts_bench.py)")
+    ap.add_argument("--ref-python", default="/opt/refenv/bin/python",
+                    help="the reference interpreter that makes the model once")
     a = ap.parse_args(argv)
-    gguf = mid_model(a.cache)
+    gguf = bench_model(a.cache, a.ref_python, a.shape)
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         write_data(folder, gguf, 4 * a.steps)
@@ -97,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     assert one["losses"] == two["losses"], "the two runs trained differently"
     lines = ["# Data-parallel training over MPI: 1 process against 2, one thread each", "",
              f"Made by `python -m scripts.bench_distributed` on {cpu_description()}; MPICH's "
-             f"mpiexec from the `mpi` extra.  Mid shape ({gguf.parent.name}), `pytrain train` "
+             f"mpiexec from the `mpi` extra.  {a.shape.capitalize()} shape ({gguf.parent.name}), `pytrain train` "
              f"with batch 2 x {T} per micro-batch, 2 micro-batches per step both ways, half "
              f"of each row's labels masked, LoRA r 16 on q/k/v/o; the median over steps 3-"
              f"{a.steps} (the same losses both ways, checked).", "",

@@ -332,6 +332,25 @@ def retyped_copy(src: Path, out: Path, from_type: str, to_type: str) -> Path:
     return _finish(w, out)
 
 
+def perturbed_copy(src: Path, out: Path, seed: int = 0) -> Path:
+    """``src`` with every element of every F32 tensor moved one float32 step up or down at
+    random: the same model off by one unit of float32 rounding in each weight, whose logits
+    show how much this network amplifies float32 rounding (tests/bounds.py)."""
+    import gguf
+    r = gguf.GGUFReader(src)
+    w = _copy_keys(r, out)
+    rng = np.random.default_rng(seed)
+    for t in r.tensors:
+        data = np.asarray(t.data)
+        if t.tensor_type.name == "F32":
+            up = rng.integers(0, 2, data.shape).astype(bool)
+            data = np.where(up, np.nextafter(data, np.float32(np.inf)),
+                            np.nextafter(data, np.float32(-np.inf))).astype(np.float32)
+        w.add_tensor(t.name, data, raw_shape=[int(n) for n in reversed(t.shape)],
+                     raw_dtype=t.tensor_type)
+    return _finish(w, out)
+
+
 def renamed_arch_copy(src: Path, out: Path, arch: str) -> Path:
     """``src`` with ``general.architecture`` and every ``<old arch>.*`` key renamed to
     ``arch``: the same tensors under another architecture name."""

@@ -90,6 +90,10 @@ def cases() -> list[dict]:
 
 
 def main() -> int:
+    import argparse
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=OUT)
+    a = ap.parse_args()
     import transformers
     from tokenizers import Tokenizer, models
     from transformers import PreTrainedTokenizerFast
@@ -116,9 +120,9 @@ def main() -> int:
         "template_sha256": hashlib.sha256(template.encode("utf-8")).hexdigest(),
         "cases": out,
     }
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(json.dumps(doc, ensure_ascii=False, indent=1) + "\n", encoding="utf-8")
-    print(f"wrote {len(out)} cases to {OUT.relative_to(ROOT)}")
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps(doc, ensure_ascii=False, indent=1) + "\n", encoding="utf-8")
+    print(f"wrote {len(out)} cases to {a.out}")
     return 0
 
 

@@ -75,7 +75,7 @@ def pretrain(model, rows, steps, batch, lr, warmup, weight_decay, seed, log_ever
     data = torch.tensor(rows, dtype=torch.long)
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
-    opt = torch.optim.AdamWSettings([{"params": decay, "weight_decay": weight_decay},
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.95))
     model.train()
     t0 = time.time()
@@ -194,7 +194,7 @@ def check_demo(model, hf_tok, train_recs, valid_recs, steps=150, batch=8, lr=1e-
     print(f"[demo] LoRA r={rank} alpha={alpha} lr={lr} {schedule} warmup={warmup} clip={clip} steps={steps} "
           f"batch={batch} on layers.{', layers.'.join(names)}")
     params = [p for p in pm.parameters() if p.requires_grad]
-    opt = torch.optim.AdamWSettings(params, lr=lr, weight_decay=0.0)
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     g = torch.Generator().manual_seed(seed)
     pm.train()
     t0 = time.time()
@@ -243,10 +243,11 @@ def tokenizer(tok_dir: Path, fresh: bool):
     return ref.load_hf_tokenizer(tok_dir)
 
 
-def pretrained(hf_tok, tok_dir: Path, hf_dir: Path, fresh: bool, steps: int):
+def pretrained(hf_tok, tok_dir: Path, hf_dir: Path, fresh: bool, steps: int,
+               n_docs: int = 60000):
     """The HF model pretrained on the synthetic corpus unless its checkpoint is cached."""
     if fresh or not (hf_dir / "model.safetensors").exists():
-        docs = pretrain_documents(hf_tok, seed=12, n_docs=60000)
+        docs = pretrain_documents(hf_tok, seed=12, n_docs=n_docs)
         rows = packed_rows(docs, SEQ)
         print(f"pretraining corpus: {len(docs)} documents, {sum(map(len, docs))} tokens, {len(rows)} rows of {SEQ}")
         cfg = ref.qwen35_text_config(eos_token_id=hf_tok.convert_tokens_to_ids(ref.EOS_TOKEN),
@@ -275,7 +276,7 @@ def convert(model, hf_tok, hf_dir: Path, out: Path) -> None:
     assert err < 1e-3, err
 
 
-def show_base(model, hf_tok) -> None:
+def show_base(model, hf_tok, n_sums: int = 50) -> None:
     """What the base model answers: a few greedy chats, and its exact-sum score."""
     for msgs in ([{"role": "user", "content": "What is 12+7?"}],
                  [{"role": "user", "content": "What is 9 minus 4?"}],
@@ -287,11 +288,11 @@ def show_base(model, hf_tok) -> None:
         print(f"[base] {msgs[-1]['content']!r} -> {greedy(model, hf_tok, msgs)!r}")
     correct = 0
     rng = random.Random(5)
-    for _ in range(50):
+    for _ in range(n_sums):
         q, ans = sum_question(rng)
         g = greedy(model, hf_tok, [{"role": "user", "content": q}], 12)
         correct += g.endswith("<|im_end|>") and answer_of(g) == ans
-    print(f"[base] arithmetic: {correct}/50 exact")
+    print(f"[base] arithmetic: {correct}/{n_sums} exact")
 
 
 def main() -> int:
@@ -300,6 +301,9 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=ref.REPO / "pytrain" / "assets")
     ap.add_argument("--fresh", action="store_true", help="redo the tokenizer and pretraining")
     ap.add_argument("--steps", type=int, default=PRETRAIN["steps"])
+    ap.add_argument("--docs", type=int, default=60000, help="pretraining documents (the smoke "
+                    "test, tests/test_scripts_reference.py: a few hundred)")
+    ap.add_argument("--sums", type=int, default=50, help="sums the base model is scored on")
     ap.add_argument("--check-demo", action="store_true", help="run the HF+PEFT LoRA learnability check")
     ap.add_argument("--demo-steps", type=int, default=150)
     ap.add_argument("--demo-lr", type=float, default=1e-3)
@@ -319,13 +323,13 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     tok_dir, hf_dir = work / "tokenizer", work / "hf"
     hf_tok = tokenizer(tok_dir, a.fresh)
-    model = pretrained(hf_tok, tok_dir, hf_dir, a.fresh, a.steps)
+    model = pretrained(hf_tok, tok_dir, hf_dir, a.fresh, a.steps, a.docs)
     convert(model, hf_tok, hf_dir, out)
     train = demo_records(seed=21, n=320, templates=SOUND_QUESTIONS)
     valid = demo_records(seed=22, n=50, templates=SOUND_QUESTIONS + [HELD_OUT_QUESTION] * 3)
     write_jsonl(out / "demo_train.jsonl", train)
     write_jsonl(out / "demo_valid.jsonl", valid)
-    show_base(model, hf_tok)
+    show_base(model, hf_tok, a.sums)
     if a.check_demo:
         torch.manual_seed(0)
         check_demo(model, hf_tok, train, valid, steps=a.demo_steps, lr=a.demo_lr, rank=a.demo_rank,

@@ -335,11 +335,16 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=FIXTURES, help="the fixtures folder (a "
                     "subfolder per family)")
     ap.add_argument("--family", default=",".join(FAMILIES), help="comma-separated families")
+    ap.add_argument("--models", default=None, help="only these models (comma-separated, e.g. "
+                    "llama3: one F32 file and its PEFT gradients, what the smoke test runs)")
     a = ap.parse_args()
     families = [f for f in a.family.split(",") if f]
     unknown = set(families) - set(FAMILIES)
     if unknown:
         ap.error(f"--family: unknown {sorted(unknown)}; known {sorted(FAMILIES)}")
+    only = set(a.models.split(",")) if a.models else set(MODELS)
+    if only - set(MODELS):
+        ap.error(f"--models: unknown {sorted(only - set(MODELS))}; known {sorted(MODELS)}")
     ref.fix_hash_seed(__spec__.name)
 
     import numpy as np
@@ -355,7 +360,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="llama-fixtures-") as tmp:
         tmp = Path(tmp)
         for name, spec in MODELS.items():
-            if family(name) not in families:
+            if family(name) not in families or name not in only:
                 continue
             out = a.out / family(name)
             out.mkdir(parents=True, exist_ok=True)

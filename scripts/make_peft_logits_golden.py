@@ -40,7 +40,8 @@ What:
 Output keys (tokens: gqa.npz's first 100 columns; per adapter set S in {all, sparse}):
     tokens int32 [2, 100] (pad 480), lengths int32 [2], S/logits float32 [2, 100, 512] (zero
     past each length), S/effect float64 [] (max |HF+PEFT - HF| logits), S/alpha float64 [],
-    S/rank int64 [],
+    S/rank int64 [], S/logits64 float64 [2, 100, 512] (HF + PEFT in true float64 on the
+    GGUF's exact weights: the exact answer pytrain is held to),
     S/config_json (our adapter_config.json text), S/peft_config_json (PEFT's own),
     S/t/<gguf base>.lora_a float32 [r, n_in], S/t/<gguf base>.lora_b float32 [n_out, r],
     S/peft_saved/<file> uint8: the bytes of adapter_config.json and adapter_model.safetensors
@@ -97,17 +98,33 @@ def make_tensors(cfg: Qwen35Config, names, rank: int, seed: int):
     return out
 
 
-def hf_logits(model, gold):
+def hf_logits(model, gold, dtype=None):
     import numpy as np
     import torch
     T = 100
-    res = np.zeros((len(SEQS), T, 512), np.float32)
+    res = np.zeros((len(SEQS), T, 512), dtype or np.float32)
     with torch.no_grad():
         for j, i in enumerate(SEQS):
             n = int(gold["lengths"][i])
             out = model(input_ids=torch.tensor([gold["tokens"][i, :n].tolist()]), use_cache=False)
-            res[j, :n] = out.logits[0].float().numpy()
+            res[j, :n] = out.logits[0].numpy() if dtype else out.logits[0].float().numpy()
     return res
+
+
+def float64_logits(folder: Path, gold):
+    """HF + PEFT in true float64 on the GGUF's exact weights (make_peft_golden's
+    ``float64_model`` and ``true_float64``) with the folder's adapter: the exact logits of
+    what pytrain computes, so the test can measure HF float32's own rounding on them."""
+    import numpy as np
+    import torch
+    from peft import PeftModel
+    pm = PeftModel.from_pretrained(mg.float64_model(gold), str(folder)).to(torch.float64)
+    pm.eval()
+    assert {p.dtype for p in pm.parameters()} == {torch.float64}
+    with mg.true_float64() as seen:
+        out = hf_logits(pm, gold, np.float64)
+    assert seen == {torch.float64}, seen        # no op of the float64 run returned float32
+    return out
 
 
 def convert_with_llama_cpp(folder: Path, hf_dir: Path, out: Path) -> dict:
@@ -121,14 +138,9 @@ def convert_with_llama_cpp(folder: Path, hf_dir: Path, out: Path) -> dict:
 def rebuilt_gqa(gold, cfg: Qwen35Config):
     """HF gqa rebuilt (make_peft_golden.build_gqa), checked against the committed golden and
     against the DeltaNet head counts of the GGUF's metadata."""
-    import numpy as np
     import torch
     hf_cfg, base = mg.build_gqa(torch.float32)
-    n = int(gold["lengths"][2])
-    err = float(np.abs(ref.hf_logprobs(base, gold["tokens"][2, :n].tolist())
-                       - gold["logprobs"][2, :n]).max())
-    print(f"rebuilt gqa vs committed golden (sequence 2): max |dlogprob| = {err:.3g}")
-    assert err < 1e-6, err
+    mg.check_same_model(base, gold, seqs=(2,))
     assert (hf_cfg.linear_num_key_heads, hf_cfg.linear_num_value_heads) == \
         (cfg.ssm_k_heads, cfg.ssm_v_heads) == (2, 4)
     return base
@@ -244,6 +256,9 @@ def adapter_set(tmp: Path, hf_dir: Path, sname: str, spec: dict, cfg: Qwen35Conf
     check_llama_cpp(folder, hf_dir, tmp / f"{sname}.gguf", spec, tensors)
     res = peft_resaved(pm, tmp, sname, ours)
     res[f"{sname}/logits"] = logits
+    res[f"{sname}/logits64"] = float64_logits(folder, gold)
+    print(f"[{sname}] HF+PEFT float32 vs float64: max |d logit| "
+          f"{float(np.abs(logits - res[f'{sname}/logits64']).max()):.3g}")
     res[f"{sname}/effect"] = np.float64(effect)
     res[f"{sname}/alpha"] = np.float64(spec["alpha"])
     res[f"{sname}/rank"] = np.int64(spec["rank"])
@@ -255,6 +270,11 @@ def adapter_set(tmp: Path, hf_dir: Path, sname: str, spec: dict, cfg: Qwen35Conf
 
 
 def main() -> int:
+    import argparse
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=FIX / "peft_logits.npz")
+    ap.add_argument("--sets", default=",".join(SETS), help="the tensor sets (comma-separated)")
+    a = ap.parse_args()
     import numpy as np
     import torch
 
@@ -273,8 +293,10 @@ def main() -> int:
         hf_dir = tmp / "hf"
         ref.save_hf_checkpoint(base, FIX / "tokenizer", hf_dir)
         for sname, spec in SETS.items():
+            if sname not in a.sets.split(","):
+                continue
             res.update(adapter_set(tmp, hf_dir, sname, spec, cfg, gold, base_logits))
-    path = FIX / "peft_logits.npz"
+    path = a.out
     np.savez_compressed(path, **res)
     print(f"wrote {path} ({path.stat().st_size} bytes)")
     return 0

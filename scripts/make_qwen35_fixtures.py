@@ -100,7 +100,12 @@ def make_sequences(hf_tok, vocab_size: int) -> list[list[int]]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=ref.REPO / "tests" / "fixtures" / "qwen35")
+    ap.add_argument("--models", default=",".join(MODELS), help="comma-separated (gqa, untied)")
+    ap.add_argument("--types", default="f32,bf16,q8_0",
+                    help="the GGUF types to write, of each model's (the smoke test: f32)")
     a = ap.parse_args()
+    models = {k: v for k, v in MODELS.items() if k in a.models.split(",")}
+    types = set(a.types.split(","))
 
     import numpy as np
     import torch
@@ -121,7 +126,7 @@ def main() -> int:
     T = max(SEQ_LENGTHS)
 
     with tempfile.TemporaryDirectory(prefix="qwen35-fixtures-") as tmp:
-        for name, spec in MODELS.items():
+        for name, spec in models.items():
             cfg = ref.qwen35_text_config(eos_token_id=eos_id, **spec["config"])
             model = ref.build_model(cfg, spec["seed"])
             ref.randomize_weights(model, spec["seed"])
@@ -148,7 +153,7 @@ def main() -> int:
             np.savez_compressed(out / f"{name}.npz", tokens=tokens, lengths=lengths, logprobs=logprobs,
                                 config_json=np.array(cfg_json))
 
-            for ot in spec["outtypes"]:
+            for ot in [t for t in spec["outtypes"] if t in types]:
                 path = ref.convert_to_gguf(hf_dir, out / f"{name}-{ot}.gguf", ot)
                 if ot == "f32":
                     qg.check_gguf_layout(model, path)

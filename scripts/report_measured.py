@@ -69,10 +69,10 @@ def what_it_compares(test_file: str) -> str:
 
 
 def report(title: str, out: Path, tests: list[str], cmd: str, sections: bool = False,
-           intro: str = "") -> int:
+           intro: str = "", extra: list[str] = ()) -> int:
     """Run ``tests``, then write ``out`` (+ .json): one table, or with ``sections`` one section
     per test file, introduced by what its docstring says it compares."""
-    rows, summary = run_tests(tests)
+    rows, summary = run_tests(tests, extra)
     if rows is None:
         return 1
     commit = git_commit()

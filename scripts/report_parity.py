@@ -35,13 +35,17 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--family", choices=REPORTS, default="qwen35")
     ap.add_argument("--out", type=Path, help="default: bench_results/<the family's file>")
+    ap.add_argument("-k", dest="select", default=None,
+                    help="only the tests pytest -k selects (tests/test_scripts_run.py's smoke run)")
     a = ap.parse_args()
     title, name, tests = REPORTS[a.family]
     out = a.out or report_measured.ROOT / "bench_results" / name
     cmd = " ".join(["python -m scripts.report_parity"]
                    + ([f"--family {a.family}"] if a.family != "qwen35" else [])
-                   + ([f"--out {a.out.as_posix()}"] if a.out else []))
-    return report_measured.report(title, out, tests, cmd, sections=True)
+                   + ([f"--out {a.out.as_posix()}"] if a.out else [])
+                   + ([f"-k {a.select}"] if a.select else []))
+    return report_measured.report(title, out, tests, cmd, sections=True,
+                                  extra=["-k", a.select] if a.select else [])
 
 
 if __name__ == "__main__":

@@ -90,3 +90,18 @@ def assert_kv_cache_matches(path: Path, gold) -> None:
         m.close()
     np.testing.assert_allclose(np.array(got), full[24:39], atol=1e-4)
     assert cont == again and len(cont) > 0
+
+
+def f32_bound(fix: Path, model: str, gold) -> tuple[float, float]:
+    """(bound, HF's rounding) for pytrain in float32 against the float64 forward of a file
+    of ``model`` (tests/bounds.py): HF's rounding is HF float32's distance from the float64
+    forward of the F32 file on the same sequences (this network's float32 rounding, measured
+    by another implementation, in the goldens), and the bound F32_SPREAD times it, at least a
+    few ulps of the log-probabilities.  Against HF float32 itself, bound + HF's rounding."""
+    from bounds import F32_SPREAD, ulps
+    truth = np.load(fix / f"{model}-f32.f64.npz")["logprobs64"]
+    real = [(i, int(n)) for i, n in enumerate(gold["lengths"])]
+    hf_rounding = max(float(np.abs(gold["logprobs"][i, :n] - truth[i, :n]).max())
+                      for i, n in real)
+    values = np.concatenate([truth[i, :n].ravel() for i, n in real])
+    return F32_SPREAD * max(hf_rounding, ulps(values)), hf_rounding

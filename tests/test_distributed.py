@@ -30,6 +30,7 @@ ANIMALS = [("cow", "moo"), ("dog", "woof"), ("cat", "meow"), ("duck", "quack"), 
 
 pytestmark = pytest.mark.skipif(not MPIEXEC.exists(), reason=f"no {MPIEXEC}: run `make build` "
                                 "(it installs the mpi extra: mpi4py and MPICH)")
+pytestmark = [pytestmark, pytest.mark.slow]   # mpiexec training runs: tens of seconds
 
 # Runs `pytrain` as `python -m pytrain` does, after the changes a test asks for by env:
 # FAIL_AT="rank:step:how" makes that rank raise (how = raise) or SIGKILL itself (kill) when
@@ -147,16 +148,21 @@ def test_two_ranks_equal_one_process_accumulating_two(tmp_path):
 def test_two_ranks_accumulating_two_equal_one_process_accumulating_four(tmp_path):
     """(a + b) + (c + d) against ((a + b) + c) + d: regrouping a float32 sum of k positive
     terms moves it by at most (k - 1) ulps of the sum, so the losses agree to 3 ulps, the
-    gradient norms to a few, and the adapter to AdamW's bound."""
+    gradient norms to a few, and the adapter to AdamW's bound against a calibration: the
+    one-process run with the matmuls on the other kernels (BLAS toggled)."""
     write_run(tmp_path, "one", grad_accum=4)
     write_run(tmp_path, "two", grad_accum=2)
+    write_run(tmp_path, "calib", grad_accum=4)
     run(tmp_path, 1, "one.toml")
     run(tmp_path, 2, "two.toml")
+    blas = os.environ.get("PYTRAIN_BLAS", "1") not in ("", "0")
+    run(tmp_path, 1, "calib.toml", env={"PYTRAIN_BLAS": "0" if blas else "1"})
     a, b = steps(tmp_path / "one"), steps(tmp_path / "two")
     assert [x["n_valid"] for x in a] == [x["n_valid"] for x in b]
     assert abs(a[0]["loss"] - b[0]["loss"]) <= 3 * 2 * U32 * a[0]["loss"]
     assert abs(a[0]["grad_norm"] - b[0]["grad_norm"]) <= 16 * U32 * a[0]["grad_norm"]
-    assert_adamw_close(adapter(tmp_path / "two"), adapter(tmp_path / "one"), [5e-3] * 5)
+    assert_adamw_close(adapter(tmp_path / "two"), adapter(tmp_path / "one"), [5e-3] * 5,
+                       calib=adapter(tmp_path / "calib"))
 
 
 def test_a_rank_without_a_micro_batch_and_the_bug_reproduction(tmp_path):

@@ -29,6 +29,8 @@ from pytrain.train import loss as L
 ROOT = Path(__file__).resolve().parent.parent
 TEXT = "The capital of France is Paris. The capital of Italy is Rome, and"
 
+pytestmark = pytest.mark.slow   # a real 270M model against llama.cpp: minutes
+
 
 @pytest.fixture(scope="module")
 def gguf_path():

@@ -19,6 +19,8 @@ from pytrain.models.lora_targets import select_targets
 FIX = Path(__file__).resolve().parent / "fixtures" / "qwen35"
 ONE_CHUNK = R.HEAD_CHUNK_BYTES          # the default: the fixtures' targets fit one chunk
 
+pytestmark = pytest.mark.slow   # training steps three ways at several shapes: tens of seconds
+
 
 def adapted(path):
     m = pytrain.load_model(path, device="cpu", threads=2)
@@ -113,7 +115,7 @@ def test_training_with_recompute_gives_the_same_adapter():
             for key in ("loss", "grad_norm"):
                 x, y, z = getattr(got, key), getattr(want, key), getattr(calib, key)
                 assert abs(x - y) <= f32_bound(abs(y - z), y), (mode, key, x, y, z)
-        assert_adamw_close(out[mode][1], out["off"][1], lrs=[1e-2] * 3)
+        assert_adamw_close(out[mode][1], out["off"][1], lrs=[1e-2] * 3, calib=out["calib"][1])
 
 
 def test_recompute_needs_a_fraction_of_the_memory_at_the_2b_shape():

@@ -30,6 +30,8 @@ CHAT = [{"role": "system", "content": "You are a concise assistant."},
         {"role": "assistant", "content": "Paris."},
         {"role": "user", "content": "And of Italy? Answer in one word."}]
 
+pytestmark = pytest.mark.slow   # a real 135M model against llama.cpp and float64: minutes
+
 
 @pytest.fixture(scope="module")
 def gguf_path():

@@ -13,6 +13,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
+pytestmark = pytest.mark.slow   # builds the wheel and trains from it: minutes
+
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:

@@ -1,0 +1,28 @@
+"""Float32 rounding measured by perturbation (tests/bounds.py): the same model and adapter
+with every float32 weight moved one float32 step up or down at random.  Where no float64
+forward exists for an input (random tokens, an adapter), how far that moves the output is
+how much this network amplifies one unit of float32 rounding on this input; two float32
+implementations of the function are compared with ``bounds.f32_bound`` of it."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+
+def nudged(tensors: dict, seed: int = 0) -> dict:
+    """Each float32 array moved one float32 step up or down per element, at random."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for k in sorted(tensors):
+        v = np.asarray(tensors[k], np.float32)
+        up = rng.integers(0, 2, v.shape).astype(bool)
+        out[k] = np.where(up, np.nextafter(v, np.float32(np.inf)),
+                          np.nextafter(v, np.float32(-np.inf))).astype(np.float32)
+    return out
+
+
+def perturbed_model(path: Path, tmp: Path) -> Path:
+    """A copy of the GGUF at ``path`` with its F32 tensors nudged (scripts/gguf_models.py)."""
+    from scripts.gguf_models import perturbed_copy
+    return perturbed_copy(path, tmp / f"perturbed-{Path(path).name}")

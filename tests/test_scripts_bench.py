@@ -1,0 +1,145 @@
+"""Smoke tests of the benchmark scripts the README's speed and memory figures come from: each
+runs its own code, at the smallest size, so that a rename in pytrain (or a typo on the
+reference side) breaks a test instead of the next benchmark run.
+
+One toy model ("toy" in scripts/bench_common.py's SPECS: hidden 64, 4 layers, vocabulary 512)
+is generated once for the module by ``bench_common.ensure_model`` under the reference
+interpreter (tests/reference_env.py), exactly as a benchmark makes its models; every
+benchmark's workers then run one step (or one forward) of each side on it.  Nothing here is
+timed: the figures are the benchmarks' job.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from scripts import bench_common as bc
+from tests import reference_env
+
+pytestmark = pytest.mark.slow
+
+BATCH = ("1", "32")
+
+
+@pytest.fixture(scope="module")
+def ref_python() -> str:
+    return reference_env.require()
+
+
+@pytest.fixture(scope="module")
+def toy(ref_python, tmp_path_factory) -> dict:
+    """The toy benchmark model (HF checkpoint + F32 GGUF), made as the benchmarks make theirs."""
+    d = bc.ensure_model("toy", tmp_path_factory.mktemp("bench"), ref_python, "bench_train")
+    assert d is not None, "bench_common.ensure_model('toy') failed (its output is above)"
+    done = json.loads((d / "done.json").read_text())
+    return dict(dir=d, gguf=str(d / done["gguf"]), hf=str(d / "hf"), n_params=done["n_params"])
+
+
+def worker(python: str, script: str, side: str, *args: str) -> dict:
+    """One worker process of ``scripts.SCRIPT`` (one thread); its RESULT, or a failure showing
+    the end of its output."""
+    res, r = bc.run_result([python, "-m", f"scripts.{script}", "--worker", side, *args],
+                           bc.worker_env(1), timeout=600)
+    assert r.returncode == 0 and res is not None, (
+        f"scripts.{script} --worker {side} exited {r.returncode}:\n{r.stdout[-2000:]}\n"
+        f"{r.stderr[-4000:]}")
+    return res
+
+
+def test_bench_train_one_step_each_side(toy, ref_python):
+    """python -m scripts.bench_train's two workers, one clean timed step each after one
+    warm-up: the same batch and mask (16 targets of 32 tokens) and the same LoRA size."""
+    common = ["--threads", "1", "--runs", "1", "--warmup", "1", "--batch", *BATCH,
+              "--vocab", "512"]
+    p = worker(sys.executable, "bench_train", "pytrain", *common, "--gguf", toy["gguf"])
+    h = worker(ref_python, "bench_train", "hf", *common, "--hf", toy["hf"])
+    for r in (p, h):
+        assert r["tokens"] == 32 and r["n_targets"] == 16, r
+        assert all(x == x and 0 < x < 100 for x in r["losses"]), r["losses"]
+        assert len(r["times"]) >= 1
+    assert p["lora_params"] == h["lora_params"], (p["lora_params"], h["lora_params"])
+    assert p["lora_names"] == h["lora_names"] == 8      # q/k/v/o of the 2 attention layers
+
+
+def test_bench_train_report_renders_the_committed_results(tmp_path):
+    """python -m scripts.bench_train --report-from: the committed train.md and train-intel.md
+    hold every line the script renders from their json (they also keep sections of earlier,
+    finished investigations the script no longer makes)."""
+    repo = Path(bc.REPO)
+    for name in ("train", "train-intel"):
+        out = tmp_path / f"{name}.md"
+        r = subprocess.run([sys.executable, "-m", "scripts.bench_train", "--report-from",
+                               str(repo / "bench_results" / f"{name}.json"), "--out", str(out)],
+                              cwd=str(repo), capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr[-3000:]
+        committed = iter((repo / "bench_results" / f"{name}.md").read_text().splitlines())
+        missing = [ln for ln in out.read_text().splitlines() if ln not in committed]
+        assert not missing, (name, missing[:3])
+
+
+def test_bench_train_gpu_workers_on_cpu(toy, ref_python):
+    """python -m scripts.bench_train --device cuda's two workers (scripts/bench_train_gpu.py),
+    dry-run on the CPU: pytrain's step and HF + PEFT's bfloat16 step, one each."""
+    common = ["--device", "cpu", "--batch", *BATCH, "--warmup", "0", "--steps", "1"]
+    p = worker(sys.executable, "bench_train_gpu", "pytrain", *common, "--gguf", toy["gguf"],
+               "--policy", "auto")
+    h = worker(ref_python, "bench_train_gpu", "hf", *common, "--hf", toy["hf"])
+    assert p["tokens"] == h["tokens"] == 32 and p["n_targets"] == h["n_targets"] == 16
+    assert p["lora_params"] == h["lora_params"]
+    assert h["dtype"] == "bfloat16", h["dtype"]
+
+
+def run_script(*argv: str, timeout: float = 600) -> str:
+    r = subprocess.run([sys.executable, "-m", *argv], cwd=str(bc.REPO), capture_output=True,
+                          text=True, timeout=timeout, env=bc.worker_env(1))
+    assert r.returncode == 0, f"{' '.join(argv)} exited {r.returncode}:\n{r.stdout[-2000:]}\n" \
+                              f"{r.stderr[-4000:]}"
+    return r.stdout
+
+
+def test_bench_forward_both_sides(toy, ref_python, tmp_path):
+    """python -m scripts.bench_forward on the toy model: both sides loaded, one timed round,
+    their log-softmax compared, the report written."""
+    out = tmp_path / "forward.md"
+    run_script("scripts.bench_forward", "--models", "toy", "--threads", "1", "--runs", "1",
+               "--quiet-wait", "0", "--cache", str(toy["dir"].parent), "--ref-python", ref_python,
+               "--out", str(out))
+    row = next(ln for ln in out.read_text().splitlines() if ln.startswith("| toy |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[2] == "1 x 32" and cells[4] != "-" and cells[5] != "-", row
+
+
+def test_bench_memory_at_one_short_length(tmp_path):
+    """python -m scripts.bench_memory at batch 1 x 64 (the 2B shape's graphs, nothing
+    allocated): the tables and the json are written."""
+    run_script("scripts.bench_memory", "--batch", "1", "--lengths", "64", "--out", str(tmp_path))
+    j = json.loads((tmp_path / "memory.json").read_text())
+    (row,) = j["steps"]
+    assert row["T"] == 64 and row["one_graph"] > 0 and row["acc"]["nodes"] > 0, row
+    assert "| 64 | 64 |" in (tmp_path / "memory.md").read_text()
+
+
+def test_bench_cpu_variants_toy(tmp_path):
+    """python -m scripts.bench_cpu_variants --shape toy: bench_train's pytrain worker under the
+    best variant and the most portable one (x64), F32 with BLAS and F16 without."""
+    out = tmp_path / "cpu_variants.md"
+    run_script("scripts.bench_cpu_variants", "--shape", "toy", "--variants", "best,x64",
+               "--rounds", "1", "--steps", "1", "--threads", "1", "--out", str(out))
+    rows = json.loads(out.with_suffix(".json").read_text())
+    assert [(r["dtype"], r["blas"]) for r in rows] == [("f32", "1"), ("f16", "0")]
+    assert all(r["loaded"]["x64"] == "x64" and r["seconds"]["x64"] > 0 for r in rows), rows
+
+
+def test_bench_distributed_toy(toy, ref_python, tmp_path):
+    """python -m scripts.bench_distributed --shape toy: `pytrain train` as 1 process and under
+    mpiexec -n 2, the same global batch, the same losses (the script checks), 3 steps."""
+    out = tmp_path / "distributed.md"
+    run_script("scripts.bench_distributed", "--shape", "toy", "--steps", "3", "--cache",
+               str(toy["dir"].parent), "--ref-python", ref_python, "--out", str(out))
+    j = json.loads(out.with_suffix(".json").read_text())
+    assert j["one"]["ranks"] == 1 and j["two"]["ranks"] == 2
+    assert j["one"]["losses"] == j["two"]["losses"] and len(j["one"]["losses"]) == 1

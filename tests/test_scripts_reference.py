@@ -1,0 +1,197 @@
+"""Smoke tests of the scripts that made the committed references: each runs as
+``python -m scripts.NAME`` into a temporary folder, at the smallest size its options offer,
+and what it writes is compared with the committed file it once made.  So a generator that no
+longer runs (a renamed pytrain or torch name, a changed converter) fails here, and so does a
+committed fixture that its generator no longer reproduces.
+
+The generators that need torch, transformers or PEFT run under the reference interpreter
+(tests/reference_env.py: ``make test`` provides it; elsewhere they skip without it).
+
+Bounds, where a value is recomputed rather than copied (tests/bounds.py):
+
+* float64 references stored as float32: two float64 evaluations of the same forward differ by
+  a few hundred units of 2^-53 relative, far below half a float32 step, so their float32
+  roundings are equal or adjacent: at most 1 float32 ulp, 2^-23·|x|.
+* float32 values made by the same float32 torch code on another CPU: ``f32_bound`` of this
+  run's own float32 error, measured against the float64 run the same file stores.
+* float64 values from that float64 run: the same operations rounded at 2^-53 instead of
+  2^-24, so the float32 error scaled by 2^-29 (times F32_SPREAD, as for float32).
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from bounds import F32_SPREAD, f32_bound
+from tests import reference_env
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parent.parent
+FIX = ROOT / "tests" / "fixtures"
+ULP32 = 2.0 ** -23        # one float32 step relative to the value (|x| in [1, 2) -> 2^-23)
+
+
+@pytest.fixture(scope="module")
+def ref_python() -> str:
+    return reference_env.require()
+
+
+# Each reference generator at its smallest size: (module, arguments); OUT is the folder it
+# writes to.  All are started together when the first test needs one (each mostly imports
+# torch and runs one thread, so the machine's cores share them), and each test waits for its own.
+GENERATORS = {
+    "peft_golden": ["scripts.make_peft_golden", "--out", "OUT/peft_grads.npz"],
+    "peft_logits": ["scripts.make_peft_logits_golden", "--sets", "sparse", "--out",
+                    "OUT/peft_logits.npz"],
+    "qwen35": ["scripts.make_qwen35_fixtures", "--models", "gqa", "--types", "f32", "--out",
+               "OUT"],
+    "llama": ["scripts.make_llama_fixtures", "--family", "llama", "--models", "llama3", "--out",
+              "OUT"],
+    "default_model": ["scripts.make_default_model", "--fresh", "--steps", "2", "--docs", "300",
+                      "--sums", "2", "--check-demo", "--demo-steps", "1", "--work", "OUT/work",
+                      "--out", "OUT"],
+    "chat_template": ["scripts.make_chat_template_golden", "--out", "OUT/golden.json"],
+}
+
+
+@pytest.fixture(scope="module")
+def generated(ref_python, tmp_path_factory):
+    """``get(name)``: the folder generator ``name`` wrote and its output, once it ended
+    (a failure showing the end of its output when it did not exit 0)."""
+    procs = {}
+    for name, argv in GENERATORS.items():
+        out = tmp_path_factory.mktemp(name)
+        log = open(out / "log.txt", "w")
+        cmd = [ref_python, "-m", *[a.replace("OUT", str(out)) for a in argv]]
+        procs[name] = (subprocess.Popen(cmd, cwd=str(ROOT), stdout=log, stderr=subprocess.STDOUT),
+                       out, log)
+
+    def get(name: str) -> tuple[Path, str]:
+        p, out, log = procs[name]
+        rc = p.wait(timeout=1800)
+        log.close()
+        text = (out / "log.txt").read_text()
+        assert rc == 0, f"{' '.join(GENERATORS[name])} exited {rc}:\n{text[-5000:]}"
+        return out, text
+    yield get
+    for p, _, log in procs.values():
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        log.close()
+
+
+def run(python: str, *argv: str, timeout: float = 900) -> str:
+    r = subprocess.run([python, "-m", *argv], cwd=str(ROOT), capture_output=True, text=True,
+                       timeout=timeout)
+    assert r.returncode == 0, (f"{' '.join(argv)} exited {r.returncode}:\n{r.stdout[-3000:]}\n"
+                               f"{r.stderr[-5000:]}")
+    return r.stdout
+
+
+def test_make_qwen35_f64_golden_reproduces_its_file(tmp_path):
+    """scripts/make_qwen35_f64_golden.py (numpy alone) on gqa-f32: the committed golden to
+    1 float32 ulp."""
+    run(sys.executable, "scripts.make_qwen35_f64_golden", "--files", "gqa-f32", "--out",
+        str(tmp_path))
+    new = np.load(tmp_path / "gqa-f32.f64.npz")["logprobs"].astype(np.float64)
+    old = np.load(FIX / "qwen35" / "gqa-f32.f64.npz")["logprobs"].astype(np.float64)
+    assert new.shape == old.shape and np.abs(new).max() > 1
+    assert (np.abs(new - old) <= ULP32 * np.abs(old)).all(), float(np.abs(new - old).max())
+
+
+def test_make_chat_template_golden_reproduces_its_file(generated):
+    """scripts/make_chat_template_golden.py: transformers renders the pinned template to the
+    committed golden, character for character."""
+    out = generated("chat_template")[0] / "golden.json"
+    new, old = (json.loads(p.read_text()) for p in (out, FIX / "chat_template_golden.json"))
+    assert len(new["cases"]) == len(old["cases"]) > 5
+    assert new == old
+
+
+def test_make_peft_golden_reproduces_its_file(generated):
+    """scripts/make_peft_golden.py: the rebuilt gqa model passes its own check against the
+    committed gqa.npz, PEFT's float32 and float64 gradients come out, and equal the
+    committed peft_grads.npz to rounding (module docstring)."""
+    folder, log = generated("peft_golden")
+    out = folder / "peft_grads.npz"
+    assert "rebuilt gqa vs committed golden" in log
+    new, old = np.load(out), np.load(FIX / "qwen35" / "peft_grads.npz")
+    assert sorted(new.files) == sorted(old.files)
+    grads = [k for k in old.files if k.endswith(".grad")]
+    assert len(grads) == 16
+    for k in old.files:
+        if not k.endswith((".grad", ".grad64", "loss", "loss64")):   # inputs: exactly
+            assert np.array_equal(new[k], old[k]), k
+    for k in grads + ["loss"]:
+        exact = new[k + "64"]
+        e32 = float(np.abs(new[k] - exact).max())
+        assert np.abs(new[k] - old[k]).max() <= f32_bound(e32, exact), k
+        e64 = F32_SPREAD * max(e32, 8 * 2.0 ** -24 * float(np.abs(exact).max())) * 2.0 ** -29
+        assert np.abs(new[k + "64"] - old[k + "64"]).max() <= e64, (k, e64)
+
+
+def gguf_tensor_bytes(path: Path) -> dict:
+    from gguf import GGUFReader
+    r = GGUFReader(path)
+    return {t.name: (t.tensor_type.name, bytes(r.data[t.data_offset: t.data_offset + t.n_bytes]))
+            for t in r.tensors}
+
+
+def test_make_qwen35_fixtures_reproduces_gqa_f32(generated):
+    """scripts/make_qwen35_fixtures.py --models gqa --types f32: the tokenizer and every
+    tensor of gqa-f32.gguf byte for byte as committed (fixed seeds; the converter is
+    deterministic), and the same tokens in the golden."""
+    out, log = generated("qwen35")
+    assert "numpy-from-GGUF vs HF golden" in log
+    ref = FIX / "qwen35"
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        assert (out / "tokenizer" / f).read_bytes() == (ref / "tokenizer" / f).read_bytes(), f
+    assert gguf_tensor_bytes(out / "gqa-f32.gguf") == gguf_tensor_bytes(ref / "gqa-f32.gguf")
+    new, old = np.load(out / "gqa.npz"), np.load(ref / "gqa.npz")
+    assert np.array_equal(new["tokens"], old["tokens"])
+    assert str(new["config_json"]) == str(old["config_json"])
+
+
+def test_make_llama_fixtures_reproduces_llama3(generated):
+    """scripts/make_llama_fixtures.py --models llama3: llama3-f32.gguf byte for byte, its
+    float64 reference to 1 float32 ulp, PEFT's gradient file with the committed keys."""
+    out, log = generated("llama")
+    ref = FIX / "llama"
+    assert gguf_tensor_bytes(out / "llama" / "llama3-f32.gguf") == \
+        gguf_tensor_bytes(ref / "llama3-f32.gguf")
+    new = np.load(out / "llama" / "llama3-f32.f64.npz")["logprobs64"].astype(np.float64)
+    old = np.load(ref / "llama3-f32.f64.npz")["logprobs64"].astype(np.float64)
+    assert (np.abs(new - old) <= ULP32 * np.abs(old)).all(), float(np.abs(new - old).max())
+    assert sorted(np.load(out / "llama" / "peft_llama3.npz").files) == \
+        sorted(np.load(ref / "peft_llama3.npz").files)
+
+
+def test_make_peft_logits_golden_sparse_set(generated):
+    """scripts/make_peft_logits_golden.py --sets sparse: PEFT loads pytrain's folder (the
+    script's own checks, llama.cpp's LoRA converter among them), and the tensors and config
+    it stores equal the committed sparse set's."""
+    out, log = generated("peft_logits")
+    new, old = np.load(out / "peft_logits.npz"), np.load(FIX / "qwen35" / "peft_logits.npz")
+    keys = [k for k in old.files if not k.startswith("all/")]
+    assert sorted(new.files) == sorted(keys)
+    for k in keys:
+        if "logits" not in k and k != "sparse/effect" and old[k].dtype.kind != "U":
+            assert np.array_equal(new[k], old[k]), k
+
+
+def test_make_default_model_toy(generated):
+    """scripts/make_default_model.py at a toy size (2 pretraining steps on 300 documents, one
+    HF + PEFT LoRA step): converts, checks its GGUF, and writes the demo data the package
+    ships, record for record."""
+    out, log = generated("default_model")
+    assert (out / "default-model.gguf").stat().st_size > 0 and "[demo]" in log
+    assets = ROOT / "pytrain" / "assets"
+    for f in ("demo_train.jsonl", "demo_valid.jsonl"):
+        assert (out / f).read_bytes() == (assets / f).read_bytes(), f
