@@ -1,0 +1,137 @@
+"""``model.type_policy = "auto"`` for a training run: which of the file's weight types are
+loaded as F32 instead of kept, from measured step costs and the memory budget.
+
+Why: the frozen weights' type decides which kernels a training step runs.  On a CPU with
+ggml's BLAS backend, F32 matmuls go to the BLAS GEMM; a kept quantized or F16 weight stays on
+ggml-cpu's kernels forward (activations rounded to the weight's dot type) and is converted
+slab by slab for every backward OUT_PROD.  Which is faster depends on the type and the device,
+so it is measured, not guessed: ``STEP_RATIO`` holds, per device kind and file type, a training
+step's time with the type kept over its time with the weights dequantized to F32, from
+``python -m scripts.bench_type_policy`` (bench_results/type_policy.md, which says on what
+machine).  F32 costs 4 bytes a weight where Q4_1 costs 0.625, so a type is dequantized only
+when that pays (``FASTER``) and the F32 weights fit in half of the memory the run may use (the
+other half for the step, as ``recompute = "auto"`` keeps a margin); else the file's types are
+kept.  The values are the file's either way, so the function trained is the same; kept types
+also round the activations of the forward (as llama.cpp does), F32 does not.
+
+Inference (``pytrain generate``/``eval``, ``pytrain.load_model``) keeps ``auto``'s plain rule:
+one token at a time the quantized kernels read a quarter of the bytes.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Callable, Mapping
+
+from pytrain import ggml
+from pytrain.ggml import lib
+from pytrain.formats.gguf_tensors import TensorInfo
+from pytrain.models.weights import F32, load_type
+from pytrain.train.memory import available_bytes
+
+FASTER = 1.10      # dequantize when the kept type's step takes at least this much longer
+# keep-step time / F32-step time per device kind ("cpu+blas": ggml's BLAS backend, as built by
+# default; "cpu": PYTRAIN_BLAS=0 or a build without it) and file type; a type or device not
+# listed (CUDA: not measured yet) keeps the file's types
+STEP_RATIO: dict[str, dict[str, float]] = {
+    "cpu+blas": {"Q4_1": 1.9},
+    "cpu": {},
+}
+
+
+@dataclass(frozen=True)
+class TypeChoice:
+    """What ``auto`` decided for a training run, and why (``pytrain plan`` shows it)."""
+    policy: str
+    device: str                   # the table's key: cpu+blas, cpu, cuda, rpc
+    dequantize: dict[int, int]    # file type -> F32, for ``load_model``
+    measured: dict[str, float | None]   # per matrix file type: STEP_RATIO (None: not measured)
+    kept_bytes: int               # the weights with the file's types (auto's plain rule)
+    f32_bytes: int                # with the faster types dequantized
+    budget: int | None
+    source: str
+    reason: str
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["dequantize"] = {ggml.type_name(k): ggml.type_name(v) for k, v in self.dequantize.items()}
+        return d
+
+
+def device_key(device: str, blas: bool) -> str:
+    """The row of ``STEP_RATIO`` a run on ``device`` reads."""
+    return "cpu+blas" if device == "cpu" and blas else device
+
+
+def runtime_budget(rt, memory_gib: float | None, share: int = 1) -> tuple[int, str]:
+    """(bytes, where from) a run on ``rt`` may use: train.memory_gib, or what is available now
+    (a GPU's free memory; on a CPU the least of the system's and the cgroup's), split between
+    ``share`` ranks of one host."""
+    if memory_gib:
+        return int(memory_gib * 2**30), "train.memory_gib"
+    where = "the device's free memory" if rt.gpu is not None else "available memory"
+    return available_bytes(rt) // max(1, share), where
+
+
+def _bytes(infos: Mapping[str, TensorInfo], shapes: Mapping, device: str,
+           dequantize: Mapping[int, int]) -> int:
+    total = 0
+    for n, shape in shapes.items():
+        lt = load_type(n, tuple(shape), infos[n].type, device, "auto", dequantize)
+        total += int(lib.ggml_row_size(lt, shape[-1])) * (infos[n].n_elements // shape[-1])
+    return total
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
+
+
+def choose(key: str, infos: Mapping[str, TensorInfo], shapes: Mapping, policy: str,
+           budget: int | None, source: str) -> TypeChoice:
+    """``auto``'s choice for a training run of the tensors ``shapes`` (of the file whose index
+    is ``infos``) on a device of kind ``key`` (``device_key``) with ``budget`` bytes."""
+    device = "cpu" if key.startswith("cpu") else key
+    kept_types = {infos[n].type for n, s in shapes.items()
+                  if load_type(n, tuple(s), infos[n].type, device, "auto") != F32}
+    table = STEP_RATIO.get(key, {})
+    measured = {ggml.type_name(t): table.get(ggml.type_name(t)) for t in sorted(kept_types)}
+    kept = _bytes(infos, shapes, device, {})
+    slow = {t: F32 for t in kept_types if (table.get(ggml.type_name(t)) or 0) >= FASTER}
+    f32 = _bytes(infos, shapes, device, slow)
+    names = ", ".join(sorted(ggml.type_name(t) for t in slow))
+    if policy != "auto":
+        why, slow = f'model.type_policy = "{policy}"', {}
+    elif not kept_types:
+        why = 'type_policy = "auto": every matrix is F32 already'
+    elif not table:
+        why = f'type_policy = "auto": the file\'s types kept (no measurement on {key})'
+    elif not slow:
+        why = (f'type_policy = "auto": the file\'s types kept (a training step on {key} '
+               f'measured within {FASTER - 1:.0%} of F32\'s, or not measured: '
+               + ", ".join(f"{k} {'?' if v is None else f'{v:.2f}x'}" for k, v in measured.items())
+               + ")")
+    else:
+        ratios = ", ".join(f"{ggml.type_name(t)} {table[ggml.type_name(t)]:.2f}x"
+                           for t in sorted(slow))
+        fits = budget is not None and f32 <= budget // 2
+        what = f"{names} dequantized to F32" if fits else "the file's types kept"
+        cmp = "within" if fits else "over"
+        why = (f'type_policy = "auto": {what}: a training step on {key} measured slower kept '
+               f'({ratios} F32\'s time); F32 weights {_size(f32)} (kept: {_size(kept)}) {cmp} '
+               f'half of the {_size(budget or 0)} budget ({source})')
+        if not fits:
+            slow = {}
+    return TypeChoice(policy, key, slow, measured, kept, f32 if slow else kept, budget, source,
+                      why)
+
+
+def for_training(policy: str, memory_gib: float | None, log: Callable[[str], None],
+                 share: int = 1) -> Callable[..., dict[int, int]]:
+    """The ``dequantize`` function ``load_model`` calls for a training run once its device is
+    known: ``choose``'s types, the reason logged."""
+    def choose_for(rt, infos, shapes) -> dict[int, int]:
+        budget, source = runtime_budget(rt, memory_gib, share)
+        c = choose(device_key(rt.device, rt.blas is not None), infos, shapes, policy, budget,
+                   source)
+        log(f"weights: {c.reason}")
+        return c.dequantize
+    return choose_for

@@ -1,0 +1,349 @@
+"""Training tokens/s with the frozen weights kept in the file's type against dequantized to
+F32 (and F16), side by side in one run: what ``model.type_policy = "auto"``'s rule for
+training runs (``pytrain/train/type_choice.py``) is measured from.
+
+Two parts:
+
+* real models at the README's demo settings (config/demo-real.toml and demo-real-gemma3.toml:
+  the demo's date chats, batch 8, max_seq_len 128, LoRA r 8 on q/k/v/o, AdamW, the config's
+  threads): SmolLM2-135M-Instruct (Q4_1) and Gemma 3 270M (Q4_K_M), fetched by
+  ``python -m scripts.fetch_model [gemma3-270m]``; the rows also say which side ``auto`` takes
+  on this machine and how far that is from the faster one;
+* a synthetic llama (scripts/gguf_models.write_llama: hidden 512, FFN 1536, 8/2 heads of 64,
+  rows that every K-quant takes) per weight type, random tokens in full rows of the demo's
+  batch shape: the per-type table ``type_choice.STEP_RATIO`` is copied from these rows.
+
+Every side of a model is loaded at once and stepped in turn (ABC CBA ...), so a machine shared
+with other work slows all sides alike; medians over the rounds, and the ratio as the median of
+each round's ratio.  With ``--blas both`` the synthetic part runs with ggml's BLAS backend and
+without it (PYTRAIN_BLAS=0), which the table keys apart.
+
+Usage:
+    python -m scripts.bench_type_policy [--models smollm2,gemma3-270m] [--types F16,Q8_0,...]
+        [--sides keep,f32,f16] [--rounds 5] [--threads 2] [--blas on|off|both]
+        [--size demo|smoke] [--results bench_results] [--note TEXT]
+
+``--size smoke`` is the smallest run (a 2-layer synthetic model, 2 types, 2 rounds, no real
+model): what tests/test_bench_type_policy.py runs so that the script keeps working.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+from scripts import bench_common as bc
+
+ROOT = Path(__file__).resolve().parent.parent
+REAL = {"smollm2": ("demo-real.toml", "SmolLM2-135M-Instruct", "Q4_1"),
+        "gemma3-270m": ("demo-real-gemma3.toml", "Gemma 3 270M", "Q4_K_M")}
+TYPES = ["F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
+         "Q6_K", "IQ4_NL", "IQ4_XS"]
+SIZES = {   # synthetic llama shapes: demo = the table's; smoke = the smoke test's
+    "demo": dict(n_layer=2, n_embd=512, n_ff=1536, n_head=8, n_head_kv=2, head_dim=64,
+                 n_vocab=2048, batch=(8, 64)),
+    "smoke": dict(n_layer=2, n_embd=256, n_ff=512, n_head=4, n_head_kv=2, head_dim=64,
+                  n_vocab=64, batch=(2, 32)),
+}
+LORA = dict(rank=8, alpha=16.0, targets=["attn_q", "attn_k", "attn_v", "attn_output"])
+LR = 1e-3
+SHARED = ("The machine was shared (other jobs on its cores while this ran): each side is slowed "
+          "alike since they alternate, but single figures are noisy; the ratios are the "
+          "measure.")
+
+
+# ------------------------------------------------------------------------------- one side
+
+def side_types(side: str):
+    """The ``dequantize`` function load_model calls for a side: every matrix type of the file
+    to F32 or F16 ("keep": none; auto's support rule still applies, so BF16 is F16 on a CPU)."""
+    from pytrain.ggml import lib
+    target = {"keep": None, "f32": lib.GGML_TYPE_F32, "f16": lib.GGML_TYPE_F16}[side]
+
+    def choose(_rt, infos, shapes):
+        if target is None:
+            return {}
+        return {infos[n].type: target for n in shapes
+                if infos[n].type not in (lib.GGML_TYPE_F32, target)}
+    return choose
+
+
+class Arm:
+    """One side: the model loaded with that side's types, LoRA and AdamW, stepped on demand."""
+
+    def __init__(self, path: Path, side: str, threads: int, blas: bool, recompute: str = "off"):
+        from pytrain.models import lora
+        from pytrain.models.lora_targets import select_targets
+        from pytrain.models.model import load_model
+        from pytrain.train.optimizer import AdamWSettings
+        from pytrain.train.trainer import Trainer
+        old = os.environ.get("PYTRAIN_BLAS")
+        os.environ["PYTRAIN_BLAS"] = "1" if blas else "0"    # read when the runtime is made
+        try:
+            self.model = load_model(path, "cpu", threads, "auto", dequantize=side_types(side))
+        finally:
+            os.environ.pop("PYTRAIN_BLAS") if old is None else os.environ.update(PYTRAIN_BLAS=old)
+        names = select_targets(self.model.config, LORA["targets"])
+        self.adapter = lora.create(self.model.runtime, self.model.config, names, LORA["rank"],
+                                   LORA["alpha"], seed=0)
+        self.trainer = Trainer(self.model, self.adapter, AdamWSettings(lr=LR, max_grad_norm=1.0),
+                               recompute=recompute)
+        self.side = side
+        self.loaded = {}
+        for r in self.model.weights.report.values():
+            if r.file_type != "F32":
+                k = r.file_type if r.file_type == r.loaded_type else f"{r.file_type}->{r.loaded_type}"
+                self.loaded[k] = self.loaded.get(k, 0) + 1
+        self.weight_bytes = self.model.weights.loaded_bytes
+        self.times: list[float] = []
+        self.tokens: list[int] = []
+        self.others: list[float] = []
+        self.cpu: list[float] = []
+
+    def step(self, batch, record: bool = True) -> None:
+        r, dt, others, own = bc.timed(lambda: self.trainer.step([batch], LR))
+        if record:
+            self.times.append(r.seconds)
+            self.tokens.append(r.tokens)
+            self.others.append(others)
+            self.cpu.append(own * dt)       # this process's CPU seconds in the step
+
+    def close(self) -> None:
+        self.model.close()        # the adapter and optimizer state live in its runtime
+
+
+def race(arms: list[Arm], batches: list, rounds: int) -> dict:
+    """One warm-up step per side (graph building), then ``rounds`` rounds in which every side
+    steps once on the same batch, the order reversed every other round."""
+    for a in arms:
+        a.step(batches[0], record=False)
+    for i in range(rounds):
+        for a in (arms if i % 2 == 0 else arms[::-1]):
+            a.step(batches[i % len(batches)])
+    out = {}
+    for a in arms:
+        tps = [n / s for n, s in zip(a.tokens, a.times)]
+        out[a.side] = dict(tokens_per_s=statistics.median(tps), step_s=statistics.median(a.times),
+                           steps_s=[round(t, 4) for t in a.times], tokens=a.tokens,
+                           cpu_s=statistics.median(a.cpu),
+                           others_cores=round(statistics.mean(a.others), 2),
+                           loaded=a.loaded, weight_bytes=a.weight_bytes)
+    keep, keep_cpu = arms[0].times, arms[0].cpu
+    for a in arms[1:]:     # per round: keep's step time over this side's (> 1: this is faster)
+        out[a.side]["keep_over_this"] = statistics.median(k / t for k, t in zip(keep, a.times))
+        out[a.side]["keep_over_this_cpu"] = statistics.median(
+            k / t for k, t in zip(keep_cpu, a.cpu))
+    return out
+
+
+# ------------------------------------------------------------------------------- real models
+
+def demo_batches(name: str, path: Path, folder: Path, model) -> tuple[list, object]:
+    """The demo's training batches (its data, chat template and batching) and its config."""
+    from pytrain.config import load_config
+    from pytrain.data import load_data, make_batches
+    from scripts.demo_real import write_data
+    cfg_file = ROOT / "config" / REAL[name][0]
+    data = folder / name
+    write_data(data)
+    cfg = load_config(cfg_file, [f"model.path={json.dumps(str(path))}",
+                                 f"data.train={json.dumps(str(data / 'train.jsonl'))}",
+                                 f"data.validation={json.dumps(str(data / 'valid.jsonl'))}"])
+    splits = load_data(cfg.data, model.tokenizer)
+    t = cfg.train
+    return make_batches(splits.train, t.batch_size, cfg.data.packing, t.seed,
+                        max_seq_len=cfg.data.max_seq_len, pad_id=model.pad_id), cfg
+
+
+def auto_side(path: Path, threads: int) -> tuple[str, str]:
+    """Which side ``auto`` takes for a training run of ``path`` on this machine, and why."""
+    from pytrain.ggml import Runtime
+    from pytrain.models.model_file import open_model
+    from pytrain.train.type_choice import choose, device_key, runtime_budget
+    _arch, _meta, infos, config = open_model(path)
+    rt = Runtime("cpu", threads=threads)
+    try:
+        c = choose(device_key(rt.device, rt.blas is not None), infos, config.tensor_shapes(),
+                   "auto", *runtime_budget(rt, None))
+    finally:
+        rt.close()
+    return ("f32" if c.dequantize else "keep"), c.reason
+
+
+def bench_real(name: str, sides: list[str], rounds: int, folder: Path, log,
+               threads: int | None = None) -> dict | None:
+    from scripts import fetch_model
+    path = fetch_model.fetched(name)
+    if path is None:
+        log(f"{name}: not fetched (python -m scripts.fetch_model {name}); skipped")
+        return None
+    cfg_threads = threads or 2
+    arms = []
+    try:
+        for s in sides:
+            log(f"{name}: loading as {s}")
+            arms.append(Arm(path, s, cfg_threads, True))
+        batches, cfg = demo_batches(name, path, folder, arms[0].model)
+        assert threads or cfg.model.threads == cfg_threads, "the demo configs run on 2 threads"
+        log(f"{name}: {rounds} rounds of {len(arms)} sides on the demo's batches")
+        res = race(arms, batches, rounds)
+    finally:
+        for a in arms:
+            a.close()
+    auto, why = auto_side(path, cfg_threads)
+    best = max(res, key=lambda s: res[s]["tokens_per_s"])
+    return dict(model=REAL[name][1], quant=REAL[name][2], file=path.name, threads=cfg_threads,
+                batch_size=cfg.train.batch_size, max_seq_len=cfg.data.max_seq_len, sides=res,
+                auto=auto, auto_reason=why, faster=best,
+                auto_vs_faster=res[auto]["tokens_per_s"] / res[best]["tokens_per_s"]
+                if auto in res else None)
+
+
+# ------------------------------------------------------------------------------- synthetic
+
+def bench_type(type_name: str, sides: list[str], size: str, rounds: int, blas: bool,
+               folder: Path, threads: int) -> dict:
+    from scripts.gguf_models import write_llama
+    hp = dict(SIZES[size])
+    B, T = hp.pop("batch")
+    path = folder / f"llama-{size}-{type_name.lower()}.gguf"
+    if not path.exists():
+        from pytrain import ggml
+        dtype = {k.upper(): k for k in ggml.TYPES}[type_name]     # ggml's spelling: q4_K
+        write_llama(path, dtype, seed=0, **hp)
+    tokens, train, seg = bc.make_batch(hp["n_vocab"], B, T, seed=0)
+    from types import SimpleNamespace
+    batch = SimpleNamespace(tokens=tokens, seg=seg, train_mask=train)
+    use = [s for s in sides if not (s == "f16" and type_name == "F16")]
+    arms = []
+    try:
+        for s in use:
+            arms.append(Arm(path, s, threads, blas))
+        res = race(arms, [batch], rounds)
+    finally:
+        for a in arms:
+            a.close()
+    return dict(type=type_name, blas=blas, batch=[B, T], sides=res)
+
+
+# ------------------------------------------------------------------------------- report
+
+def markdown(r: dict) -> str:
+    m = r["machine"]
+    lines = [f"# Training step: frozen weights kept in the file's type vs dequantized", "",
+             f"Made by `{r['command']}` at commit {m['commit']}, {r['date']}, on "
+             f"{r['threads']} threads of an {m['cpu']} ({m['mem']}); ggml {m['ggml']}.", "",
+             r["shared_note"], ""]
+    if r.get("note"):
+        lines += [r["note"], ""]
+    if r["real"]:
+        lines += ["## Real models at the README's demo settings", "",
+                  "Batch 8 of the demo's date chats (max_seq_len 128; rows as long as the "
+                  "longest chat of the batch), LoRA r 8 on q/k/v/o, AdamW, BLAS backend.  "
+                  "Tokens/s: median over the rounds; `keep / f32`: median of the rounds' "
+                  "step-time ratios.", "",
+                  "| model | side | weights loaded | MiB | tokens/s | step s | keep/side |",
+                  "|---|---|---|---|---|---|---|"]
+        for x in r["real"]:
+            for s, v in x["sides"].items():
+                loaded = ", ".join(f"{k} x{n}" for k, n in sorted(v["loaded"].items()))
+                ratio = f"{v['keep_over_this']:.2f}" if "keep_over_this" in v else "1"
+                lines.append(f"| {x['model']} ({x['quant']}) | {s} | {loaded} | "
+                             f"{v['weight_bytes'] / 2**20:.0f} | {v['tokens_per_s']:.1f} | "
+                             f"{v['step_s']:.2f} | {ratio} |")
+        lines.append("")
+        for x in r["real"]:
+            vs = "-" if x["auto_vs_faster"] is None else f"{x['auto_vs_faster']:.0%}"
+            lines.append(f"- {x['model']}: `auto` takes **{x['auto']}** ({x['auto_reason']}); "
+                         f"the faster side was {x['faster']}; auto's tokens/s are {vs} of it.")
+        lines.append("")
+    if r["synthetic"]:
+        hp = SIZES[r["size"]]
+        lines += ["## Per weight type (synthetic llama)", "",
+                  f"scripts/gguf_models.write_llama: {hp['n_layer']} layers, hidden "
+                  f"{hp['n_embd']}, FFN {hp['n_ff']}, {hp['n_head']}/{hp['n_head_kv']} heads of "
+                  f"{hp['head_dim']}, vocabulary {hp['n_vocab']}; every matrix in the type; "
+                  f"random tokens, batch {hp['batch'][0]} x {hp['batch'][1]} (the second half "
+                  f"of each row a target).  `keep/f32` > 1: the kept type's step is that many "
+                  f"times slower than F32's.", "",
+                  "| type | BLAS | keep tok/s | f32 tok/s | f16 tok/s | keep/f32 | keep/f32 CPU "
+                  "| keep/f16 | keep/f16 CPU |", "|---|---|---|---|---|---|---|---|---|"]
+        for x in r["synthetic"]:
+            s = x["sides"]
+            tps = lambda k: f"{s[k]['tokens_per_s']:.0f}" if k in s else "-"
+            ratio = lambda k, cpu="": (f"{s[k]['keep_over_this' + cpu]:.2f}" if k in s else "-")
+            lines.append(f"| {x['type']} | {'on' if x['blas'] else 'off'} | {tps('keep')} | "
+                         f"{tps('f32')} | {tps('f16')} | {ratio('f32')} | {ratio('f32', '_cpu')} "
+                         f"| {ratio('f16')} | {ratio('f16', '_cpu')} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="smollm2,gemma3-270m",
+                    help="real models, comma-separated (smollm2, gemma3-270m; '' for none)")
+    ap.add_argument("--types", default=",".join(TYPES),
+                    help="synthetic model's weight types, comma-separated ('' for none)")
+    ap.add_argument("--sides", default="keep,f32,f16", help="keep first; of keep, f32, f16")
+    ap.add_argument("--rounds", type=int, default=5, help="timed steps per side (after one "
+                    "warm-up step)")
+    ap.add_argument("--threads", type=int, default=2, help="the synthetic part's threads (the "
+                    "real models run on their demo config's)")
+    ap.add_argument("--blas", choices=("on", "off", "both"), default="both",
+                    help="synthetic part: ggml's BLAS backend on, off (PYTRAIN_BLAS=0) or both")
+    ap.add_argument("--size", choices=sorted(SIZES), default="demo")
+    ap.add_argument("--results", type=Path, help="write type_policy.md and .json here")
+    ap.add_argument("--note", default="", help="a sentence for the report (what else ran)")
+    a = ap.parse_args(argv)
+    a.sides = a.sides.split(",")
+    if a.sides[0] != "keep" or set(a.sides) - {"keep", "f32", "f16"}:
+        ap.error("--sides: keep first, then f32 and/or f16")
+    a.models = [x for x in a.models.split(",") if x]
+    a.types = [x.upper() for x in a.types.split(",") if x]
+    for x in a.models:
+        if x not in REAL:
+            ap.error(f"--models: {x!r} is not one of {', '.join(REAL)}")
+    for x in a.types:
+        if x not in TYPES:
+            ap.error(f"--types: {x!r} is not one of {', '.join(TYPES)}")
+    return a
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse(argv)
+    log = lambda s: print(s, flush=True)
+    result = dict(date=f"{dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC",
+                  command=bc.command_line("bench_type_policy", argv), machine=bc.machine_facts(),
+                  threads=a.threads, size=a.size, rounds=a.rounds, shared_note=SHARED,
+                  note=a.note, real=[], synthetic=[])
+    blas = {"on": [True], "off": [False], "both": [True, False]}[a.blas]
+    with tempfile.TemporaryDirectory(prefix="bench_type_policy-") as tmp:
+        folder = Path(tmp)
+        for name in a.models:
+            x = bench_real(name, a.sides, a.rounds, folder, log)
+            if x:
+                result["real"].append(x)
+                log(json.dumps({s: round(v["tokens_per_s"], 1) for s, v in x["sides"].items()}))
+        for b in blas:
+            for t in a.types:
+                x = bench_type(t, a.sides, a.size, a.rounds, b, folder, a.threads)
+                result["synthetic"].append(x)
+                log(f"{t} blas={'on' if b else 'off'}: " + ", ".join(
+                    f"{s} {v['tokens_per_s']:.0f} tok/s" for s, v in x["sides"].items()))
+    md = markdown(result)
+    print("\n" + md)
+    if a.results:
+        a.results.mkdir(parents=True, exist_ok=True)
+        (a.results / "type_policy.json").write_text(json.dumps(result, indent=1) + "\n")
+        (a.results / "type_policy.md").write_text(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
