@@ -15,13 +15,16 @@ Two parts:
 
 Every side of a model is loaded at once and stepped in turn (ABC CBA ...), so a machine shared
 with other work slows all sides alike; medians over the rounds, and the ratio as the median of
-each round's ratio.  With ``--blas both`` the synthetic part runs with ggml's BLAS backend and
-without it (PYTRAIN_BLAS=0), which the table keys apart.
+each round's ratio; each step's CPU seconds (all threads) are recorded beside its wall time,
+the steadier measure on a busy machine.  With ``--blas both`` the synthetic part runs with
+ggml's BLAS backend and without it (PYTRAIN_BLAS=0), which the table keys apart.  The
+synthetic part runs first: the real models' ``auto`` side is what this run's table makes
+(printed, to paste into type_choice.py, when it differs from the committed one).
 
 Usage:
     python -m scripts.bench_type_policy [--models smollm2,gemma3-270m] [--types F16,Q8_0,...]
-        [--sides keep,f32,f16] [--rounds 5] [--threads 2] [--blas on|off|both]
-        [--size demo|smoke] [--results bench_results] [--note TEXT]
+        [--sides keep,f32,f16] [--rounds 5] [--threads 2] [--real-threads N]
+        [--blas on|off|both] [--size demo|smoke] [--results bench_results] [--note TEXT]
 
 ``--size smoke`` is the smallest run (a 2-layer synthetic model, 2 types, 2 rounds, no real
 model): what tests/test_bench_type_policy.py runs so that the script keeps working.
@@ -35,6 +38,7 @@ import os
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from scripts import bench_common as bc
@@ -76,7 +80,8 @@ def side_types(side: str):
 class Arm:
     """One side: the model loaded with that side's types, LoRA and AdamW, stepped on demand."""
 
-    def __init__(self, path: Path, side: str, threads: int, blas: bool, recompute: str = "off"):
+    def __init__(self, path: Path, side: str, threads: int, blas: bool, recompute: str = "off",
+                 dequantize: dict | None = None):
         from pytrain.models import lora
         from pytrain.models.lora_targets import select_targets
         from pytrain.models.model import load_model
@@ -85,7 +90,9 @@ class Arm:
         old = os.environ.get("PYTRAIN_BLAS")
         os.environ["PYTRAIN_BLAS"] = "1" if blas else "0"    # read when the runtime is made
         try:
-            self.model = load_model(path, "cpu", threads, "auto", dequantize=side_types(side))
+            self.model = load_model(path, "cpu", threads, "auto",
+                                    dequantize=side_types(side) if dequantize is None
+                                    else dequantize)
         finally:
             os.environ.pop("PYTRAIN_BLAS") if old is None else os.environ.update(PYTRAIN_BLAS=old)
         names = select_targets(self.model.config, LORA["targets"])
@@ -106,12 +113,13 @@ class Arm:
         self.cpu: list[float] = []
 
     def step(self, batch, record: bool = True) -> None:
-        r, dt, others, own = bc.timed(lambda: self.trainer.step([batch], LR))
+        c0 = time.process_time()            # this process's CPU seconds, all its threads
+        r, _dt, others, _own = bc.timed(lambda: self.trainer.step([batch], LR))
         if record:
             self.times.append(r.seconds)
             self.tokens.append(r.tokens)
             self.others.append(others)
-            self.cpu.append(own * dt)       # this process's CPU seconds in the step
+            self.cpu.append(time.process_time() - c0)
 
     def close(self) -> None:
         self.model.close()        # the adapter and optimizer state live in its runtime
@@ -160,19 +168,31 @@ def demo_batches(name: str, path: Path, folder: Path, model) -> tuple[list, obje
                         max_seq_len=cfg.data.max_seq_len, pad_id=model.pad_id), cfg
 
 
-def auto_side(path: Path, threads: int) -> tuple[str, str]:
-    """Which side ``auto`` takes for a training run of ``path`` on this machine, and why."""
+def auto_choice(path: Path, threads: int):
+    """``auto``'s choice (``type_choice.TypeChoice``) for a training run of ``path`` on this
+    machine's CPU, as the trainer makes it."""
     from pytrain.ggml import Runtime
     from pytrain.models.model_file import open_model
     from pytrain.train.type_choice import choose, device_key, runtime_budget
     _arch, _meta, infos, config = open_model(path)
     rt = Runtime("cpu", threads=threads)
     try:
-        c = choose(device_key(rt.device, rt.blas is not None), infos, config.tensor_shapes(),
-                   "auto", *runtime_budget(rt, None))
+        return choose(device_key(rt.device, rt.blas is not None), infos, config.tensor_shapes(),
+                      "auto", *runtime_budget(rt, None))
     finally:
         rt.close()
-    return ("f32" if c.dequantize else "keep"), c.reason
+
+
+def auto_side(choice, matrix_types: set[str]) -> str:
+    """The side ``auto`` is: keep (nothing dequantized), f32 (every matrix type) or auto (some:
+    then measured as a side of its own)."""
+    got = {ggml_name(t) for t in choice.dequantize}
+    return "keep" if not got else "f32" if got >= matrix_types else "auto"
+
+
+def ggml_name(t: int) -> str:
+    from pytrain import ggml
+    return ggml.type_name(t)
 
 
 def bench_real(name: str, sides: list[str], rounds: int, folder: Path, log,
@@ -183,11 +203,17 @@ def bench_real(name: str, sides: list[str], rounds: int, folder: Path, log,
         log(f"{name}: not fetched (python -m scripts.fetch_model {name}); skipped")
         return None
     cfg_threads = threads or 2
-    arms = []
+    choice = auto_choice(path, cfg_threads)
+    arms: list[Arm] = []
     try:
         for s in sides:
             log(f"{name}: loading as {s}")
             arms.append(Arm(path, s, cfg_threads, True))
+        kinds = {k.split("->")[0] for k in arms[0].loaded}
+        auto = auto_side(choice, kinds)
+        if auto == "auto":               # some types dequantized: a side of its own
+            log(f"{name}: loading as auto")
+            arms.append(Arm(path, "auto", cfg_threads, True, dequantize=choice.dequantize))
         batches, cfg = demo_batches(name, path, folder, arms[0].model)
         assert threads or cfg.model.threads == cfg_threads, "the demo configs run on 2 threads"
         log(f"{name}: {rounds} rounds of {len(arms)} sides on the demo's batches")
@@ -195,12 +221,14 @@ def bench_real(name: str, sides: list[str], rounds: int, folder: Path, log,
     finally:
         for a in arms:
             a.close()
-    auto, why = auto_side(path, cfg_threads)
     best = max(res, key=lambda s: res[s]["tokens_per_s"])
+    best_cpu = min(res, key=lambda s: res[s]["cpu_s"])
     return dict(model=REAL[name][1], quant=REAL[name][2], file=path.name, threads=cfg_threads,
                 batch_size=cfg.train.batch_size, max_seq_len=cfg.data.max_seq_len, sides=res,
-                auto=auto, auto_reason=why, faster=best,
+                auto=auto, auto_reason=choice.reason, faster=best, faster_cpu=best_cpu,
                 auto_vs_faster=res[auto]["tokens_per_s"] / res[best]["tokens_per_s"]
+                if auto in res else None,
+                auto_vs_faster_cpu=res[best_cpu]["cpu_s"] / res[auto]["cpu_s"]
                 if auto in res else None)
 
 
@@ -247,20 +275,23 @@ def markdown(r: dict) -> str:
                   "longest chat of the batch), LoRA r 8 on q/k/v/o, AdamW, BLAS backend.  "
                   "Tokens/s: median over the rounds; `keep / f32`: median of the rounds' "
                   "step-time ratios.", "",
-                  "| model | side | weights loaded | MiB | tokens/s | step s | keep/side |",
-                  "|---|---|---|---|---|---|---|"]
+                  "| model | side | weights loaded | MiB | tokens/s | step s | CPU s | "
+                  "keep/side | keep/side CPU |", "|---|---|---|---|---|---|---|---|---|"]
         for x in r["real"]:
             for s, v in x["sides"].items():
                 loaded = ", ".join(f"{k} x{n}" for k, n in sorted(v["loaded"].items()))
-                ratio = f"{v['keep_over_this']:.2f}" if "keep_over_this" in v else "1"
+                ratio = lambda k: f"{v[k]:.2f}" if k in v else "1"
                 lines.append(f"| {x['model']} ({x['quant']}) | {s} | {loaded} | "
                              f"{v['weight_bytes'] / 2**20:.0f} | {v['tokens_per_s']:.1f} | "
-                             f"{v['step_s']:.2f} | {ratio} |")
+                             f"{v['step_s']:.2f} | {v['cpu_s']:.2f} | {ratio('keep_over_this')} "
+                             f"| {ratio('keep_over_this_cpu')} |")
         lines.append("")
+        pct = lambda f: "-" if f is None else f"{f:.0%}"
         for x in r["real"]:
-            vs = "-" if x["auto_vs_faster"] is None else f"{x['auto_vs_faster']:.0%}"
-            lines.append(f"- {x['model']}: `auto` takes **{x['auto']}** ({x['auto_reason']}); "
-                         f"the faster side was {x['faster']}; auto's tokens/s are {vs} of it.")
+            lines.append(f"- {x['model']}: `auto` is **{x['auto']}** ({x['auto_reason']}).  "
+                         f"Faster by wall time: {x['faster']} (auto's tokens/s: "
+                         f"{pct(x['auto_vs_faster'])} of it); by CPU time: {x['faster_cpu']} "
+                         f"(auto: {pct(x['auto_vs_faster_cpu'])} of its speed).")
         lines.append("")
     if r["synthetic"]:
         hp = SIZES[r["size"]]
@@ -281,6 +312,20 @@ def markdown(r: dict) -> str:
                          f"{tps('f32')} | {tps('f16')} | {ratio('f32')} | {ratio('f32', '_cpu')} "
                          f"| {ratio('f16')} | {ratio('f16', '_cpu')} |")
         lines.append("")
+    if r.get("table"):
+        from pytrain.train.type_choice import FASTER
+        lines += ["## What `auto` does for a training run with these figures", "",
+                  f"A type is dequantized when its kept step takes at least {FASTER:.2f}x the "
+                  f"F32 one (F16 when only that fits half the memory budget and is "
+                  f"{FASTER:.2f}x faster than kept); this run's table "
+                  + ("is" if r.get("table_is_committed") else "is NOT")
+                  + " the one pytrain/train/type_choice.py holds.", ""]
+        for key, row in r["table"].items():
+            f32 = [k for k, v in row.items() if v[0] >= FASTER]
+            kept = [k for k, v in row.items() if v[0] < FASTER]
+            lines.append(f"- {key}: to F32: {', '.join(f32) or 'none'}; kept: "
+                         f"{', '.join(kept) or 'none'}")
+        lines.append("")
     return "\n".join(lines)
 
 
@@ -295,6 +340,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                     "warm-up step)")
     ap.add_argument("--threads", type=int, default=2, help="the synthetic part's threads (the "
                     "real models run on their demo config's)")
+    ap.add_argument("--real-threads", type=int, help="the real models' threads (default: their "
+                    "demo config's, 2)")
     ap.add_argument("--blas", choices=("on", "off", "both"), default="both",
                     help="synthetic part: ggml's BLAS backend on, off (PYTRAIN_BLAS=0) or both")
     ap.add_argument("--size", choices=sorted(SIZES), default="demo")
@@ -315,6 +362,31 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     return a
 
 
+def table(rows: list[dict]) -> dict[str, dict[str, tuple]]:
+    """``type_choice.STEP_RATIO`` as these synthetic rows measure it (rows of the committed
+    table this run did not measure are kept)."""
+    from pytrain.train import type_choice as tc
+    out = {k: dict(v) for k, v in tc.STEP_RATIO.items()}
+    for x in rows:
+        s = x["sides"]
+        if "f32" not in s:
+            continue
+        f16 = s["f16"]["keep_over_this"] if "f16" in s else None
+        out.setdefault(tc.device_key("cpu", x["blas"]), {})[x["type"]] = (
+            round(s["f32"]["keep_over_this"], 2), None if f16 is None else round(f16, 2))
+    return out
+
+
+def table_source(t: dict) -> str:
+    """``t`` as the literal pytrain/train/type_choice.py holds."""
+    lines = ["STEP_RATIO: dict[str, dict[str, tuple[float, float | None]]] = {"]
+    for key, row in t.items():
+        lines.append(f'    "{key}": {{')
+        lines += [f'        "{k}": {v},' for k, v in row.items()]
+        lines.append("    },")
+    return "\n".join(lines + ["}"])
+
+
 def main(argv: list[str] | None = None) -> int:
     a = parse(argv)
     log = lambda s: print(s, flush=True)
@@ -325,19 +397,33 @@ def main(argv: list[str] | None = None) -> int:
     blas = {"on": [True], "off": [False], "both": [True, False]}[a.blas]
     with tempfile.TemporaryDirectory(prefix="bench_type_policy-") as tmp:
         folder = Path(tmp)
-        for name in a.models:
-            x = bench_real(name, a.sides, a.rounds, folder, log)
-            if x:
-                result["real"].append(x)
-                log(json.dumps({s: round(v["tokens_per_s"], 1) for s, v in x["sides"].items()}))
         for b in blas:
+            # without BLAS an F16 weight's OUT_PROD runs on ggml-cpu, as slow as a kept one:
+            # the f16 side is left out there
+            sides = a.sides if b else [x for x in a.sides if x != "f16"]
             for t in a.types:
-                x = bench_type(t, a.sides, a.size, a.rounds, b, folder, a.threads)
+                x = bench_type(t, sides, a.size, a.rounds, b, folder, a.threads)
                 result["synthetic"].append(x)
                 log(f"{t} blas={'on' if b else 'off'}: " + ", ".join(
                     f"{s} {v['tokens_per_s']:.0f} tok/s" for s, v in x["sides"].items()))
+        from pytrain.train import type_choice as tc
+        result["table"] = table(result["synthetic"])
+        committed, tc.STEP_RATIO = tc.STEP_RATIO, result["table"]   # auto as this run measures
+        result["table_is_committed"] = committed == result["table"]
+        try:
+            for name in a.models:
+                x = bench_real(name, a.sides, a.rounds, folder, log, a.real_threads)
+                if x:
+                    result["real"].append(x)
+                    log(json.dumps({s: round(v["tokens_per_s"], 1)
+                                    for s, v in x["sides"].items()}))
+        finally:
+            tc.STEP_RATIO = committed
     md = markdown(result)
     print("\n" + md)
+    if not result["table_is_committed"]:
+        print("this run's table differs from pytrain/train/type_choice.py's; to use it there:\n"
+              + table_source(result["table"]))
     if a.results:
         a.results.mkdir(parents=True, exist_ok=True)
         (a.results / "type_policy.json").write_text(json.dumps(result, indent=1) + "\n")

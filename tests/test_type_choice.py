@@ -39,12 +39,16 @@ def cfg(tmp_path, q4_1) -> Path:
     return c
 
 
-def f32_and_file_bytes(path: Path) -> tuple[int, int]:
-    """(bytes of every loaded tensor as F32, bytes as stored): from the file's own index."""
+def weight_bytes(path: Path) -> dict[str, int]:
+    """The loaded tensors' bytes as stored, with the quantized matrices as F32 and as F16
+    (norms F32 either way): from the file's own index."""
     _arch, _meta, infos, config = open_model(path)
-    shapes = config.tensor_shapes()
-    return (sum(4 * infos[n].n_elements for n in shapes),
-            sum(infos[n].n_bytes for n in shapes))
+    mats = [infos[n] for n in config.tensor_shapes() if infos[n].type_name != "F32"]
+    vecs = [infos[n] for n in config.tensor_shapes() if infos[n].type_name == "F32"]
+    rest = sum(i.n_bytes for i in vecs)
+    return {"stored": rest + sum(i.n_bytes for i in mats),
+            "F32": rest + sum(4 * i.n_elements for i in mats),
+            "F16": rest + sum(2 * i.n_elements for i in mats)}
 
 
 def session(cfg: Path, *sets: str):
@@ -60,11 +64,11 @@ def loaded(s) -> set[tuple[str, str]]:
 def test_the_measured_slow_type_is_dequantized_for_training(cfg, q4_1):
     """Q4_1 is measured slower kept than as F32 on this CPU's row (BLAS or not): a training
     run loads it as F32, logs why, and every rank must agree on the types."""
-    assert tc.STEP_RATIO[KEY]["Q4_1"] >= tc.FASTER
+    assert tc.STEP_RATIO[KEY]["Q4_1"][0] >= tc.FASTER
     s, log = session(cfg)
     try:
         assert loaded(s) == {("Q4_1", "F32"), ("F32", "F32")}
-        assert s.model.weights.loaded_bytes == f32_and_file_bytes(q4_1)[0]
+        assert s.model.weights.loaded_bytes == weight_bytes(q4_1)["F32"]
         assert any("Q4_1 dequantized to F32" in line for line in log), log
         assert _run_facts(s)["weight types"] == "F32->F32, Q4_1->F32"
     finally:
@@ -79,35 +83,41 @@ def test_inference_keeps_the_file_types(q4_1):
         m.close()
 
 
-def test_f32_weights_over_half_the_budget_keep_the_file_types(cfg, q4_1, capsys):
-    """train.memory_gib just under twice the F32 weights: kept, in the trainer and the plan;
-    just over: dequantized in both."""
-    f32, stored = f32_and_file_bytes(q4_1)
-    for times, want in ((1.99, {("Q4_1", "Q4_1"), ("F32", "F32")}),
-                        (2.01, {("Q4_1", "F32"), ("F32", "F32")})):
-        gib = f"train.memory_gib={times * f32 / 2**30!r}"
+def test_the_memory_budget_picks_f32_f16_or_the_file_types(cfg, q4_1, capsys):
+    """Q4_1 is measured slower kept than as F32 and as F16: F32 while its weights fit in half
+    of train.memory_gib, else F16 while those fit, else kept; the trainer and the plan agree."""
+    assert min(tc.STEP_RATIO[KEY]["Q4_1"]) >= tc.FASTER
+    size = weight_bytes(q4_1)
+    for budget, want in ((2.01 * size["F32"], "F32"), (1.99 * size["F32"], "F16"),
+                         (2.01 * size["F16"], "F16"), (1.99 * size["F16"], "Q4_1")):
+        gib = f"train.memory_gib={budget / 2**30!r}"
         s, log = session(cfg, gib)
         try:
-            assert loaded(s) == want, log
+            assert loaded(s) == {("Q4_1", want), ("F32", "F32")}, log
+            assert s.model.weights.loaded_bytes == size.get(want, size["stored"])
         finally:
             s.close()
         capsys.readouterr()
         main(["plan", str(cfg), "--json", "--set", gib])
         d = json.loads(capsys.readouterr().out)
-        assert {(g["file_type"], g["loaded_type"]) for g in d["weights"]} == want
-        assert (d["types"]["kept_bytes"], d["types"]["f32_bytes"]) == \
-            ((stored, stored) if times < 2 else (stored, f32))
-        assert ("over half" if times < 2 else "within half") in d["types"]["reason"]
+        assert {(g["file_type"], g["loaded_type"]) for g in d["weights"]} == \
+            {("Q4_1", want), ("F32", "F32")}
+        t = d["types"]
+        assert t["option_bytes"] == {"F32": size["F32"], "F16": size["F16"]}
+        assert t["kept_bytes"] == size["stored"]
+        assert t["chosen_bytes"] == d["weight_bytes"] == size.get(want, size["stored"])
+        assert ("over half" in t["reason"]) is (want != "F32"), t["reason"]
 
 
 def test_plan_shows_the_choice_and_its_memory(cfg, q4_1, capsys):
-    f32, stored = f32_and_file_bytes(q4_1)
+    size = weight_bytes(q4_1)
     capsys.readouterr()
     assert main(["plan", str(cfg)]) == 0
     out = capsys.readouterr().out
     line = next(ln for ln in out.splitlines() if ln.strip().startswith("types:"))
-    assert "Q4_1 dequantized to F32" in line and f"Q4_1 {tc.STEP_RATIO[KEY]['Q4_1']:.2f}x" in line
-    assert f"F32 weights {f32 / 2**20:.0f} MiB (kept: {stored / 2**20:.0f} MiB)" in line
+    assert "Q4_1 dequantized to F32" in line and f"Q4_1 {tc.STEP_RATIO[KEY]['Q4_1'][0]:.2f}x" in line
+    assert f"F32 weights {size['F32'] / 2**20:.0f} MiB (kept: {size['stored'] / 2**20:.0f} MiB)" \
+        in line
     assert "Q4_1 -> F32" in out
 
 
@@ -126,31 +136,39 @@ def test_explicit_policies_are_left_alone(cfg):
 
 
 def test_the_rule_is_the_table_and_the_threshold(q4_1, monkeypatch):
-    """A type is dequantized exactly when its ratio reaches FASTER on the run's row; an
-    unmeasured type or device (CUDA has no row yet) keeps the file's types."""
+    """A type is dequantized exactly when its ratio reaches FASTER on the run's row (to F32
+    before F16); an unmeasured type or device (CUDA has no row yet) keeps the file's types."""
+    from pytrain.models.weights import F16, F32
     _arch, _meta, infos, config = open_model(q4_1)
-    shapes, big = config.tensor_shapes(), 1 << 40
-    for ratio, chosen in ((tc.FASTER - 0.01, False), (tc.FASTER, True), (None, False)):
-        monkeypatch.setattr(tc, "STEP_RATIO", {"cpu+blas": {} if ratio is None else
-                                               {"Q4_1": ratio}})
+    shapes, big, q = config.tensor_shapes(), 1 << 40, ggml.TYPES["q4_1"]
+    below, at = tc.FASTER - 0.01, tc.FASTER
+    for ratios, want in (((below, below), {}), ((at, below), {q: F32}), ((below, at), {q: F16}),
+                         ((at, at), {q: F32}), ((at, None), {q: F32}), (None, {})):
+        monkeypatch.setattr(tc, "STEP_RATIO", {"cpu+blas": {} if ratios is None else
+                                               {"Q4_1": ratios}})
         c = tc.choose("cpu+blas", infos, shapes, "auto", big, "test")
-        assert bool(c.dequantize) is chosen, c.reason
-        assert c.measured == {"Q4_1": ratio}
+        assert c.dequantize == want, c.reason
+        assert c.measured == {"Q4_1": ratios}
     assert not tc.choose("cuda", infos, shapes, "auto", big, "test").dequantize
+    assert not tc.choose("cpu+blas", infos, shapes, "keep", big, "test").dequantize
 
 
 def test_the_table_is_the_committed_measurement():
-    """STEP_RATIO holds the synthetic rows of bench_results/type_policy.json (keep/f32 step
-    time, median of the rounds' ratios, 2 decimals): what the rule reads was measured."""
+    """STEP_RATIO holds the synthetic rows of bench_results/type_policy.json (keep's step time
+    over F32's and F16's, medians of the rounds' ratios, 2 decimals): the rule reads what was
+    measured."""
     r = json.loads((ROOT / "bench_results" / "type_policy.json").read_text())
-    measured: dict[str, dict[str, float]] = {}
+    measured: dict[str, dict] = {}
     for x in r["synthetic"]:
-        key = tc.device_key("cpu", x["blas"])
-        measured.setdefault(key, {})[x["type"]] = round(x["sides"]["f32"]["keep_over_this"], 2)
+        s = x["sides"]
+        f16 = s["f16"]["keep_over_this"] if "f16" in s else None
+        measured.setdefault(tc.device_key("cpu", x["blas"]), {})[x["type"]] = (
+            round(s["f32"]["keep_over_this"], 2), None if f16 is None else round(f16, 2))
     assert tc.STEP_RATIO == measured
 
 
 def test_the_table_rows_are_real_types():
     for row in tc.STEP_RATIO.values():
-        for name, ratio in row.items():
-            assert name.lower() in {k.lower() for k in ggml.TYPES} and ratio > 0
+        for name, (f32, f16) in row.items():
+            assert name.lower() in {k.lower() for k in ggml.TYPES} and f32 > 0
+            assert (f16 is None) is (name == "F16") or f16 > 0

@@ -10,9 +10,11 @@ step's time with the type kept over its time with the weights dequantized to F32
 ``python -m scripts.bench_type_policy`` (bench_results/type_policy.md, which says on what
 machine).  F32 costs 4 bytes a weight where Q4_1 costs 0.625, so a type is dequantized only
 when that pays (``FASTER``) and the F32 weights fit in half of the memory the run may use (the
-other half for the step, as ``recompute = "auto"`` keeps a margin); else the file's types are
-kept.  The values are the file's either way, so the function trained is the same; kept types
-also round the activations of the forward (as llama.cpp does), F32 does not.
+other half for the step, as ``recompute = "auto"`` keeps a margin).  When they do not, F16 is
+the middle option (2 bytes; where measured faster than kept and it fits); else the file's
+types are kept.  As F32 the values are the file's, so the function trained is the same (kept
+types also round the activations of the forward, as llama.cpp does; F32 does not); as F16
+they are rounded to 11 bits, and the load report counts the values that changed.
 
 Inference (``pytrain generate``/``eval``, ``pytrain.load_model``) keeps ``auto``'s plain rule:
 one token at a time the quantized kernels read a quarter of the bytes.
@@ -25,17 +27,19 @@ from typing import Callable, Mapping
 from pytrain import ggml
 from pytrain.ggml import lib
 from pytrain.formats.gguf_tensors import TensorInfo
-from pytrain.models.weights import F32, load_type
+from pytrain.models.weights import F16, F32, load_type
 from pytrain.train.memory import available_bytes
 
 FASTER = 1.10      # dequantize when the kept type's step takes at least this much longer
-# keep-step time / F32-step time per device kind ("cpu+blas": ggml's BLAS backend, as built by
-# default; "cpu": PYTRAIN_BLAS=0 or a build without it) and file type; a type or device not
-# listed (CUDA: not measured yet) keeps the file's types
-STEP_RATIO: dict[str, dict[str, float]] = {
-    "cpu+blas": {"Q4_1": 1.9},
+# per device kind ("cpu+blas": ggml's BLAS backend, as built by default; "cpu": PYTRAIN_BLAS=0
+# or a build without it) and file type: a training step's time with the type kept over its
+# time with the matrices as F32, and as F16 (None: not measured); a type or device not listed
+# (CUDA: not measured yet) keeps the file's types
+STEP_RATIO: dict[str, dict[str, tuple[float, float | None]]] = {
+    "cpu+blas": {"Q4_1": (1.9, 1.7), "Q5_0": (1.16, 1.04), "Q8_0": (1.15, 0.97), "Q4_K": (0.82, 0.76), "Q6_K": (0.9, 0.79)},
     "cpu": {},
 }
+_TARGETS = ((F32, "F32"), (F16, "F16"))     # preferred first: F32 is exact and at least as fast
 
 
 @dataclass(frozen=True)
@@ -43,10 +47,11 @@ class TypeChoice:
     """What ``auto`` decided for a training run, and why (``pytrain plan`` shows it)."""
     policy: str
     device: str                   # the table's key: cpu+blas, cpu, cuda, rpc
-    dequantize: dict[int, int]    # file type -> F32, for ``load_model``
-    measured: dict[str, float | None]   # per matrix file type: STEP_RATIO (None: not measured)
+    dequantize: dict[int, int]    # file type -> F32 or F16, for ``load_model``
+    measured: dict[str, tuple | None]   # per matrix file type: its STEP_RATIO (None: none)
     kept_bytes: int               # the weights with the file's types (auto's plain rule)
-    f32_bytes: int                # with the faster types dequantized
+    option_bytes: dict[str, int]  # "F32"/"F16": the weights with the slower types so converted
+    chosen_bytes: int
     budget: int | None
     source: str
     reason: str
@@ -85,43 +90,59 @@ def _size(n: int) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
 
 
+def _ratios(measured: Mapping[str, tuple | None]) -> str:
+    x = lambda v: "?" if v is None else f"{v:.2f}x"
+    return ", ".join(f"{k} {'?' if v is None else f'{x(v[0])} F32, {x(v[1])} F16'}"
+                     for k, v in measured.items())
+
+
 def choose(key: str, infos: Mapping[str, TensorInfo], shapes: Mapping, policy: str,
            budget: int | None, source: str) -> TypeChoice:
     """``auto``'s choice for a training run of the tensors ``shapes`` (of the file whose index
-    is ``infos``) on a device of kind ``key`` (``device_key``) with ``budget`` bytes."""
+    is ``infos``) on a device of kind ``key`` (``device_key``) with ``budget`` bytes: the types
+    whose kept step is ``FASTER`` times an F32 one become F32 when the F32 weights fit in half
+    the budget; else those ``FASTER`` times an F16 one become F16 when that fits; else kept."""
     device = "cpu" if key.startswith("cpu") else key
     kept_types = {infos[n].type for n, s in shapes.items()
                   if load_type(n, tuple(s), infos[n].type, device, "auto") != F32}
     table = STEP_RATIO.get(key, {})
     measured = {ggml.type_name(t): table.get(ggml.type_name(t)) for t in sorted(kept_types)}
     kept = _bytes(infos, shapes, device, {})
-    slow = {t: F32 for t in kept_types if (table.get(ggml.type_name(t)) or 0) >= FASTER}
-    f32 = _bytes(infos, shapes, device, slow)
-    names = ", ".join(sorted(ggml.type_name(t) for t in slow))
+    options = []                          # (target name, types -> target, bytes, ratios)
+    for i, (target, tname) in enumerate(_TARGETS):
+        slow = {t: target for t in kept_types if t != target
+                and ((table.get(ggml.type_name(t)) or (None, None))[i] or 0) >= FASTER}
+        if slow:
+            options.append((tname, slow, _bytes(infos, shapes, device, slow), ", ".join(
+                f"{ggml.type_name(t)} {table[ggml.type_name(t)][i]:.2f}x" for t in sorted(slow))))
+    sizes = {name: n for name, _slow, n, _r in options}
+    fits = [o for o in options if budget is not None and o[2] <= budget // 2]
+    auto = 'type_policy = "auto": '
     if policy != "auto":
-        why, slow = f'model.type_policy = "{policy}"', {}
+        why, chosen = f'model.type_policy = "{policy}"', {}
     elif not kept_types:
-        why = 'type_policy = "auto": every matrix is F32 already'
+        why, chosen = auto + "every matrix is F32 already", {}
     elif not table:
-        why = f'type_policy = "auto": the file\'s types kept (no measurement on {key})'
-    elif not slow:
-        why = (f'type_policy = "auto": the file\'s types kept (a training step on {key} '
-               f'measured within {FASTER - 1:.0%} of F32\'s, or not measured: '
-               + ", ".join(f"{k} {'?' if v is None else f'{v:.2f}x'}" for k, v in measured.items())
-               + ")")
+        why, chosen = auto + f"the file's types kept (no measurement on {key})", {}
+    elif not options:
+        why, chosen = (auto + f"the file's types kept: a training step on {key} measured "
+                       f"within {FASTER - 1:.0%} of its time dequantized, or faster (kept over "
+                       f"dequantized step time: {_ratios(measured)})"), {}
+    elif fits:
+        tname, chosen, n, ratios = fits[0]
+        over = "".join(f"{o[0]} weights {_size(o[2])} over half the budget; " for o in options
+                       if o[0] != tname and o[2] > n)
+        why = (auto + f"{', '.join(sorted(ggml.type_name(t) for t in chosen))} dequantized to "
+               f"{tname}: a training step on {key} measured {ratios} slower kept than as "
+               f"{tname}; {over}{tname} weights {_size(n)} (kept: {_size(kept)}) within half "
+               f"of the {_size(budget)} budget ({source})")
     else:
-        ratios = ", ".join(f"{ggml.type_name(t)} {table[ggml.type_name(t)]:.2f}x"
-                           for t in sorted(slow))
-        fits = budget is not None and f32 <= budget // 2
-        what = f"{names} dequantized to F32" if fits else "the file's types kept"
-        cmp = "within" if fits else "over"
-        why = (f'type_policy = "auto": {what}: a training step on {key} measured slower kept '
-               f'({ratios} F32\'s time); F32 weights {_size(f32)} (kept: {_size(kept)}) {cmp} '
-               f'half of the {_size(budget or 0)} budget ({source})')
-        if not fits:
-            slow = {}
-    return TypeChoice(policy, key, slow, measured, kept, f32 if slow else kept, budget, source,
-                      why)
+        why, chosen = (auto + "the file's types kept: " + "; ".join(
+            f"{o[0]} weights {_size(o[2])} (a step {o[3]} faster)" for o in options)
+            + f" over half of the {_size(budget or 0)} budget ({source}); kept: "
+            f"{_size(kept)}"), {}
+    return TypeChoice(policy, key, chosen, measured, kept, sizes,
+                      _bytes(infos, shapes, device, chosen), budget, source, why)
 
 
 def for_training(policy: str, memory_gib: float | None, log: Callable[[str], None],
