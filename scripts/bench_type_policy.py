@@ -24,7 +24,8 @@ synthetic part runs first: the real models' ``auto`` side is what this run's tab
 Usage:
     python -m scripts.bench_type_policy [--models smollm2,gemma3-270m] [--types F16,Q8_0,...]
         [--sides keep,f32,f16] [--rounds 5] [--threads 2] [--real-threads N]
-        [--blas on|off|both] [--size demo|smoke] [--results bench_results] [--note TEXT]
+        [--device cpu|cuda] [--blas on|off|both] [--size demo|smoke] [--results bench_results]
+        [--note TEXT]
 
 ``--size smoke`` is the smallest run (a 2-layer synthetic model, 2 types, 2 rounds, no real
 model): what tests/test_bench_type_policy.py runs so that the script keeps working.
@@ -81,7 +82,7 @@ class Arm:
     """One side: the model loaded with that side's types, LoRA and AdamW, stepped on demand."""
 
     def __init__(self, path: Path, side: str, threads: int, blas: bool, recompute: str = "off",
-                 dequantize: dict | None = None):
+                 dequantize: dict | None = None, device: str = "cpu"):
         from pytrain.models import lora
         from pytrain.models.lora_targets import select_targets
         from pytrain.models.model import load_model
@@ -90,7 +91,7 @@ class Arm:
         old = os.environ.get("PYTRAIN_BLAS")
         os.environ["PYTRAIN_BLAS"] = "1" if blas else "0"    # read when the runtime is made
         try:
-            self.model = load_model(path, "cpu", threads, "auto",
+            self.model = load_model(path, device, threads, "auto",
                                     dequantize=side_types(side) if dequantize is None
                                     else dequantize)
         finally:
@@ -168,14 +169,14 @@ def demo_batches(name: str, path: Path, folder: Path, model) -> tuple[list, obje
                         max_seq_len=cfg.data.max_seq_len, pad_id=model.pad_id), cfg
 
 
-def auto_choice(path: Path, threads: int):
+def auto_choice(path: Path, threads: int, device: str = "cpu"):
     """``auto``'s choice (``type_choice.TypeChoice``) for a training run of ``path`` on this
-    machine's CPU, as the trainer makes it."""
+    machine's ``device``, as the trainer makes it."""
     from pytrain.ggml import Runtime
     from pytrain.models.model_file import open_model
     from pytrain.train.type_choice import choose, device_key, runtime_budget
     _arch, _meta, infos, config = open_model(path)
-    rt = Runtime("cpu", threads=threads)
+    rt = Runtime(device, threads=threads)
     try:
         return choose(device_key(rt.device, rt.blas is not None), infos, config.tensor_shapes(),
                       "auto", *runtime_budget(rt, None))
@@ -196,24 +197,25 @@ def ggml_name(t: int) -> str:
 
 
 def bench_real(name: str, sides: list[str], rounds: int, folder: Path, log,
-               threads: int | None = None) -> dict | None:
+               threads: int | None = None, device: str = "cpu") -> dict | None:
     from scripts import fetch_model
     path = fetch_model.fetched(name)
     if path is None:
         log(f"{name}: not fetched (python -m scripts.fetch_model {name}); skipped")
         return None
     cfg_threads = threads or 2
-    choice = auto_choice(path, cfg_threads)
+    choice = auto_choice(path, cfg_threads, device)
     arms: list[Arm] = []
     try:
         for s in sides:
             log(f"{name}: loading as {s}")
-            arms.append(Arm(path, s, cfg_threads, True))
+            arms.append(Arm(path, s, cfg_threads, True, device=device))
         kinds = {k.split("->")[0] for k in arms[0].loaded}
         auto = auto_side(choice, kinds)
         if auto == "auto":               # some types dequantized: a side of its own
             log(f"{name}: loading as auto")
-            arms.append(Arm(path, "auto", cfg_threads, True, dequantize=choice.dequantize))
+            arms.append(Arm(path, "auto", cfg_threads, True, dequantize=choice.dequantize,
+                            device=device))
         batches, cfg = demo_batches(name, path, folder, arms[0].model)
         assert threads or cfg.model.threads == cfg_threads, "the demo configs run on 2 threads"
         log(f"{name}: {rounds} rounds of {len(arms)} sides on the demo's batches")
@@ -224,6 +226,7 @@ def bench_real(name: str, sides: list[str], rounds: int, folder: Path, log,
     best = max(res, key=lambda s: res[s]["tokens_per_s"])
     best_cpu = min(res, key=lambda s: res[s]["cpu_s"])
     return dict(model=REAL[name][1], quant=REAL[name][2], file=path.name, threads=cfg_threads,
+                device=choice.device,
                 batch_size=cfg.train.batch_size, max_seq_len=cfg.data.max_seq_len, sides=res,
                 auto=auto, auto_reason=choice.reason, faster=best, faster_cpu=best_cpu,
                 auto_vs_faster=res[auto]["tokens_per_s"] / res[best]["tokens_per_s"]
@@ -235,7 +238,7 @@ def bench_real(name: str, sides: list[str], rounds: int, folder: Path, log,
 # ------------------------------------------------------------------------------- synthetic
 
 def bench_type(type_name: str, sides: list[str], size: str, rounds: int, blas: bool,
-               folder: Path, threads: int) -> dict:
+               folder: Path, threads: int, device: str = "cpu") -> dict:
     from scripts.gguf_models import write_llama
     hp = dict(SIZES[size])
     B, T = hp.pop("batch")
@@ -251,12 +254,15 @@ def bench_type(type_name: str, sides: list[str], size: str, rounds: int, blas: b
     arms = []
     try:
         for s in use:
-            arms.append(Arm(path, s, threads, blas))
+            arms.append(Arm(path, s, threads, blas, device=device))
+        rt = arms[0].model.runtime
+        blas = rt.blas is not None
+        key = "cpu+blas" if blas else rt.device          # type_choice.device_key
         res = race(arms, [batch], rounds)
     finally:
         for a in arms:
             a.close()
-    return dict(type=type_name, blas=blas, batch=[B, T], sides=res)
+    return dict(type=type_name, device=key, blas=blas, batch=[B, T], sides=res)
 
 
 # ------------------------------------------------------------------------------- report
@@ -272,7 +278,8 @@ def markdown(r: dict) -> str:
     if r["real"]:
         lines += ["## Real models at the README's demo settings", "",
                   "Batch 8 of the demo's date chats (max_seq_len 128; rows as long as the "
-                  "longest chat of the batch), LoRA r 8 on q/k/v/o, AdamW, BLAS backend.  "
+                  "longest chat of the batch), LoRA r 8 on q/k/v/o, AdamW; ggml's BLAS backend "
+                  "on a CPU.  "
                   "Tokens/s: median over the rounds; `keep / f32`: median of the rounds' "
                   "step-time ratios.", "",
                   "| model | side | weights loaded | MiB | tokens/s | step s | CPU s | "
@@ -302,13 +309,13 @@ def markdown(r: dict) -> str:
                   f"random tokens, batch {hp['batch'][0]} x {hp['batch'][1]} (the second half "
                   f"of each row a target).  `keep/f32` > 1: the kept type's step is that many "
                   f"times slower than F32's.", "",
-                  "| type | BLAS | keep tok/s | f32 tok/s | f16 tok/s | keep/f32 | keep/f32 CPU "
+                  "| type | device | keep tok/s | f32 tok/s | f16 tok/s | keep/f32 | keep/f32 CPU "
                   "| keep/f16 | keep/f16 CPU |", "|---|---|---|---|---|---|---|---|---|"]
         for x in r["synthetic"]:
             s = x["sides"]
             tps = lambda k: f"{s[k]['tokens_per_s']:.0f}" if k in s else "-"
             ratio = lambda k, cpu="": (f"{s[k]['keep_over_this' + cpu]:.2f}" if k in s else "-")
-            lines.append(f"| {x['type']} | {'on' if x['blas'] else 'off'} | {tps('keep')} | "
+            lines.append(f"| {x['type']} | {x['device']} | {tps('keep')} | "
                          f"{tps('f32')} | {tps('f16')} | {ratio('f32')} | {ratio('f32', '_cpu')} "
                          f"| {ratio('f16')} | {ratio('f16', '_cpu')} |")
         lines.append("")
@@ -342,6 +349,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                     "real models run on their demo config's)")
     ap.add_argument("--real-threads", type=int, help="the real models' threads (default: their "
                     "demo config's, 2)")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="where the steps run (cuda: the table's cuda row; --blas is then moot)")
     ap.add_argument("--blas", choices=("on", "off", "both"), default="both",
                     help="synthetic part: ggml's BLAS backend on, off (PYTRAIN_BLAS=0) or both")
     ap.add_argument("--size", choices=sorted(SIZES), default="demo")
@@ -372,7 +381,7 @@ def table(rows: list[dict]) -> dict[str, dict[str, tuple]]:
         if "f32" not in s:
             continue
         f16 = s["f16"]["keep_over_this"] if "f16" in s else None
-        out.setdefault(tc.device_key("cpu", x["blas"]), {})[x["type"]] = (
+        out.setdefault(x["device"], {})[x["type"]] = (
             round(s["f32"]["keep_over_this"], 2), None if f16 is None else round(f16, 2))
     return out
 
@@ -395,6 +404,8 @@ def main(argv: list[str] | None = None) -> int:
                   threads=a.threads, size=a.size, rounds=a.rounds, shared_note=SHARED,
                   note=a.note, real=[], synthetic=[])
     blas = {"on": [True], "off": [False], "both": [True, False]}[a.blas]
+    if a.device != "cpu":
+        blas = [True]                 # a GPU runtime has no BLAS backend: one pass
     with tempfile.TemporaryDirectory(prefix="bench_type_policy-") as tmp:
         folder = Path(tmp)
         for b in blas:
@@ -402,9 +413,9 @@ def main(argv: list[str] | None = None) -> int:
             # the f16 side is left out there
             sides = a.sides if b else [x for x in a.sides if x != "f16"]
             for t in a.types:
-                x = bench_type(t, sides, a.size, a.rounds, b, folder, a.threads)
+                x = bench_type(t, sides, a.size, a.rounds, b, folder, a.threads, a.device)
                 result["synthetic"].append(x)
-                log(f"{t} blas={'on' if b else 'off'}: " + ", ".join(
+                log(f"{t} {x['device']}: " + ", ".join(
                     f"{s} {v['tokens_per_s']:.0f} tok/s" for s, v in x["sides"].items()))
         from pytrain.train import type_choice as tc
         result["table"] = table(result["synthetic"])
@@ -412,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
         result["table_is_committed"] = committed == result["table"]
         try:
             for name in a.models:
-                x = bench_real(name, a.sides, a.rounds, folder, log, a.real_threads)
+                x = bench_real(name, a.sides, a.rounds, folder, log, a.real_threads, a.device)
                 if x:
                     result["real"].append(x)
                     log(json.dumps({s: round(v["tokens_per_s"], 1)

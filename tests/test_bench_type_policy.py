@@ -24,7 +24,8 @@ def test_smoke_run_writes_both_sides_per_type(tmp_path, capsys):
         assert s["f32"]["keep_over_this"] > 0 and s["f16"]["keep_over_this_cpu"] > 0
         assert s["f32"]["weight_bytes"] > s["keep"]["weight_bytes"]
     md = (tmp_path / "type_policy.md").read_text()
-    assert r["machine"]["cpu"] in md and "| Q4_1 | on |" in md
+    assert r["machine"]["cpu"] in md and "| Q4_1 | cpu+blas |" in md
+    assert set(r["table"]["cpu+blas"]) >= {"Q8_0", "Q4_1"}     # what type_choice.py would hold
 
 
 def test_real_part_uses_the_demo_batches_and_says_what_auto_takes(tmp_path):
