@@ -23,7 +23,7 @@ synthetic part runs first: the real models' ``auto`` side is what this run's tab
 
 Usage:
     python -m scripts.bench_type_policy [--models smollm2,gemma3-270m] [--types F16,Q8_0,...]
-        [--sides keep,f32,f16] [--rounds 5] [--threads 2] [--real-threads N]
+        [--sides keep,f32,f16] [--rounds 5] [--threads 2] [--real-threads 2,1]
         [--device cpu|cuda] [--blas on|off|both] [--size demo|smoke] [--results bench_results]
         [--note TEXT]
 
@@ -197,13 +197,13 @@ def ggml_name(t: int) -> str:
 
 
 def bench_real(name: str, sides: list[str], rounds: int, folder: Path, log,
-               threads: int | None = None, device: str = "cpu") -> dict | None:
+               threads: int = 2, device: str = "cpu") -> dict | None:
     from scripts import fetch_model
     path = fetch_model.fetched(name)
     if path is None:
         log(f"{name}: not fetched (python -m scripts.fetch_model {name}); skipped")
         return None
-    cfg_threads = threads or 2
+    cfg_threads = threads
     choice = auto_choice(path, cfg_threads, device)
     arms: list[Arm] = []
     try:
@@ -217,22 +217,28 @@ def bench_real(name: str, sides: list[str], rounds: int, folder: Path, log,
             arms.append(Arm(path, "auto", cfg_threads, True, dequantize=choice.dequantize,
                             device=device))
         batches, cfg = demo_batches(name, path, folder, arms[0].model)
-        assert threads or cfg.model.threads == cfg_threads, "the demo configs run on 2 threads"
+        assert cfg.model.threads == 2, "the demo configs run on 2 threads"
         log(f"{name}: {rounds} rounds of {len(arms)} sides on the demo's batches")
         res = race(arms, batches, rounds)
     finally:
         for a in arms:
             a.close()
-    best = max(res, key=lambda s: res[s]["tokens_per_s"])
-    best_cpu = min(res, key=lambda s: res[s]["cpu_s"])
     return dict(model=REAL[name][1], quant=REAL[name][2], file=path.name, threads=cfg_threads,
-                device=choice.device,
-                batch_size=cfg.train.batch_size, max_seq_len=cfg.data.max_seq_len, sides=res,
-                auto=auto, auto_reason=choice.reason, faster=best, faster_cpu=best_cpu,
-                auto_vs_faster=res[auto]["tokens_per_s"] / res[best]["tokens_per_s"]
-                if auto in res else None,
-                auto_vs_faster_cpu=res[best_cpu]["cpu_s"] / res[auto]["cpu_s"]
-                if auto in res else None)
+                device=choice.device, batch_size=cfg.train.batch_size,
+                max_seq_len=cfg.data.max_seq_len, sides=res, auto=auto,
+                auto_reason=choice.reason, **compare(res, auto, ["keep", "f32"]),
+                **{k + "_all": v for k, v in compare(res, auto, list(res)).items()})
+
+
+def compare(res: dict, auto: str, among: list[str]) -> dict:
+    """The faster of the sides ``among`` (by median tokens/s, and by median CPU seconds) and
+    ``auto``'s speed as a fraction of it."""
+    among = [s for s in among if s in res]
+    best = max(among, key=lambda s: res[s]["tokens_per_s"])
+    best_cpu = min(among, key=lambda s: res[s]["cpu_s"])
+    return dict(faster=best, faster_cpu=best_cpu,
+                auto_vs_faster=res[auto]["tokens_per_s"] / res[best]["tokens_per_s"],
+                auto_vs_faster_cpu=res[best_cpu]["cpu_s"] / res[auto]["cpu_s"])
 
 
 # ------------------------------------------------------------------------------- synthetic
@@ -282,23 +288,27 @@ def markdown(r: dict) -> str:
                   "on a CPU.  "
                   "Tokens/s: median over the rounds; `keep / f32`: median of the rounds' "
                   "step-time ratios.", "",
-                  "| model | side | weights loaded | MiB | tokens/s | step s | CPU s | "
-                  "keep/side | keep/side CPU |", "|---|---|---|---|---|---|---|---|---|"]
+                  "| model | threads | side | weights loaded | MiB | tokens/s | step s | CPU s | "
+                  "keep/side | keep/side CPU |", "|---|---|---|---|---|---|---|---|---|---|"]
         for x in r["real"]:
             for s, v in x["sides"].items():
                 loaded = ", ".join(f"{k} x{n}" for k, n in sorted(v["loaded"].items()))
                 ratio = lambda k: f"{v[k]:.2f}" if k in v else "1"
-                lines.append(f"| {x['model']} ({x['quant']}) | {s} | {loaded} | "
+                lines.append(f"| {x['model']} ({x['quant']}) | {x['threads']} | {s} | {loaded} | "
                              f"{v['weight_bytes'] / 2**20:.0f} | {v['tokens_per_s']:.1f} | "
                              f"{v['step_s']:.2f} | {v['cpu_s']:.2f} | {ratio('keep_over_this')} "
                              f"| {ratio('keep_over_this_cpu')} |")
         lines.append("")
         pct = lambda f: "-" if f is None else f"{f:.0%}"
         for x in r["real"]:
-            lines.append(f"- {x['model']}: `auto` is **{x['auto']}** ({x['auto_reason']}).  "
-                         f"Faster by wall time: {x['faster']} (auto's tokens/s: "
-                         f"{pct(x['auto_vs_faster'])} of it); by CPU time: {x['faster_cpu']} "
-                         f"(auto: {pct(x['auto_vs_faster_cpu'])} of its speed).")
+            lines.append(f"- {x['model']}, {x['threads']} threads: `auto` is **{x['auto']}** "
+                         f"({x['auto_reason']}).  The faster of keep and f32 by wall time: "
+                         f"{x['faster']} (auto's tokens/s: {pct(x['auto_vs_faster'])} of it); "
+                         f"by CPU time: {x['faster_cpu']} (auto: "
+                         f"{pct(x['auto_vs_faster_cpu'])} of its speed).  Of every side: "
+                         f"{x['faster_all']} by wall time ({pct(x['auto_vs_faster_all'])}), "
+                         f"{x['faster_cpu_all']} by CPU time "
+                         f"({pct(x['auto_vs_faster_cpu_all'])}).")
         lines.append("")
     if r["synthetic"]:
         hp = SIZES[r["size"]]
@@ -347,8 +357,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                     "warm-up step)")
     ap.add_argument("--threads", type=int, default=2, help="the synthetic part's threads (the "
                     "real models run on their demo config's)")
-    ap.add_argument("--real-threads", type=int, help="the real models' threads (default: their "
-                    "demo config's, 2)")
+    ap.add_argument("--real-threads", default="2", help="the real models' thread counts, "
+                    "comma-separated, each a run of its own (default: their demo config's, 2)")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                     help="where the steps run (cuda: the table's cuda row; --blas is then moot)")
     ap.add_argument("--blas", choices=("on", "off", "both"), default="both",
@@ -361,6 +371,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     if a.sides[0] != "keep" or set(a.sides) - {"keep", "f32", "f16"}:
         ap.error("--sides: keep first, then f32 and/or f16")
     a.models = [x for x in a.models.split(",") if x]
+    try:
+        a.real_threads = [int(x) for x in a.real_threads.split(",")]
+    except ValueError:
+        ap.error(f"--real-threads: comma-separated counts, got {a.real_threads!r}")
     a.types = [x.upper() for x in a.types.split(",") if x]
     for x in a.models:
         if x not in REAL:
@@ -423,11 +437,12 @@ def main(argv: list[str] | None = None) -> int:
         result["table_is_committed"] = committed == result["table"]
         try:
             for name in a.models:
-                x = bench_real(name, a.sides, a.rounds, folder, log, a.real_threads, a.device)
-                if x:
-                    result["real"].append(x)
-                    log(json.dumps({s: round(v["tokens_per_s"], 1)
-                                    for s, v in x["sides"].items()}))
+                for n in a.real_threads:
+                    x = bench_real(name, a.sides, a.rounds, folder, log, n, a.device)
+                    if x:
+                        result["real"].append(x)
+                        log(json.dumps({s: round(v["tokens_per_s"], 1)
+                                        for s, v in x["sides"].items()}))
         finally:
             tc.STEP_RATIO = committed
     md = markdown(result)

@@ -1,5 +1,5 @@
 """``model.type_policy = "auto"`` for a training run: which of the file's weight types are
-loaded as F32 instead of kept, from measured step costs and the memory budget.
+loaded as F32 (or F16) instead of kept, from measured step costs and the memory budget.
 
 Why: the frozen weights' type decides which kernels a training step runs.  On a CPU with
 ggml's BLAS backend, F32 matmuls go to the BLAS GEMM; a kept quantized or F16 weight stays on
@@ -8,7 +8,7 @@ slab by slab for every backward OUT_PROD.  Which is faster depends on the type a
 so it is measured, not guessed: ``STEP_RATIO`` holds, per device kind and file type, a training
 step's time with the type kept over its time with the weights dequantized to F32, from
 ``python -m scripts.bench_type_policy`` (bench_results/type_policy.md, which says on what
-machine).  F32 costs 4 bytes a weight where Q4_1 costs 0.625, so a type is dequantized only
+machine).  F32 costs 4 bytes a weight where Q4_1 costs 0.75, so a type is dequantized only
 when that pays (``FASTER``) and the F32 weights fit in half of the memory the run may use (the
 other half for the step, as ``recompute = "auto"`` keeps a margin).  When they do not, F16 is
 the middle option (2 bytes; where measured faster than kept and it fits); else the file's
@@ -17,7 +17,8 @@ types also round the activations of the forward, as llama.cpp does; F32 does not
 they are rounded to 11 bits, and the load report counts the values that changed.
 
 Inference (``pytrain generate``/``eval``, ``pytrain.load_model``) keeps ``auto``'s plain rule:
-one token at a time the quantized kernels read a quarter of the bytes.
+the figures are a training step's, and one token at a time the quantized kernels read a
+fraction of F32's bytes.
 """
 from __future__ import annotations
 
