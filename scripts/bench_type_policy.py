@@ -13,8 +13,10 @@ Two parts:
   rows that every K-quant takes) per weight type, random tokens in full rows of the demo's
   batch shape: the per-type table ``type_choice.STEP_RATIO`` is copied from these rows.
 
-Every side of a model is loaded at once and stepped in turn (ABC CBA ...), so a machine shared
-with other work slows all sides alike; medians over the rounds, and the ratio as the median of
+Every side of a model is loaded at once, each in a worker process of its own (sides in one
+process share OpenMP's and OpenBLAS's threads, which made a 2-thread step up to 10x slower
+than alone), and the sides are stepped in turn (ABC CBA ...), so a machine shared with other
+work slows all sides alike; medians over the rounds, and the ratio as the median of
 each round's ratio; each step's CPU seconds (all threads) are recorded beside its wall time,
 the steadier measure on a busy machine.  With ``--blas both`` the synthetic part runs with
 ggml's BLAS backend and without it (PYTRAIN_BLAS=0), which the table keys apart.  The
@@ -37,6 +39,7 @@ import datetime as dt
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -78,62 +81,123 @@ def side_types(side: str):
     return choose
 
 
-class Arm:
-    """One side: the model loaded with that side's types, LoRA and AdamW, stepped on demand."""
+class Side:
+    """One side in this process (a worker's job): the model loaded with that side's types,
+    LoRA and AdamW, and its batches; stepped on demand."""
 
-    def __init__(self, path: Path, side: str, threads: int, blas: bool, recompute: str = "off",
-                 dequantize: dict | None = None, device: str = "cpu"):
+    def __init__(self, spec: dict):
+        from pytrain import ggml
         from pytrain.models import lora
         from pytrain.models.lora_targets import select_targets
         from pytrain.models.model import load_model
         from pytrain.train.optimizer import AdamWSettings
         from pytrain.train.trainer import Trainer
-        old = os.environ.get("PYTRAIN_BLAS")
-        os.environ["PYTRAIN_BLAS"] = "1" if blas else "0"    # read when the runtime is made
-        try:
-            self.model = load_model(path, device, threads, "auto",
-                                    dequantize=side_types(side) if dequantize is None
-                                    else dequantize)
-        finally:
-            os.environ.pop("PYTRAIN_BLAS") if old is None else os.environ.update(PYTRAIN_BLAS=old)
-        names = select_targets(self.model.config, LORA["targets"])
-        self.adapter = lora.create(self.model.runtime, self.model.config, names, LORA["rank"],
+        names = {k.upper(): v for k, v in ggml.TYPES.items()}
+        dq = spec.get("dequantize")          # file type -> target, by name (the auto side)
+        self.model = load_model(spec["path"], spec["device"], spec["threads"], "auto",
+                                dequantize=side_types(spec["side"]) if dq is None else
+                                {names[k]: names[v] for k, v in dq.items()})
+        targets = select_targets(self.model.config, LORA["targets"])
+        self.adapter = lora.create(self.model.runtime, self.model.config, targets, LORA["rank"],
                                    LORA["alpha"], seed=0)
         self.trainer = Trainer(self.model, self.adapter, AdamWSettings(lr=LR, max_grad_norm=1.0),
-                               recompute=recompute)
-        self.side = side
-        self.loaded = {}
+                               recompute="off")
+        b = spec["batches"]
+        if "real" in b:
+            self.batches, _cfg = demo_batches(b["real"], Path(spec["path"]), Path(b["folder"]),
+                                              self.model)
+        else:
+            from types import SimpleNamespace
+            tokens, train, seg = bc.make_batch(*b["synthetic"], seed=0)
+            self.batches = [SimpleNamespace(tokens=tokens, seg=seg, train_mask=train)]
+
+    def info(self) -> dict:
+        loaded: dict[str, int] = {}
         for r in self.model.weights.report.values():
             if r.file_type != "F32":
                 k = r.file_type if r.file_type == r.loaded_type else f"{r.file_type}->{r.loaded_type}"
-                self.loaded[k] = self.loaded.get(k, 0) + 1
-        self.weight_bytes = self.model.weights.loaded_bytes
+                loaded[k] = loaded.get(k, 0) + 1
+        rt = self.model.runtime
+        return dict(loaded=loaded, weight_bytes=self.model.weights.loaded_bytes,
+                    key="cpu+blas" if rt.blas is not None else rt.device)  # type_choice's key
+
+    def step(self, i: int) -> dict:
+        c0 = time.process_time()            # this process's CPU seconds, all its threads
+        r, _dt, others, _own = bc.timed(
+            lambda: self.trainer.step([self.batches[i % len(self.batches)]], LR))
+        return dict(seconds=r.seconds, tokens=r.tokens, cpu=time.process_time() - c0,
+                    others=others)
+
+
+def worker(spec: str) -> int:
+    """``--worker SPEC``: one side, stepped on batch N for each line N on stdin (a JSON line of
+    timings back on stdout) until "quit"."""
+    out, sys.stdout = sys.stdout, sys.stderr       # stdout carries the replies only
+    side = Side(json.loads(spec))
+    print(json.dumps(side.info()), file=out, flush=True)
+    for line in sys.stdin:
+        if line.strip() == "quit":
+            break
+        print(json.dumps(side.step(int(line))), file=out, flush=True)
+    side.model.close()
+    return 0
+
+
+class Arm:
+    """One side in a process of its own, stepped on command.  Why processes: in one process
+    the sides share OpenMP's and OpenBLAS's thread pools, and at 2 threads Gemma 3's kept step
+    ran 10x slower between the other sides' steps (24 s) than alone (2.4 s); a worker that is
+    not stepping waits on its pipe and leaves the cores to the one that is."""
+
+    def __init__(self, spec: dict, blas: bool = True):
+        self.side = spec["side"]
+        env = dict(os.environ, PYTRAIN_BLAS="1" if blas else "0")
+        self.proc = subprocess.Popen([sys.executable, "-m", "scripts.bench_type_policy",
+                                      "--worker", json.dumps(spec)], cwd=ROOT, env=env,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        info = self._read()
+        self.loaded, self.weight_bytes, self.key = info["loaded"], info["weight_bytes"], info["key"]
         self.times: list[float] = []
         self.tokens: list[int] = []
         self.others: list[float] = []
         self.cpu: list[float] = []
 
-    def step(self, batch, record: bool = True) -> None:
-        c0 = time.process_time()            # this process's CPU seconds, all its threads
-        r, _dt, others, _own = bc.timed(lambda: self.trainer.step([batch], LR))
+    def _read(self) -> dict:
+        while True:
+            line = self.proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"the {self.side} worker ended (exit {self.proc.wait()})")
+            if line.startswith("{"):
+                return json.loads(line)
+
+    def step(self, i: int, record: bool = True) -> None:
+        self.proc.stdin.write(f"{i}\n")
+        self.proc.stdin.flush()
+        r = self._read()
         if record:
-            self.times.append(r.seconds)
-            self.tokens.append(r.tokens)
-            self.others.append(others)
-            self.cpu.append(time.process_time() - c0)
+            self.times.append(r["seconds"])
+            self.tokens.append(r["tokens"])
+            self.others.append(r["others"])
+            self.cpu.append(r["cpu"])
 
     def close(self) -> None:
-        self.model.close()        # the adapter and optimizer state live in its runtime
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write("quit\n")
+                self.proc.stdin.close()
+            except OSError:
+                pass
+            self.proc.wait(timeout=120)
 
 
-def race(arms: list[Arm], batches: list, rounds: int) -> dict:
+def race(arms: list[Arm], rounds: int) -> dict:
     """One warm-up step per side (graph building), then ``rounds`` rounds in which every side
     steps once on the same batch, the order reversed every other round."""
     for a in arms:
-        a.step(batches[0], record=False)
+        a.step(0, record=False)
     for i in range(rounds):
         for a in (arms if i % 2 == 0 else arms[::-1]):
-            a.step(batches[i % len(batches)])
+            a.step(i)
     out = {}
     for a in arms:
         tps = [n / s for n, s in zip(a.tokens, a.times)]
@@ -152,17 +216,23 @@ def race(arms: list[Arm], batches: list, rounds: int) -> dict:
 
 # ------------------------------------------------------------------------------- real models
 
+def demo_config(name: str, path: Path, folder: Path):
+    """The demo's config with its data (written once into ``folder``/NAME)."""
+    from pytrain.config import load_config
+    from scripts.demo_real import write_data
+    data = folder / name
+    if not (data / "train.jsonl").exists():
+        write_data(data)
+    return load_config(ROOT / "config" / REAL[name][0],
+                       [f"model.path={json.dumps(str(path))}",
+                        f"data.train={json.dumps(str(data / 'train.jsonl'))}",
+                        f"data.validation={json.dumps(str(data / 'valid.jsonl'))}"])
+
+
 def demo_batches(name: str, path: Path, folder: Path, model) -> tuple[list, object]:
     """The demo's training batches (its data, chat template and batching) and its config."""
-    from pytrain.config import load_config
     from pytrain.data import load_data, make_batches
-    from scripts.demo_real import write_data
-    cfg_file = ROOT / "config" / REAL[name][0]
-    data = folder / name
-    write_data(data)
-    cfg = load_config(cfg_file, [f"model.path={json.dumps(str(path))}",
-                                 f"data.train={json.dumps(str(data / 'train.jsonl'))}",
-                                 f"data.validation={json.dumps(str(data / 'valid.jsonl'))}"])
+    cfg = demo_config(name, path, folder)
     splits = load_data(cfg.data, model.tokenizer)
     t = cfg.train
     return make_batches(splits.train, t.batch_size, cfg.data.packing, t.seed,
@@ -203,27 +273,28 @@ def bench_real(name: str, sides: list[str], rounds: int, folder: Path, log,
     if path is None:
         log(f"{name}: not fetched (python -m scripts.fetch_model {name}); skipped")
         return None
-    cfg_threads = threads
-    choice = auto_choice(path, cfg_threads, device)
+    cfg = demo_config(name, path, folder)
+    assert cfg.model.threads == 2, "the demo configs run on 2 threads"
+    choice = auto_choice(path, threads, device)
+    spec = dict(path=str(path), threads=threads, device=device,
+                batches=dict(real=name, folder=str(folder)))
     arms: list[Arm] = []
     try:
         for s in sides:
             log(f"{name}: loading as {s}")
-            arms.append(Arm(path, s, cfg_threads, True, device=device))
-        kinds = {k.split("->")[0] for k in arms[0].loaded}
-        auto = auto_side(choice, kinds)
+            arms.append(Arm(dict(spec, side=s)))
+        auto = auto_side(choice, {k.split("->")[0] for k in arms[0].loaded})
         if auto == "auto":               # some types dequantized: a side of its own
             log(f"{name}: loading as auto")
-            arms.append(Arm(path, "auto", cfg_threads, True, dequantize=choice.dequantize,
-                            device=device))
-        batches, cfg = demo_batches(name, path, folder, arms[0].model)
-        assert cfg.model.threads == 2, "the demo configs run on 2 threads"
-        log(f"{name}: {rounds} rounds of {len(arms)} sides on the demo's batches")
-        res = race(arms, batches, rounds)
+            arms.append(Arm(dict(spec, side="auto", dequantize={
+                ggml_name(k): ggml_name(v) for k, v in choice.dequantize.items()})))
+        log(f"{name}: {rounds} rounds of {len(arms)} sides on the demo's batches, {threads} "
+            f"threads")
+        res = race(arms, rounds)
     finally:
         for a in arms:
             a.close()
-    return dict(model=REAL[name][1], quant=REAL[name][2], file=path.name, threads=cfg_threads,
+    return dict(model=REAL[name][1], quant=REAL[name][2], file=path.name, threads=threads,
                 device=choice.device, batch_size=cfg.train.batch_size,
                 max_seq_len=cfg.data.max_seq_len, sides=res, auto=auto,
                 auto_reason=choice.reason, **compare(res, auto, ["keep", "f32"]),
@@ -245,30 +316,27 @@ def compare(res: dict, auto: str, among: list[str]) -> dict:
 
 def bench_type(type_name: str, sides: list[str], size: str, rounds: int, blas: bool,
                folder: Path, threads: int, device: str = "cpu") -> dict:
+    from pytrain import ggml
     from scripts.gguf_models import write_llama
     hp = dict(SIZES[size])
     B, T = hp.pop("batch")
     path = folder / f"llama-{size}-{type_name.lower()}.gguf"
     if not path.exists():
-        from pytrain import ggml
         dtype = {k.upper(): k for k in ggml.TYPES}[type_name]     # ggml's spelling: q4_K
         write_llama(path, dtype, seed=0, **hp)
-    tokens, train, seg = bc.make_batch(hp["n_vocab"], B, T, seed=0)
-    from types import SimpleNamespace
-    batch = SimpleNamespace(tokens=tokens, seg=seg, train_mask=train)
-    use = [s for s in sides if not (s == "f16" and type_name == "F16")]
-    arms = []
+    spec = dict(path=str(path), threads=threads, device=device,
+                batches=dict(synthetic=[hp["n_vocab"], B, T]))
+    arms: list[Arm] = []
     try:
-        for s in use:
-            arms.append(Arm(path, s, threads, blas, device=device))
-        rt = arms[0].model.runtime
-        blas = rt.blas is not None
-        key = "cpu+blas" if blas else rt.device          # type_choice.device_key
-        res = race(arms, [batch], rounds)
+        for s in sides:
+            if not (s == "f16" and type_name == "F16"):
+                arms.append(Arm(dict(spec, side=s), blas))
+        res = race(arms, rounds)
     finally:
         for a in arms:
             a.close()
-    return dict(type=type_name, device=key, blas=blas, batch=[B, T], sides=res)
+    key = arms[0].key
+    return dict(type=type_name, device=key, blas=key == "cpu+blas", batch=[B, T], sides=res)
 
 
 # ------------------------------------------------------------------------------- report
@@ -411,6 +479,9 @@ def table_source(t: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if args[:1] == ["--worker"]:
+        return worker(args[1])
     a = parse(argv)
     log = lambda s: print(s, flush=True)
     result = dict(date=f"{dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC",

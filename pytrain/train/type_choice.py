@@ -31,7 +31,11 @@ from pytrain.formats.gguf_tensors import TensorInfo
 from pytrain.models.weights import F16, F32, load_type
 from pytrain.train.memory import available_bytes
 
-FASTER = 1.10      # dequantize when the kept type's step takes at least this much longer
+# dequantize when the kept type's step takes at least this much longer: a step's time is a sum
+# over its matmuls, so a file whose types are each kept below FASTER steps within FASTER of
+# the all-F32 step (and a type near the line costs little either way: the figures move by
+# several percent between runs)
+FASTER = 1.10
 # per device kind ("cpu+blas": ggml's BLAS backend, as built by default; "cpu": PYTRAIN_BLAS=0
 # or a build without it) and file type: a training step's time with the type kept over its
 # time with the matrices as F32, and as F16 (None: not measured); a type or device not listed
