@@ -478,10 +478,23 @@ def _set_threads(backend, threads: int) -> None:
         ffi.cast("ggml_backend_set_n_threads_t", fn)(backend, threads)
 
 
-def _init_blas(threads: int):
-    """The BLAS backend with ``threads`` threads, or None when the build has none."""
+def _blas_device():
     dev = lib.ggml_backend_dev_by_type(lib.GGML_BACKEND_DEVICE_TYPE_ACCEL)
     if dev == ffi.NULL or ffi.string(lib.ggml_backend_dev_name(dev)).decode() != "BLAS":
+        return None
+    return dev
+
+
+def blas_enabled() -> bool:
+    """Whether a CPU runtime made now gets ggml's BLAS backend: the build has it and
+    PYTRAIN_BLAS does not turn it off (what a plan needs to know without making one)."""
+    return os.environ.get("PYTRAIN_BLAS", "1") not in ("", "0") and _blas_device() is not None
+
+
+def _init_blas(threads: int):
+    """The BLAS backend with ``threads`` threads, or None when the build has none."""
+    dev = _blas_device()
+    if dev is None:
         return None
     backend = lib.ggml_backend_dev_init(dev, ffi.NULL)
     _set_threads(backend, threads)

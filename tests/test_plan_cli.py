@@ -49,24 +49,50 @@ def test_weight_bytes_are_the_gguf_tensor_sizes(capsys, cfg):
     assert d["fits"] and d["need_bytes"] <= d["budget_bytes"]
 
 
+def auto_type(file_type: str, plain: str) -> str:
+    """What a training run's ``auto`` loads ``file_type`` matrices as on this CPU with memory
+    to spare: F32 where the measured table says a step is FASTER so, else auto's plain rule
+    (``plain``) (pytrain/train/type_choice.py; tests/test_type_choice.py checks the rule)."""
+    from pytrain import ggml
+    from pytrain.train import type_choice as tc
+    row = tc.STEP_RATIO.get(tc.device_key("cpu", ggml.blas_enabled()), {})
+    return "F32" if (row.get(file_type) or (0,))[0] >= tc.FASTER else plain
+
+
 def test_a_quantized_llama_keeps_its_type(capsys, cfg):
-    """Q8_0 matrices stay Q8_0 on the CPU (their bytes as in the file), norms F32."""
+    """Q8_0 matrices stay Q8_0 on the CPU (their bytes as in the file), norms F32, when the
+    memory budget leaves no room for F32 weights or type_policy is "keep"; with room, as the
+    measured rule says."""
     path = MODEL.parent.parent / "llama" / "gqa-q8_0.gguf"
-    d = plan_json(capsys, cfg, "--set", f"model.path={path}")
+    model = f"model.path={path}"
     sizes = {t.name: int(t.n_bytes) for t in GGUFReader(path).tensors}
-    kinds = {(g["file_type"], g["loaded_type"]): g for g in d["weights"]}
-    assert set(kinds) == {("Q8_0", "Q8_0"), ("F32", "F32")}
-    assert d["weight_bytes"] == sum(sizes.values()) - sum(d["not_loaded"].values())
-    assert d["arch"] == "llama" and d["lora_tensors"] > 0 and d["layerwise"]
+    kept = plan_json(capsys, cfg, "--set", model)["types"]["kept_bytes"]
+    for extra in (["--set", f"train.memory_gib={1.5 * kept / 2**30!r}"],
+                  ["--set", 'model.type_policy="keep"']):
+        d = plan_json(capsys, cfg, "--set", model, *extra)
+        kinds = {(g["file_type"], g["loaded_type"]): g for g in d["weights"]}
+        assert set(kinds) == {("Q8_0", "Q8_0"), ("F32", "F32")}, d["types"]["reason"]
+        assert d["weight_bytes"] == sum(sizes.values()) - sum(d["not_loaded"].values())
+        assert d["arch"] == "llama" and d["lora_tensors"] > 0 and d["layerwise"]
+    d = plan_json(capsys, cfg, "--set", model)
+    assert {(g["file_type"], g["loaded_type"]) for g in d["weights"]} == \
+        {("Q8_0", auto_type("Q8_0", "Q8_0")), ("F32", "F32")}
 
 
 def test_bf16_weights_load_as_f16_on_the_cpu(capsys, tmp_path, cfg):
+    """BF16 becomes F16 (same size) when F32 weights do not fit half the budget; with room,
+    F32 where the measured rule says so."""
     write_qwen35(tmp_path / "bf16.gguf", "bf16")
-    d = plan_json(capsys, cfg, "--set", f"model.path={tmp_path / 'bf16.gguf'}")
+    model = f"model.path={tmp_path / 'bf16.gguf'}"
+    kept = plan_json(capsys, cfg, "--set", model)["types"]["kept_bytes"]
+    d = plan_json(capsys, cfg, "--set", model, "--set", f"train.memory_gib={kept / 2**30!r}")
     kinds = {(g["file_type"], g["loaded_type"]): g for g in d["weights"]}
     g = kinds[("BF16", "F16")]
     assert g["loaded_bytes"] == g["file_bytes"] > 0
     assert ("F32", "F32") in kinds       # norms and other element-wise tensors
+    d = plan_json(capsys, cfg, "--set", model)
+    assert ("BF16", auto_type("BF16", "F16")) in {(g["file_type"], g["loaded_type"])
+                                                  for g in d["weights"]}
 
 
 def test_a_gpu_this_machine_lacks_is_planned_for_a_given_memory(capsys, tmp_path, cfg):

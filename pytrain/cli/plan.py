@@ -35,6 +35,8 @@ def render(plan) -> list[str]:
     if plan.not_loaded:
         lines.append(f"  not loaded: {len(plan.not_loaded)} tensors of the file (MTP, extras), "
                      f"{size(sum(plan.not_loaded.values()))}")
+    if plan.types:
+        lines.append(f"  types: {plan.types['reason']}")
     lines += [f"LoRA:    {plan.lora_tensors} tensors, {plan.lora_params:,} parameters: "
               f"{size(plan.adapter_bytes)}; gradients + AdamW moments: "
               f"{size(plan.optimizer_bytes)}",

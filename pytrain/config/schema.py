@@ -73,8 +73,10 @@ class ModelConfig:
                        check=_device)
     threads: int | None = _opt(None, "CPU threads (unset: ggml's default)", check=_positive)
     type_policy: str = _opt("auto", "types the frozen weights are loaded as: auto (what every "
-                            "op of the training graph supports on the device), f32, or keep "
-                            "(as stored; may be unsupported)", choices=("auto", "f32", "keep"))
+                            "op of the training graph supports on the device; for training, F32 "
+                            "or F16 instead where a step was measured faster so and it fits "
+                            "half the memory budget), f32, or keep (as stored; may be "
+                            "unsupported)", choices=("auto", "f32", "keep"))
 
 
 @dataclass

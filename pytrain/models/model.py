@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Callable, Mapping
 from functools import cached_property
 
 import numpy as np
@@ -182,11 +183,16 @@ class Model:
 
 
 def load_model(path: str | os.PathLike, device: str = "auto", threads: int | None = None,
-               type_policy: str = "auto", device_index: int = 0) -> Model:
+               type_policy: str = "auto", device_index: int = 0,
+               dequantize: Mapping[int, int] | Callable[..., Mapping[int, int]] | None = None
+               ) -> Model:
     """``device_index``: which CUDA device (modulo their count): a data-parallel rank's
-    place on its host, one GPU per rank."""
+    place on its host, one GPU per rank.  ``dequantize``: file types ``auto`` loads as F32 or
+    F16 (``pytrain.models.weights``), or a function of (runtime, the file's tensor index, the
+    shapes to load) returning them, called once the device is known (a training run's
+    measured choice, ``pytrain.train.type_choice``)."""
     reader = open_reader(path)
-    arch, meta, _infos, config = open_model(path, reader)
+    arch, meta, infos, config = open_model(path, reader)
     tokenizer = Tokenizer.from_metadata(meta)
     tokenizer.source = str(path)
     if tokenizer.vocab_size > config.n_vocab:     # llama.cpp refuses such a file too
@@ -196,7 +202,11 @@ def load_model(path: str | os.PathLike, device: str = "auto", threads: int | Non
             f"would have no embedding")
     rt = ggml.Runtime(device, threads=threads, device_index=device_index)
     try:
-        weights = load_weights(path, rt, config.tensor_shapes(), type_policy, reader=reader)
+        shapes = config.tensor_shapes()
+        if callable(dequantize):
+            dequantize = dequantize(rt, infos, shapes)
+        weights = load_weights(path, rt, shapes, type_policy, reader=reader,
+                               dequantize=dequantize)
     except BaseException:
         rt.close()
         raise

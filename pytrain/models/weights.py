@@ -23,6 +23,11 @@ the depthwise conv kernel) feed ``MUL``/``ADD``, which want F32 everywhere.  Hen
 ``f32``    everything F32 (reference runs; 4 bytes per weight).
 ``keep``   the file's types untouched: inference only, training graphs may not run.
 
+``dequantize`` (a file type -> F32 or F16) refines ``auto`` for the matrices of those types:
+a training run passes the types its measurements found faster as F32 on its device
+(``pytrain.train.type_choice``); the values are the file's, so the function is the same (F16
+rounds them, and says how many it could not keep).
+
 Extra tensors in the file (MTP/nextn blocks, blocks past the trunk) are not loaded.
 """
 from __future__ import annotations
@@ -139,7 +144,7 @@ def _mib(n: int) -> str:
 # --------------------------------------------------------------------------- type policy
 
 def load_type(name: str, shape: tuple[int, ...], file_type: int, device: str,
-              policy: str = "auto") -> int:
+              policy: str = "auto", dequantize: Mapping[int, int] | None = None) -> int:
     """The ggml type a tensor is loaded as (see the module docstring)."""
     if policy not in POLICIES:
         raise ValueError(f"type_policy must be one of {', '.join(POLICIES)}; got {policy!r}")
@@ -147,6 +152,8 @@ def load_type(name: str, shape: tuple[int, ...], file_type: int, device: str,
         return file_type
     if policy == "f32" or is_elementwise(name, shape):
         return F32
+    if dequantize and file_type in dequantize:
+        return dequantize[file_type]
     if device != "cpu":
         return file_type if file_type in _CUDA_KEPT else F32
     return F16 if file_type == BF16 else file_type
@@ -163,18 +170,21 @@ def _squeeze_leading(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 def load_weights(path: str | os.PathLike[str], runtime, shapes: Mapping[str, tuple[int, ...]],
                  type_policy: str = "auto", policy_device: str | None = None,
-                 reader: GGUFReader | None = None) -> Weights:
+                 reader: GGUFReader | None = None,
+                 dequantize: Mapping[int, int] | None = None) -> Weights:
     """Load the tensors named in ``shapes`` (numpy-order shapes, e.g. from
     ``Qwen35Config.tensor_shapes()``) into one buffer of ``runtime``'s primary backend.
 
     ``runtime`` needs ``device`` ("cpu"/"cuda", chooses the policy) and ``alloc(ctx)``;
     ``policy_device`` loads the types another device would get (so a CPU machine can build and
-    check the graph a GPU would run).
+    check the graph a GPU would run); ``dequantize`` (file type -> F32/F16) refines ``auto``.
     Every error names the file and the tensor: missing tensors, shape mismatches, types ggml
     cannot dequantize, data cut short.
     """
     if type_policy not in POLICIES:
         raise ValueError(f"type_policy must be one of {', '.join(POLICIES)}; got {type_policy!r}")
+    if dequantize and set(dequantize.values()) - {F32, F16}:
+        raise ValueError(f"dequantize: types may become F32 or F16 only; got {dict(dequantize)}")
     p = Path(path)
     reader = reader or open_reader(p)      # a reader of this file already open: reused
     infos = tensor_infos(reader)
@@ -200,7 +210,7 @@ def load_weights(path: str | os.PathLike[str], runtime, shapes: Mapping[str, tup
             raise WeightsError(f"{p}: truncated GGUF file: tensor {n!r} has {raw.nbytes} of its "
                                f"{info.n_bytes} bytes")
         # the expected shape decides matrix vs vector: a [1, n] matrix is still a matrix
-        lt = load_type(n, tuple(want), info.type, device, type_policy)
+        lt = load_type(n, tuple(want), info.type, device, type_policy, dequantize)
         note = ""
         if info.type == BF16 and lt == F16 and _bf16_overflows_f16(raw):
             lt, note = F32, "BF16 values beyond F16's range (65504): loaded as F32"

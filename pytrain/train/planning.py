@@ -37,21 +37,26 @@ def shape_model(arch: str, config: ModelConfig, file_type: str = "f32", device: 
 
 
 def file_shape_model(path: str, device: str = "cpu", type_policy: str = "auto",
-                     threads: int = 1) -> tuple[Model, dict[str, tuple[str, str, int]], dict]:
+                     threads: int = 1, dequantize=None
+                     ) -> tuple[Model, dict[str, tuple[str, str, int]], dict]:
     """The model of the GGUF at ``path`` with its weights as metadata only, each tensor in the
-    type ``device`` would load it as (``type_policy``); per loaded tensor (file type, loaded
-    type, bytes in the file); and the file's other tensors (MTP blocks, extras: name -> bytes),
-    which are not loaded.  Reads the file's index and keys, no tensor data."""
+    type ``device`` would load it as (``type_policy``, refined by ``dequantize``: file type ->
+    F32/F16, or a function of the file's tensor index and the shapes returning that); per
+    loaded tensor (file type, loaded type, bytes in the file); and the file's other tensors
+    (MTP blocks, extras: name -> bytes), which are not loaded.  Reads the file's index and
+    keys, no tensor data."""
     arch, _meta, infos, config = open_model(path)
     shapes = config.tensor_shapes()
     missing = [n for n in shapes if n not in infos]
     if missing:
         raise WeightsError(f"{path}: missing tensor{'s' if len(missing) > 1 else ''}: "
                            + ", ".join(missing[:10]))
+    if callable(dequantize):
+        dequantize = dequantize(infos, shapes)
     types, files = {}, {}
     for n, shape in shapes.items():
         info = infos[n]
-        lt = load_type(n, tuple(shape), info.type, device, type_policy)
+        lt = load_type(n, tuple(shape), info.type, device, type_policy, dequantize)
         types[n] = (shape, lt)
         files[n] = (info.type_name, ggml.type_name(lt), info.n_bytes)
     model = _metadata_model(arch, config, types, str(path), threads)

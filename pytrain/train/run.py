@@ -36,6 +36,7 @@ from pytrain.models.model import Model, load_model
 from pytrain.train.optimizer import AdamWSettings, schedule
 from pytrain.train.planning import context_warning
 from pytrain.train.trainer import NonFiniteLoss, Trainer
+from pytrain.train.type_choice import for_training
 
 
 class RunError(PytrainError, RuntimeError):
@@ -189,7 +190,9 @@ def open_session(cfg: Config, out: Path, log: Callable[[str], None],
     if threads is None and w.local_size > 1:      # the CPUs of this host, shared by its ranks
         threads = max(1, ggml.default_threads() // w.local_size)
     model = load_model(cfg.model.path, cfg.model.device, threads, cfg.model.type_policy,
-                       device_index=w.local_rank)
+                       device_index=w.local_rank,
+                       dequantize=for_training(cfg.model.type_policy, cfg.train.memory_gib, log,
+                                               w.local_size))
     try:
         log(runtime_summary(model) + (f"; {w.size} data-parallel ranks" if w.size > 1 else ""))
         too_long = context_warning(model.config, cfg.data.max_seq_len)
@@ -567,11 +570,14 @@ def _refuse_unsupported(cfg: Config, resume, overwrite: bool) -> None:
 
 
 def _run_facts(s: Session) -> dict[str, str]:
-    """What every rank of a run must agree on: config, training data, base model, build."""
+    """What every rank of a run must agree on: config, training data, base model, the types
+    its weights were loaded as (auto chooses by each rank's memory), build."""
     info = ggml.build_info()
     return {"config": hashlib.sha256(s.cfg.to_toml().encode()).hexdigest()[:16],
             "training data": s.resume_key()["training examples"][:16],
             "base model": ckpt.base_fingerprint(s.cfg.model.path)["header_sha256"][:16],
+            "weight types": ", ".join(sorted({f"{r.file_type}->{r.loaded_type}"
+                                              for r in s.model.weights.report.values()})),
             "build": hashlib.sha256(json.dumps([info["archive_sha256"], info["patches_sha256"],
                                                info.get("ffi_sha256")]).encode()).hexdigest()[:16]}
 

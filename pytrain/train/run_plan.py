@@ -18,6 +18,7 @@ from pytrain.train.planning import (compute_bytes, context_warning, file_shape_m
                                      needs_recompute)
 from pytrain.train.recompute import RecomputeGraph
 from pytrain.train.trainer import bucket_length
+from pytrain.train import type_choice
 
 
 @dataclass
@@ -51,6 +52,7 @@ class RunPlan:
     fits: bool
     notes: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)   # lines starting "warning: "
+    types: dict = field(default_factory=dict)   # type_policy's choice: TypeChoice.to_dict()
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -146,8 +148,22 @@ def plan_run(cfg) -> RunPlan:
     allocating; nothing is loaded and no step is run."""
     device, free, total, available = _device_memory(cfg.model.device, cfg.model.threads,
                                                     bool(cfg.train.memory_gib))
-    model, files, not_loaded = file_shape_model(cfg.model.path, device,
-                                                cfg.model.type_policy, cfg.model.threads or 1)
+    t = cfg.train
+    if t.memory_gib:
+        budget, source = int(t.memory_gib * 2**30), "train.memory_gib"
+    else:
+        budget, source = available, ("the device's free memory" if device != "cpu" else
+                                     "available memory: the least of the system's and the "
+                                     "cgroup's")
+    chosen = []
+
+    def choose_types(infos, shapes):      # the trainer's choice (type_choice.for_training)
+        key = type_choice.device_key(device, ggml.blas_enabled())
+        chosen.append(type_choice.choose(key, infos, shapes, cfg.model.type_policy, budget,
+                                         source.split(":")[0]))
+        return chosen[-1].dequantize
+    model, files, not_loaded = file_shape_model(cfg.model.path, device, cfg.model.type_policy,
+                                                cfg.model.threads or 1, choose_types)
     try:
         names = select_targets(model.config, cfg.lora.targets, cfg.lora.skip_ssm)
         ad = lora.create(model.runtime, model.config, names, cfg.lora.rank, cfg.lora.alpha)
@@ -159,13 +175,6 @@ def plan_run(cfg) -> RunPlan:
     finally:
         model.close()
     state = 3 * adapter                  # gradient accumulator + m + v, each a copy of A/B
-    t = cfg.train
-    if t.memory_gib:
-        budget, source = int(t.memory_gib * 2**30), "train.memory_gib"
-    else:
-        budget, source = available, ("the device's free memory" if device != "cpu" else
-                                     "available memory: the least of the system's and the "
-                                     "cgroup's")
     layers, why = _decide(t.recompute, one, lw, budget - weights - (0 if t.memory_gib else state),
                           source)
     step = lw["largest"] + lw["persistent"] if layers and lw else one
@@ -177,4 +186,5 @@ def plan_run(cfg) -> RunPlan:
                    lora_param_count(model.config, names, cfg.lora.rank), adapter, state, one, lw,
                    t.recompute, layers, why, free, total, available, budget, source, need,
                    need <= budget, notes,
-                   [w for w in [context_warning(model.config, cfg.data.max_seq_len)] if w])
+                   [w for w in [context_warning(model.config, cfg.data.max_seq_len)] if w],
+                   chosen[-1].to_dict())
