@@ -9,8 +9,8 @@ package needs at run time (the shared libraries and the cffi extension) is insta
 ``pytrain/_native/`` and stamped with ``build_info.json`` written last: a half-finished build
 never looks valid, because the stamp is removed first and written only on success.
 
-Usage:  python native/build.py [--cuda] [--jobs N] [--force]
-        PYTRAIN_CUDA=1 python native/build.py
+Usage:  python native/build.py [--cuda] [--vulkan] [--jobs N] [--force]
+        PYTRAIN_CUDA=1 PYTRAIN_VULKAN=1 python native/build.py
 """
 from __future__ import annotations
 
@@ -27,6 +27,9 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import vulkan_tools  # noqa: E402  (native/vulkan_tools.py)
 
 ROOT = Path(__file__).resolve().parent.parent
 PKG_NATIVE = ROOT / "pytrain" / "_native"
@@ -356,9 +359,28 @@ def native_wanted() -> bool:
     return os.environ.get("PYTRAIN_GGML_NATIVE", "0") not in ("", "0")
 
 
-def ggml_options(cuda: bool) -> list[str]:
+def vulkan_wanted(mode: str) -> bool:
+    """``PYTRAIN_VULKAN``: 1 builds ggml-vulkan (missing tools are an error), auto builds it
+    where the tools are (``make test``), 0 (the default) does not."""
+    if mode not in ("0", "1", "auto", ""):
+        raise BuildError(f"PYTRAIN_VULKAN={mode!r}: expected 0, 1 or auto")
+    if mode in ("0", ""):
+        return False
+    try:
+        vulkan_tools.find()
+    except vulkan_tools.ToolError as e:
+        if mode == "1":
+            raise BuildError(str(e)) from e
+        log(f"building without Vulkan: {e}")
+        return False
+    return True
+
+
+def ggml_options(cuda: bool, vulkan: bool = False) -> list[str]:
     """Every CMake option of a build: recorded in its stamp, so a change rebuilds."""
     opts = list(GGML_OPTIONS)
+    if vulkan:       # ggml-vulkan: one more backend module, shaders compiled by glslc
+        opts += vulkan_tools.find().cmake_options()
     cflags = []
     if native_wanted():
         opts.remove("-DGGML_CPU_ALL_VARIANTS=ON")
@@ -486,6 +508,7 @@ def cuda_library_dirs(options: list[str]) -> list[str]:
 SYSTEM_LIBS = {"libc.so.6", "libm.so.6", "libstdc++.so.6", "libgcc_s.so.1", "libgomp.so.1",
                "ld-linux-x86-64.so.2", "libpthread.so.0", "libdl.so.2", "librt.so.1"}
 CUDA_LIBS = {"libcudart.so.13", "libcublas.so.13", "libcublasLt.so.13", "libcuda.so.1"}
+VULKAN_LIBS = {"libvulkan.so.1"}   # the system's Vulkan loader, which finds the driver
 
 
 def dynamic_section(path: Path) -> tuple[list[str], list[str]]:
@@ -517,7 +540,7 @@ def portability_problems(native_dir: Path = PKG_NATIVE) -> list[str]:
         allowed = ({"$ORIGIN/lib", sysconfig.get_config_var("LIBDIR")}
                    if lib.parent == native_dir else {"$ORIGIN"})
         bad += [f"{lib.name} needs {n}" for n in needed
-                if n not in shipped | SYSTEM_LIBS | CUDA_LIBS]
+                if n not in shipped | SYSTEM_LIBS | CUDA_LIBS | VULKAN_LIBS]
         bad += [f"{lib.name} has RUNPATH {r}" for r in runpath if r not in allowed]
     return bad
 
@@ -533,7 +556,8 @@ def cpu_variants(libs: list[str]) -> list[str]:
 
 
 def build(cuda: bool = False, jobs: int | None = None, force: bool = False,
-          out_dir: Path = PKG_NATIVE, prebuilt: Path | None = None) -> dict:
+          out_dir: Path = PKG_NATIVE, prebuilt: Path | None = None,
+          vulkan: bool = False) -> dict:
     jobs = jobs or max(1, os.cpu_count() or 1)
     out_dir.mkdir(parents=True, exist_ok=True)
     stamp = out_dir / "build_info.json"
@@ -542,7 +566,7 @@ def build(cuda: bool = False, jobs: int | None = None, force: bool = False,
     if prebuilt is not None:      # an install prefix built elsewhere by this script
         options = check_prebuilt(prebuilt)
     else:
-        options = ggml_options(cuda)
+        options = ggml_options(cuda, vulkan)
     if stamp.exists() and not force:
         info = json.loads(stamp.read_text())
         if (info.get("cuda") == cuda and info.get("archive_sha256") == ARCHIVE_SHA256
@@ -571,6 +595,7 @@ def build(cuda: bool = False, jobs: int | None = None, force: bool = False,
         "ffi_sha256": ffi_digest(),
         "source": str(source_root()),
         "cuda": cuda,
+        "vulkan": any(o == "-DGGML_VULKAN=ON" for o in options),
         "cuda_library_dirs": cuda_library_dirs(options),
         "blas": f"{OPENBLAS_PROJECT}=={OPENBLAS_VERSION}" if "-DGGML_BLAS=ON" in options else None,
         "options": options,
@@ -583,7 +608,9 @@ def build(cuda: bool = False, jobs: int | None = None, force: bool = False,
     tmp = stamp.with_suffix(".tmp")
     tmp.write_text(json.dumps(info, indent=2) + "\n")
     os.replace(tmp, stamp)
-    log(f"done: ggml {version} ({'cpu+cuda' if cuda else 'cpu'}) in {out_dir}")
+    backends = "+".join(b for b, on in (("cpu", True), ("cuda", cuda), ("vulkan", info["vulkan"]))
+                        if on)
+    log(f"done: ggml {version} ({backends}) in {out_dir}")
     return info
 
 
@@ -639,6 +666,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cuda", action="store_true",
                     default=os.environ.get("PYTRAIN_CUDA", "0") not in ("", "0"),
                     help="also build the CUDA backend (or set PYTRAIN_CUDA=1)")
+    ap.add_argument("--vulkan", default=os.environ.get("PYTRAIN_VULKAN", "0"), nargs="?",
+                    const="1", choices=["0", "1", "auto", ""],
+                    help="also build the Vulkan backend: 1, or auto where its tools are (or "
+                         "set PYTRAIN_VULKAN)")
     ap.add_argument("--jobs", type=int, default=None, help="parallel build jobs")
     ap.add_argument("--force", action="store_true", help="rebuild even if already built")
     ap.add_argument("--out", type=Path, default=PKG_NATIVE,
@@ -668,7 +699,8 @@ def main(argv: list[str] | None = None) -> int:
                 return 0
             print(json.dumps(cuda_check(), indent=2))
             return 0
-        build(cuda=a.cuda, jobs=a.jobs, force=a.force, out_dir=a.out, prebuilt=a.prebuilt)
+        build(cuda=a.cuda, jobs=a.jobs, force=a.force, out_dir=a.out, prebuilt=a.prebuilt,
+              vulkan=a.prebuilt is None and vulkan_wanted(a.vulkan))
     except BuildError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -556,17 +556,72 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
 
 
-def _cuda_device(index: int = 0):
-    """The ``index``-th GPU device (modulo their count) of a CUDA build (not one an RPC
-    server serves), or None."""
+def _gpu_devices(reg_name: str) -> list:
+    """The GPU devices (discrete or integrated) of the backend registered as ``reg_name``
+    ("CUDA", "Vulkan"), in ggml's order."""
     found = []
     for i in range(lib.ggml_backend_dev_count()):
         d = lib.ggml_backend_dev_get(i)
         reg = lib.ggml_backend_dev_backend_reg(d)
-        if (lib.ggml_backend_dev_type(d) == lib.GGML_BACKEND_DEVICE_TYPE_GPU
-                and ffi.string(lib.ggml_backend_reg_name(reg)).decode() != "RPC"):
+        if (lib.ggml_backend_dev_type(d) in (lib.GGML_BACKEND_DEVICE_TYPE_GPU,
+                                             lib.GGML_BACKEND_DEVICE_TYPE_IGPU)
+                and ffi.string(lib.ggml_backend_reg_name(reg)).decode() == reg_name):
             found.append(d)
+    return found
+
+
+def _cuda_device(index: int = 0):
+    """The ``index``-th GPU device (modulo their count) of a CUDA build, or None."""
+    found = _gpu_devices("CUDA")
     return found[index % len(found)] if found else None
+
+
+VULKAN_MODULE = LIB_DIR / "libggml-vulkan.so"
+_vulkan_state: dict = {}
+
+
+def vulkan_built() -> bool:
+    return VULKAN_MODULE.exists()
+
+
+def load_vulkan() -> bool:
+    """Register ggml-vulkan with ggml, once per process, when a run, ``pytrain doctor`` or a
+    test asks for it; False when the build has none or no Vulkan driver answers.  Not done at
+    import: it starts the Vulkan loader and every installed driver (lavapipe's LLVM among
+    them) in every process.  ggml-vulkan reads ``GGML_VK_VISIBLE_DEVICES`` now: without it
+    it lists discrete and integrated GPUs only, so Mesa's lavapipe (a CPU device) is used
+    only when asked for, as ``GGML_VK_VISIBLE_DEVICES=0``."""
+    if "loaded" not in _vulkan_state:
+        ok = vulkan_built() and lib.ggml_backend_load(str(VULKAN_MODULE).encode()) != ffi.NULL
+        _vulkan_state["loaded"] = ok
+    return _vulkan_state["loaded"]
+
+
+def _vulkan_device(index: int = 0):
+    """The ``index``-th device (modulo their count) ggml-vulkan lists, or a DeviceError
+    saying why there is none."""
+    if not vulkan_built():
+        raise DeviceError("device 'vulkan' requested but this build has no Vulkan backend "
+                          "(build with `make build VULKAN=1` or PYTRAIN_VULKAN=1)")
+    found = _gpu_devices("Vulkan") if load_vulkan() else []
+    if not found:
+        hint = ("; Mesa's lavapipe, a CPU device for testing, is installed: set "
+                "GGML_VK_VISIBLE_DEVICES=0 to use it" if lavapipe_installed()
+                and "GGML_VK_VISIBLE_DEVICES" not in os.environ else "")
+        raise DeviceError(f"device 'vulkan' requested but ggml-vulkan lists no device (no "
+                          f"Vulkan driver for a GPU here){hint}")
+    return found[index % len(found)]
+
+
+def lavapipe_installed() -> bool:
+    """Whether Mesa's software Vulkan driver is registered with the Vulkan loader."""
+    return any(Path(d).glob("lvp_icd*.json") for d in
+               ("/usr/share/vulkan/icd.d", "/etc/vulkan/icd.d", "/usr/local/share/vulkan/icd.d"))
+
+
+def is_lavapipe(description: str) -> bool:
+    """A Vulkan device description naming Mesa's software driver (llvmpipe underneath)."""
+    return description.lower().startswith("llvmpipe")
 
 
 def _rpc_backend(endpoint: str):
@@ -586,6 +641,9 @@ def _rpc_backend(endpoint: str):
     return backend
 
 
+DEVICES = ("cpu", "cuda", "vulkan", "auto")     # and rpc:HOST:PORT
+
+
 class CPUFallbackError(PytrainError, RuntimeError):
     """A GPU run would execute some ops on the CPU, copying their inputs every step."""
 
@@ -596,8 +654,9 @@ _PLACEHOLDER = ffi.cast("void *", 1 << 20)   # data of measured-only tensors: ne
 class Runtime:
     """Backends plus a scheduler: the primary backend (GPU when chosen) first, CPU last.
 
-    ``device``: ``cpu``, ``cuda`` (fails if there is none), ``auto`` (a CUDA GPU when
-    present), or ``rpc:HOST:PORT``: the device an ``rpc-server`` (``python -m
+    ``device``: ``cpu``, ``cuda`` (fails if there is none), ``vulkan`` (ggml-vulkan's first
+    device: any vendor's GPU, or Mesa's lavapipe), ``auto`` (a CUDA GPU when present), or
+    ``rpc:HOST:PORT``: the device an ``rpc-server`` (``python -m
     pytrain.rpc_server``) serves there, used as a GPU is: weights, adapter and optimizer state
     in its memory, the scheduler copying inputs and results across, CPU fallbacks refused.
     """
@@ -605,9 +664,9 @@ class Runtime:
     def __init__(self, device: str = "auto", threads: int | None = None,
                  graph_size: int = 8192, allow_cpu_fallback: bool = False, blas: bool = True,
                  device_index: int = 0):
-        if device not in ("cpu", "cuda", "auto") and not device.startswith("rpc:"):
-            raise DeviceError(f"device must be 'cpu', 'cuda', 'auto' or 'rpc:HOST:PORT', got "
-                              f"{device!r}")
+        if device not in DEVICES and not device.startswith("rpc:"):
+            raise DeviceError(f"device must be 'cpu', 'cuda', 'vulkan', 'auto' or "
+                              f"'rpc:HOST:PORT', got {device!r}")
         # PYTRAIN_THREADS overrides every runtime's thread count, configs and callers
         # included: for running a whole test suite or benchmark at another count
         self.threads = forced_threads() or threads or default_threads()
@@ -615,6 +674,10 @@ class Runtime:
         gpu = None
         if device.startswith("rpc:"):
             gpu = _rpc_backend(device[len("rpc:"):])
+        elif device == "vulkan":
+            gpu = lib.ggml_backend_dev_init(_vulkan_device(device_index), ffi.NULL)
+            if gpu == ffi.NULL:
+                raise DeviceError("the Vulkan device could not be opened")
         elif device in ("cuda", "auto"):
             dev = _cuda_device(device_index)
             if dev is not None:
@@ -635,7 +698,8 @@ class Runtime:
             self.blas = _init_blas(self.threads)
         self.backends = [b for b in (gpu, self.blas, self.cpu) if b is not None]
         self.primary = self.backends[0]
-        self.device = ("rpc" if device.startswith("rpc:") else "cuda") if gpu is not None else "cpu"
+        self.device = ((device.split(":")[0] if device != "auto" else "cuda")
+                       if gpu is not None else "cpu")
         self._backend_arr = ffi.new("ggml_backend_t[]", self.backends)
         self.graph_size = 0
         self.sched = None

@@ -50,12 +50,12 @@ def _non_negative(v: Any) -> str | None:
 
 
 def _device(v: str) -> str | None:
-    if v in ("cpu", "cuda", "auto"):
+    if v in ("cpu", "cuda", "vulkan", "auto"):
         return None
     host, _, port = v[len("rpc:"):].rpartition(":") if v.startswith("rpc:") else ("", "", "")
     if host and port.isdigit():
         return None
-    return "must be 'cpu', 'cuda', 'auto' or 'rpc:HOST:PORT'"
+    return "must be 'cpu', 'cuda', 'vulkan', 'auto' or 'rpc:HOST:PORT'"
 
 
 def _unit_interval(v: float) -> str | None:
@@ -68,7 +68,7 @@ class ModelConfig:
     """The frozen base model."""
 
     path: str | None = _opt(None, "GGUF model file (required)", path=True)
-    device: str = _opt("auto", "compute device: cpu, cuda, auto (cuda when available), or "
+    device: str = _opt("auto", "compute device: cpu, cuda, vulkan, auto (cuda when available), or "
                        "rpc:HOST:PORT (the device a `python -m pytrain.rpc_server` serves)",
                        check=_device)
     threads: int | None = _opt(None, "CPU threads (unset: ggml's default)", check=_positive)

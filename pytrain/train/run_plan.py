@@ -29,7 +29,7 @@ class RunPlan:
     examples needs less."""
     model: str
     arch: str
-    device: str                   # cpu, cuda or rpc: what model.device resolves to here
+    device: str                   # cpu, cuda, vulkan or rpc: what model.device resolves to here
     batch: tuple[int, int]        # (B, T): T padded as the trainer pads it
     weights: list[dict]           # per (file type, loaded type): tensors, file/loaded bytes
     weight_bytes: int             # as loaded on the device
@@ -66,12 +66,12 @@ def _device_memory(device: str, threads: int | None, budget_set: bool
     try:
         rt = ggml.Runtime(device, threads=threads)
     except ggml.DeviceError as e:
-        if device != "cuda" and not device.startswith("rpc:"):
+        if device not in ("cuda", "vulkan") and not device.startswith("rpc:"):
             raise
         if not budget_set:
             raise ggml.DeviceError(f"{e}; to plan for such a device from this machine, give "
                                    f"its memory: --set train.memory_gib=GIB") from e
-        return ("rpc" if device.startswith("rpc:") else "cuda"), None, None, None
+        return device.split(":")[0], None, None, None
     try:
         free, total = rt.device_memory_info()
         return rt.device, free, total, available_bytes(rt)
