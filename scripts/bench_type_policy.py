@@ -9,8 +9,8 @@ Two parts:
   threads): SmolLM2-135M-Instruct (Q4_1) and Gemma 3 270M (Q4_K_M), fetched by
   ``python -m scripts.fetch_model [gemma3-270m]``; the rows also say which side ``auto`` takes
   on this machine and how far that is from the faster one;
-* a synthetic llama (scripts/gguf_models.write_llama: hidden 512, FFN 1536, 8/2 heads of 64,
-  rows that every K-quant takes) per weight type, random tokens in full rows of the demo's
+* a synthetic llama (scripts/gguf_models.write_llama: hidden 1024, FFN 3072, 16/4 heads of 64,
+  vocabulary 32768, rows that every K-quant takes) per weight type, random tokens in full rows of the demo's
   batch shape: the per-type table ``type_choice.STEP_RATIO`` is copied from these rows.
 
 Every side of a model is loaded at once, each in a worker process of its own (sides in one
@@ -53,16 +53,20 @@ REAL = {"smollm2": ("demo-real.toml", "SmolLM2-135M-Instruct", "Q4_1"),
 TYPES = ["F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
          "Q6_K", "IQ4_NL", "IQ4_XS"]
 SIZES = {   # synthetic llama shapes: demo = the table's; smoke = the smoke test's
-    "demo": dict(n_layer=2, n_embd=512, n_ff=1536, n_head=8, n_head_kv=2, head_dim=64,
-                 n_vocab=2048, batch=(8, 64)),
+    # the table's: matrices as wide as the small real models' (SmolLM2 576, Gemma 3 270M 640,
+    # Qwen3.5-0.8B 1024) and a 32k vocabulary, at the demo's batch of 8 x 128.  A narrower
+    # model (hidden 512, vocabulary 2048, 8 x 64) favoured the kept types: there BLAS's GEMMs
+    # are too small to pay, and its table kept Q5_0, which Gemma 3 270M's step then ran 1.27x
+    # slower than as F32 (bench_results/type_policy.md of commit eb32796)
+    "demo": dict(n_layer=2, n_embd=1024, n_ff=3072, n_head=16, n_head_kv=4, head_dim=64,
+                 n_vocab=32768, batch=(8, 128)),
     "smoke": dict(n_layer=2, n_embd=256, n_ff=512, n_head=4, n_head_kv=2, head_dim=64,
                   n_vocab=64, batch=(2, 32)),
 }
 LORA = dict(rank=8, alpha=16.0, targets=["attn_q", "attn_k", "attn_v", "attn_output"])
 LR = 1e-3
-SHARED = ("The machine was shared (other jobs on its cores while this ran): each side is slowed "
-          "alike since they alternate, but single figures are noisy; the ratios are the "
-          "measure.")
+SHARED = ("The sides are stepped in turn, so other work on the machine (the note says whether "
+          "there was any) slows each alike: the ratios are the measure.")
 
 
 # ------------------------------------------------------------------------------- one side

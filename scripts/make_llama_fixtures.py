@@ -330,6 +330,31 @@ def peft_gradients(name: str, hf_dir: Path, seqs: list[list[int]], pad_id: int, 
 
 # --------------------------------------------------------------------------- main
 
+def write_gguf(name: str, ot: str, model, hf_dir: Path, out: Path, seqs, lengths,
+               logprobs) -> None:
+    """The pinned converter's GGUF of ``model`` in type ``ot``, and the float64 numpy forward
+    over that file (checked against HF float32 for F32)."""
+    import numpy as np
+    path = out / f"{name}-{ot}.gguf"
+    ref.run_converter("convert_hf_to_gguf.py", [str(hf_dir), "--outfile", str(path),
+                                                "--outtype", ot])
+    assert path.stat().st_size < 1_000_000, path
+    if ot == "f32":
+        check_layout(name, model, path)
+    f64 = np.zeros_like(logprobs)
+    qg.pinned_gguf()
+    contents = llama_ref.gguf_contents(path)
+    for i, s in enumerate(seqs):
+        f64[i, :len(s)] = llama_ref.forward(*contents, s)
+    err = max(float(np.abs(f64[i, :n] - logprobs[i, :n]).max())
+              for i, n in enumerate(lengths))
+    print(f"[{name}-{ot}] numpy float64 over the GGUF vs HF float32: max "
+          f"|dlogprob| {err:.3g} ({path.stat().st_size} bytes)")
+    if ot == "f32":
+        assert err < 1e-4, err
+    np.savez_compressed(out / f"{name}-{ot}.f64.npz", logprobs64=f64)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=FIXTURES, help="the fixtures folder (a "
@@ -382,24 +407,7 @@ def main() -> int:
                                 config_json=np.array(json.dumps(model.config.to_dict(),
                                                                 sort_keys=True)))
             for ot in spec["outtypes"]:
-                path = out / f"{name}-{ot}.gguf"
-                ref.run_converter("convert_hf_to_gguf.py", [str(hf_dir), "--outfile", str(path),
-                                                        "--outtype", ot])
-                assert path.stat().st_size < 1_000_000, path
-                if ot == "f32":
-                    check_layout(name, model, path)
-                f64 = np.zeros_like(logprobs)
-                qg.pinned_gguf()
-                contents = llama_ref.gguf_contents(path)
-                for i, s in enumerate(seqs):
-                    f64[i, :len(s)] = llama_ref.forward(*contents, s)
-                err = max(float(np.abs(f64[i, :n] - logprobs[i, :n]).max())
-                          for i, n in enumerate(lengths))
-                print(f"[{name}-{ot}] numpy float64 over the GGUF vs HF float32: max "
-                      f"|dlogprob| {err:.3g} ({path.stat().st_size} bytes)")
-                if ot == "f32":
-                    assert err < 1e-4, err
-                np.savez_compressed(out / f"{name}-{ot}.f64.npz", logprobs64=f64)
+                write_gguf(name, ot, model, hf_dir, out, seqs, lengths, logprobs)
             if spec["lora"]:
                 res, folder = peft_gradients(name, hf_dir, seqs, pad_id, tmp)
                 np.savez_compressed(out / f"peft_{name}.npz", **res)

@@ -97,6 +97,31 @@ def make_sequences(hf_tok, vocab_size: int) -> list[list[int]]:
     return seqs
 
 
+def write_gguf(name: str, ot: str, model, hf_dir: Path, out: Path, seqs, logprobs) -> None:
+    """The pinned converter's GGUF of ``model`` in type ``ot``, its layout checked against the
+    HF weights, and an independent numpy forward over it against the HF golden."""
+    import numpy as np
+    path = ref.convert_to_gguf(hf_dir, out / f"{name}-{ot}.gguf", ot)
+    if ot == "f32":
+        qg.check_gguf_layout(model, path)
+    elif ot == "bf16":
+        qg.check_gguf_layout(model, path, atol=0.02)
+    else:
+        qg.check_gguf_layout(model, path, atol=0.05)
+    size = path.stat().st_size
+    assert size < 1_000_000, f"{path} is {size} bytes"
+    # independent numpy forward over the GGUF vs the HF golden (real positions)
+    diffs = [np.abs(qg.numpy_forward_gguf(path, s) - logprobs[i, :len(s)])
+             for i, s in enumerate(seqs)]
+    errs = [float(d.max()) for d in diffs]
+    mean = float(np.concatenate([d.ravel() for d in diffs]).mean())
+    print(f"[{name}-{ot}] numpy-from-GGUF vs HF golden: max |dlogprob| = {max(errs):.3g}, "
+          f"mean {mean:.2g} (max per sequence {', '.join(f'{e:.2g}' for e in errs)})")
+    if ot == "f32":
+        assert max(errs) < 1e-4, errs
+    print(qg.gguf_summary(path) if ot == "f32" else f"# {path.name}: {size} bytes")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=ref.REPO / "tests" / "fixtures" / "qwen35")
@@ -154,25 +179,7 @@ def main() -> int:
                                 config_json=np.array(cfg_json))
 
             for ot in [t for t in spec["outtypes"] if t in types]:
-                path = ref.convert_to_gguf(hf_dir, out / f"{name}-{ot}.gguf", ot)
-                if ot == "f32":
-                    qg.check_gguf_layout(model, path)
-                elif ot == "bf16":
-                    qg.check_gguf_layout(model, path, atol=0.02)
-                else:
-                    qg.check_gguf_layout(model, path, atol=0.05)
-                size = path.stat().st_size
-                assert size < 1_000_000, f"{path} is {size} bytes"
-                # independent numpy forward over the GGUF vs the HF golden (real positions)
-                diffs = [np.abs(qg.numpy_forward_gguf(path, s) - logprobs[i, :len(s)])
-                         for i, s in enumerate(seqs)]
-                errs = [float(d.max()) for d in diffs]
-                mean = float(np.concatenate([d.ravel() for d in diffs]).mean())
-                print(f"[{name}-{ot}] numpy-from-GGUF vs HF golden: max |dlogprob| = {max(errs):.3g}, "
-                      f"mean {mean:.2g} (max per sequence {', '.join(f'{e:.2g}' for e in errs)})")
-                if ot == "f32":
-                    assert max(errs) < 1e-4, errs
-                print(qg.gguf_summary(path) if ot == "f32" else f"# {path.name}: {size} bytes")
+                write_gguf(name, ot, model, hf_dir, out, seqs, logprobs)
 
             ent = -(np.exp(logprobs) * logprobs).sum(-1)
             real = np.concatenate([ent[i, :n] for i, n in enumerate(lengths)])

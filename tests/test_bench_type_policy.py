@@ -12,7 +12,7 @@ def test_smoke_run_writes_both_sides_per_type(tmp_path, capsys):
                      "--blas", "on", "--threads", "1", "--results", str(tmp_path)])
     assert rc == 0
     r = json.loads((tmp_path / "type_policy.json").read_text())
-    assert r["machine"]["cpu"] and r["size"] == "smoke" and "shared" in r["shared_note"]
+    assert r["machine"]["cpu"] and r["size"] == "smoke" and "other work on the machine" in r["shared_note"]
     assert [x["type"] for x in r["synthetic"]] == ["Q8_0", "Q4_1"] and r["real"] == []
     for x in r["synthetic"]:
         s = x["sides"]
