@@ -1,15 +1,19 @@
 # Quick start: `make demo` and `make test` do every set-up step themselves.
 #   CUDA=1 make build   also builds ggml's CUDA backend (needs nvcc and cuBLAS)
+#   VULKAN=1 make build also builds ggml's Vulkan backend (any vendor's GPU; glslc and headers
+#                       installed by `make vulkan-tools` on Debian bookworm as root)
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 CUDA   ?= 0
+# 0, 1, or auto: build ggml-vulkan where its tools are (what `make test` asks for)
+VULKAN ?= 0
 # the reference stack (torch, transformers, PEFT) the script smoke tests run the benchmarks'
 # HF side and the fixture generators under; its own venv, never pytrain's
 REFENV ?= .refenv
 REF_PY := $(REFENV)/bin/python
 
-.PHONY: all build llama-cpp cuda-check real-model refenv test test-cpu-matrix demo demo-real experiments gpu-carry doctor clean distclean
+.PHONY: all build vulkan-tools llama-cpp cuda-check real-model refenv test test-cpu-matrix demo demo-real experiments gpu-carry doctor clean distclean
 
 all: build
 
@@ -18,9 +22,15 @@ $(VENV)/.deps: pyproject.toml
 	$(PY) -m pip install -q --upgrade pip setuptools wheel cffi
 	touch $@
 
-build: $(VENV)/.deps
-	PYTRAIN_CUDA=$(CUDA) $(PY) native/build.py
+build: $(VENV)/.deps vulkan-tools
+	PYTRAIN_CUDA=$(CUDA) PYTRAIN_VULKAN=$(VULKAN) $(PY) native/build.py
 	$(PY) -m pip install -q --no-build-isolation -e '.[test,mpi]'
+
+# ggml-vulkan's shader compiler, loader and headers and Mesa's lavapipe (a Vulkan driver on the
+# CPU, for the tests), each pinned, for VULKAN=1 or auto: installed with apt where this is root
+# on Debian bookworm (native/vulkan_tools.py says why each is needed), else only looked for
+vulkan-tools:
+	$(PYTHON) native/vulkan_tools.py --if-wanted $(VULKAN)
 
 # llama.cpp's libllama from the same pinned source (cached; ~2 min once): the adapter and
 # merge cross-check tests run llama.cpp itself and skip without it
@@ -52,9 +62,15 @@ $(REFENV)/.deps: scripts/requirements-reference.txt $(VENV)/.deps
 
 refenv: build $(REFENV)/.deps
 
-# PYTRAIN_REQUIRE_REF=1: the script smoke tests fail, never skip, without the reference venv
+# PYTRAIN_REQUIRE_REF=1: the script smoke tests fail, never skip, without the reference venv.
+# ggml-vulkan is built where its tools are or can be installed (VULKAN=auto), and where
+# `make vulkan-tools` installs them (root on Debian bookworm: CI) PYTRAIN_REQUIRE_VULKAN=1
+# makes the Vulkan tests, on lavapipe, fail instead of skip without a device.
+test: VULKAN = auto
 test: build llama-cpp cuda-check real-model refenv
-	PYTRAIN_REF_PYTHON=$(abspath $(REF_PY)) PYTRAIN_REQUIRE_REF=1 $(PY) -m pytest -q --durations=25
+	PYTRAIN_REF_PYTHON=$(abspath $(REF_PY)) PYTRAIN_REQUIRE_REF=1 \
+	PYTRAIN_REQUIRE_VULKAN=$$($(PYTHON) native/vulkan_tools.py --required $(VULKAN)) \
+	$(PY) -m pytest -q --durations=25
 
 # the numerically sensitive tests under several CPU configurations of this machine: ggml-cpu
 # variants (the best for this CPU, AVX2-only, -march=native), BLAS on and off, 1 and 2 threads

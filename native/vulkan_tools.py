@@ -49,7 +49,7 @@ HEADER_DEBS = [
      "dc18db866d63680351c40ac6b6bece34cb52da64a7799ce1cc4f16f6bff4d064"),
 ]
 HEADERS_VERSION = "1.4.309"
-LAVAPIPE_ICD = "lvp_icd.x86_64.json"
+LAVAPIPE_ICD = "lvp_icd*.json"      # lvp_icd.json (Mesa 25), lvp_icd.x86_64.json (22.3)
 ICD_DIRS = ("/usr/share/vulkan/icd.d", "/etc/vulkan/icd.d", "/usr/local/share/vulkan/icd.d")
 
 
@@ -146,7 +146,7 @@ def find() -> VulkanTools:
 
 def lavapipe_installed() -> bool:
     """Whether Mesa's software Vulkan driver is registered with the loader."""
-    return any((Path(d) / LAVAPIPE_ICD).exists() for d in ICD_DIRS)
+    return any(any(Path(d).glob(LAVAPIPE_ICD)) for d in ICD_DIRS)
 
 
 # --------------------------------------------------------------------------- apt (root, bookworm)

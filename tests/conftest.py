@@ -7,6 +7,9 @@ sys.path.insert(0, str(ROOT / "native"))
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+from vulkan_support import prepare_environment  # noqa: E402
+
+prepare_environment()      # before anything loads ggml-vulkan (see vulkan_support.py)
 
 
 @pytest.fixture
@@ -15,8 +18,9 @@ def rng():
 
 
 def has_gpu() -> bool:
+    """A CUDA device (a Vulkan one, lavapipe included, is not what tests/test_gpu.py needs)."""
     from pytrain import ggml
-    return any(d.kind == "gpu" for d in ggml.devices())
+    return ggml._cuda_device() is not None
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +49,13 @@ def measured(request):
         _MEASURED.append(dict(test=request.node.nodeid, check=check, value=float(value),
                               bound=bound if isinstance(bound, (int, float)) else str(bound)))
     return record
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The Vulkan device the Vulkan tests ran on, in every log (CI's shows it is lavapipe)."""
+    from vulkan_support import devices_used
+    for desc in devices_used():
+        terminalreporter.write_line(f"Vulkan tests ran on: {desc}")
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -19,15 +19,18 @@ def report() -> str:
         f"  sha256 {info['archive_sha256']}",
         f"  source {info['source']}",
         f"  backends built: cpu{' + cuda' if info['cuda'] else ''}"
+        f"{' + vulkan' if info.get('vulkan') else ''}"
         f"{' + blas (' + info['blas'] + ')' if info.get('blas') else ''}",
         f"  patches: {', '.join(info.get('patches', [])) or 'none'}",
         f"  cmake: {' '.join(o for o in info.get('options', []) if o.startswith('-DGGML_'))}",
         "devices:",
     ]
+    ggml.load_vulkan()            # a Vulkan build's devices are listed only once it is loaded
     for d in ggml.devices():
         mem = (f"{d.memory_free / 2**30:.1f} GiB free of {d.memory_total / 2**30:.1f} GiB"
                if d.memory_total else "memory unknown")
         lines.append(f"  {d.name:<8} {d.kind:<5} {d.description}  ({mem})")
+    lines.append(vulkan_line(info))
     v = ggml.CPU_VARIANT
     runnable = [n for n, (_, score) in sorted(ggml.cpu_variant_scores().items()) if score > 0]
     lines.append(f"cpu variant: {v.name} ({v.chosen_by}; {v.path.name}); this CPU runs "
@@ -40,6 +43,26 @@ def report() -> str:
                  f"weights and compute stay in the default buffer types)")
     lines.append(f"threads (default): {ggml.default_threads()}")
     return "\n".join(lines)
+
+
+def vulkan_line(info: dict) -> str:
+    """Which Vulkan device ``device = "vulkan"`` gets, and whether it is Mesa's lavapipe (a
+    CPU driver: right results, no GPU speed) or a GPU."""
+    import os
+
+    from pytrain import ggml
+    if not info.get("vulkan"):
+        return "vulkan: not built (make build VULKAN=1, or PYTRAIN_VULKAN=1 pip install .)"
+    vk = [d for d in ggml.devices() if d.name.startswith("Vulkan")]
+    if not vk:
+        hint = (" (lavapipe, Mesa's CPU driver, is installed: GGML_VK_VISIBLE_DEVICES=0 uses it)"
+                if ggml.lavapipe_installed() and "GGML_VK_VISIBLE_DEVICES" not in os.environ
+                else "")
+        return f"vulkan: built; no device listed{hint}"
+    d = vk[0]
+    kind = ("lavapipe (Mesa's CPU driver: correct results, not GPU speed)"
+            if ggml.is_lavapipe(d.description) else "a GPU")
+    return f"vulkan: device = \"vulkan\" uses {d.name}, {d.description}: {kind}"
 
 
 def main() -> int:
