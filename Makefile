@@ -65,10 +65,11 @@ refenv: build $(REFENV)/.deps
 # PYTRAIN_REQUIRE_REF=1: the script smoke tests fail, never skip, without the reference venv.
 # ggml-vulkan is built where its tools are or can be installed (VULKAN=auto), and where
 # `make vulkan-tools` installs them (root on Debian bookworm: CI) PYTRAIN_REQUIRE_VULKAN=1
-# makes the Vulkan tests, on lavapipe, fail instead of skip without a device.
+# makes the Vulkan tests, on lavapipe, fail instead of skip without a device.  PYTRAIN_VULKAN
+# goes to the tests too: the wheel test's `pip wheel .` then keeps this build, not rebuild it.
 test: VULKAN = auto
 test: build llama-cpp cuda-check real-model refenv
-	PYTRAIN_REF_PYTHON=$(abspath $(REF_PY)) PYTRAIN_REQUIRE_REF=1 \
+	PYTRAIN_REF_PYTHON=$(abspath $(REF_PY)) PYTRAIN_REQUIRE_REF=1 PYTRAIN_VULKAN=$(VULKAN) \
 	PYTRAIN_REQUIRE_VULKAN=$$($(PYTHON) native/vulkan_tools.py --required $(VULKAN)) \
 	$(PY) -m pytest -q --durations=25
 
