@@ -188,8 +188,9 @@ def markdown(res: dict) -> str:
              f"- CPU: {res['cpu']}; {res['cores']} cores ({res['cores_usable']} usable)",
              f"- load: {res['load']}; load average at start {res['loadavg_start']}, "
              f"at end {res['loadavg_end']}",
-             f"- runs: {len(res['runs'])} fresh pytest processes, "
-             f"{res['seconds']:.0f} s in all; runs that did not finish normally: "
+             f"- runs: {len(res['runs'])} fresh pytest processes"
+             + (f" (stopped: {res['planned']} were planned)" if res.get("stopped") else "")
+             + f", {res['seconds']:.0f} s in all; runs that did not finish normally: "
              f"{len(broken)}",
              f"- tests: {len(tests)}; with a failure: {len(bad)}", ""]
     if res.get("notes"):
@@ -242,6 +243,15 @@ def main(argv: list[str] | None = None) -> int:
            "loadavg_start": [round(x, 2) for x in os.getloadavg()]}
     signal.signal(signal.SIGTERM, _stop_on_sigterm)
     t0, runs = time.monotonic(), []
+    res["planned"] = a.runs
+
+    def record(stopped: bool) -> None:
+        """Results so far, rewritten after every run: a hunt stopped after hours keeps the
+        counts of the runs it finished (``stopped`` says it did not do them all)."""
+        res.update(loadavg_end=[round(x, 2) for x in os.getloadavg()], runs=runs,
+                   seconds=time.monotonic() - t0, tests=tally(runs), stopped=stopped)
+        write_results(res, a.out)
+
     with tempfile.TemporaryDirectory(prefix="flake-hunt-") as tmp, Load(a.load) as load:
         res["load"], res["load_pids"] = load.kind, load.pids
         for i in range(a.runs):
@@ -251,9 +261,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"run {i + 1}/{a.runs}: rc {r['rc']}, {r['seconds']} s, "
                   f"{len(r['tests'])} tests, failed: {', '.join(failed) or 'none'}"
                   + (" (TIMED OUT)" if r["timed_out"] else ""), flush=True)
-    res.update(loadavg_end=[round(x, 2) for x in os.getloadavg()], runs=runs,
-               seconds=time.monotonic() - t0, tests=tally(runs))
-    write_results(res, a.out)
+            record(stopped=i + 1 < a.runs)
+    if not runs:
+        record(stopped=True)
     bad = {k: v["failed"] for k, v in res["tests"].items() if v["failed"]}
     print(f"{len(res['tests'])} tests, {a.runs} runs; failures: "
           f"{', '.join(f'{k} {n}/{a.runs}' for k, n in bad.items()) or 'none'}; "

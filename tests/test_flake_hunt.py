@@ -4,8 +4,10 @@ fails counted as failing in both runs, with its message; one that fails only in 
 counted once), and the load must be gone when it returns."""
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -63,3 +65,49 @@ def test_flake_hunt_counts_each_test_and_stops_its_load(tmp_path):
         assert state == "Z", f"load process {pid} still running ({state})"
     md = Path(f"{out}.md").read_text()
     assert "| 2 | 0 | 2 | 0 |" in md and "planted failure" in md and "a test run" in md
+
+
+SLOW_SECOND = '''
+import os, time
+from pathlib import Path
+
+def test_slow_from_the_second_run():
+    marker = Path(os.environ["FLAKE_MARKER"])
+    if marker.exists():
+        Path(os.environ["FLAKE_STARTED"]).touch()
+        time.sleep(120)
+    marker.touch()
+'''
+
+
+def test_a_stopped_hunt_keeps_the_runs_it_finished(tmp_path):
+    """SIGTERM during the second of three runs: the first run's counts are in the result
+    files, which say the hunt stopped, and the load is gone."""
+    (tmp_path / "test_slow.py").write_text(SLOW_SECOND)
+    out, started = tmp_path / "flakes", tmp_path / "started"
+    p = subprocess.Popen([sys.executable, "-m", "scripts.flake_hunt", str(tmp_path / "test_slow.py"),
+                          "-n", "3", "--load", "1", "--out", str(out)], cwd=ROOT,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         env={**os.environ, "FLAKE_MARKER": str(tmp_path / "marker"),
+                              "FLAKE_STARTED": str(started)})
+    try:
+        deadline = time.monotonic() + 240
+        while not started.exists():
+            assert p.poll() is None and time.monotonic() < deadline, p.stdout.read()
+            time.sleep(0.2)
+        p.send_signal(signal.SIGTERM)
+        p.wait(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    res = json.loads(Path(f"{out}.json").read_text())
+    assert res["stopped"] and res["planned"] == 3 and len(res["runs"]) == 1
+    (test,) = res["tests"].values()
+    assert (test["runs"], test["passed"]) == (1, 1)
+    assert "stopped: 3 were planned" in Path(f"{out}.md").read_text()
+    for pid in res["load_pids"]:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            continue
+        assert Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z", pid

@@ -33,6 +33,7 @@ import datetime as dt
 import os
 import socket
 import sys
+import time
 from pathlib import Path
 from typing import Callable, TypeVar
 
@@ -42,6 +43,8 @@ from pytrain.errors import PytrainError
 from pytrain.formats import atomic
 
 T = TypeVar("T")
+# seconds an aborting rank waits between its stderr line and MPI_Abort (see MPIWorld.abort)
+ABORT_GRACE_S = 1.0
 
 
 class DistributedError(PytrainError, RuntimeError):
@@ -190,6 +193,10 @@ class MPIWorld(World):
         sys.stdout.flush()
         sys.stderr.write(f"[{self.name}] {message}{where}\n")
         sys.stderr.flush()
+        # the line is in the pipe to the launcher's proxy, which may be torn down by the abort
+        # before it forwards it: on a loaded machine (load 7 on 2 cores) it was lost once in a
+        # full-suite run; a moment's grace lets the proxy read it (the file keeps it regardless)
+        time.sleep(ABORT_GRACE_S)
         self.comm.Abort(code)
         os._exit(code)
 

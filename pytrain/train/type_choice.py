@@ -41,8 +41,38 @@ FASTER = 1.10
 # time with the matrices as F32, and as F16 (None: not measured); a type or device not listed
 # (CUDA: not measured yet) keeps the file's types
 STEP_RATIO: dict[str, dict[str, tuple[float, float | None]]] = {
-    "cpu+blas": {"Q4_1": (1.9, 1.7), "Q5_0": (1.16, 1.04), "Q8_0": (1.15, 0.97), "Q4_K": (0.82, 0.76), "Q6_K": (0.9, 0.79)},
-    "cpu": {},
+    "cpu+blas": {
+        "Q4_1": (1.78, 1.58),
+        "Q5_0": (1.25, 1.11),
+        "Q8_0": (1.03, 1.0),
+        "Q4_K": (0.86, 0.73),
+        "Q6_K": (0.92, 0.84),
+        "F16": (1.14, None),
+        "BF16": (1.05, 0.97),
+        "Q4_0": (1.11, 1.0),
+        "Q5_1": (2.01, 1.73),
+        "Q2_K": (0.86, 0.83),
+        "Q3_K": (0.92, 0.79),
+        "Q5_K": (0.83, 0.76),
+        "IQ4_NL": (1.29, 1.06),
+        "IQ4_XS": (0.87, 0.84),
+    },
+    "cpu": {
+        "F16": (6.74, None),
+        "BF16": (6.13, None),
+        "Q8_0": (1.5, None),
+        "Q4_0": (3.29, None),
+        "Q4_1": (4.09, None),
+        "Q5_0": (5.49, None),
+        "Q5_1": (6.16, None),
+        "Q2_K": (5.47, None),
+        "Q3_K": (6.1, None),
+        "Q4_K": (1.39, None),
+        "Q5_K": (1.58, None),
+        "Q6_K": (6.07, None),
+        "IQ4_NL": (5.64, None),
+        "IQ4_XS": (5.61, None),
+    },
 }
 _TARGETS = ((F32, "F32"), (F16, "F16"))     # preferred first: F32 is exact and at least as fast
 
