@@ -22,7 +22,6 @@ import argparse
 import datetime as dt
 import json
 import os
-import re
 import shlex
 import shutil
 import signal
@@ -87,11 +86,9 @@ class Load:
 
 
 def cpu_model() -> str:
-    try:
-        m = re.search(r"model name\s*:\s*(.*)", Path("/proc/cpuinfo").read_text())
-    except OSError:
-        m = None
-    return m.group(1).strip() if m else "unknown"
+    """The CPU's name, family and vector extensions (the bounds depend on which kernels ran)."""
+    from scripts.test_cpu_matrix import cpu_description
+    return cpu_description()
 
 
 def commit() -> str:

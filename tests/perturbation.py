@@ -26,3 +26,22 @@ def perturbed_model(path: Path, tmp: Path) -> Path:
     """A copy of the GGUF at ``path`` with its F32 tensors nudged (scripts/gguf_models.py)."""
     from scripts.gguf_models import perturbed_copy
     return perturbed_copy(path, tmp / f"perturbed-{Path(path).name}")
+
+
+def adapter_bounds(path: Path, tmp: Path, toks, ours_base, ours_lora, adapter_of) -> tuple[float, float]:
+    """``f32_bound`` of pytrain's logits without and with an adapter on ``path``: how far the
+    perturbed model (and the adapter ``adapter_of(model)`` returns, nudged) moves them.  Two
+    float32 implementations of the same function (pytrain and llama.cpp) are compared with
+    these."""
+    import pytrain
+    from bounds import f32_bound
+    mp = pytrain.load_model(perturbed_model(path, tmp), device="cpu", threads=2)
+    try:
+        adp = adapter_of(mp)
+        adp.set(nudged(adp.get()))
+        base = f32_bound(float(np.abs(mp.logits(toks) - ours_base).max()), ours_base)
+        lora = f32_bound(float(np.abs(mp.logits(toks, lora=adp.hook) - ours_lora).max()),
+                         ours_lora)
+    finally:
+        mp.close()
+    return base, lora

@@ -103,3 +103,64 @@ def test_unreadable(tmp_path):
     assert str(missing) in str(e.value)
     with pytest.raises(GGUFError, match="cannot read"):
         read_metadata(tmp_path)  # a directory
+
+
+def same_fields(path: Path) -> int:
+    """pytrain's Reader against gguf-py's own GGUFReader on one file: the same fields (offsets,
+    parts byte for byte with their dtypes, data indices, types, contents) and tensors."""
+    from pytrain.formats.gguf_meta import Reader
+    a, b = gguf.GGUFReader(path), Reader(path)
+    assert list(a.fields) == list(b.fields)
+    for k, fa in a.fields.items():
+        fb = b.fields[k]
+        assert (fa.offset, fa.data, fa.types) == (fb.offset, fb.data, fb.types), k
+        assert [(x.dtype, x.tobytes()) for x in fa.parts] == \
+            [(y.dtype, y.tobytes()) for y in fb.parts], k
+        assert fa.contents() == fb.contents(), k
+    assert [(t.name, t.data_offset, t.n_bytes) for t in a.tensors] == \
+        [(t.name, t.data_offset, t.n_bytes) for t in b.tensors]
+    return sum(len(f.data) for f in b.fields.values())
+
+
+def every_value_type(path: Path, endian) -> Path:
+    w = gguf.GGUFWriter(str(path), "test", endianess=endian)
+    V = gguf.GGUFValueType
+    for dt, vt in ((np.uint8, V.UINT8), (np.int8, V.INT8), (np.uint16, V.UINT16),
+                   (np.int16, V.INT16), (np.uint32, V.UINT32), (np.int32, V.INT32),
+                   (np.uint64, V.UINT64), (np.int64, V.INT64), (np.float32, V.FLOAT32),
+                   (np.float64, V.FLOAT64)):
+        w.add_key_value(f"a.{vt.name}", np.arange(-3, 300).astype(dt).tolist(), V.ARRAY, vt)
+    w.add_array("a.bool", [True, False, True])
+    w.add_array("a.str", ["", "x", "ünïcödé", "a" * 1000])
+    w.add_array("a.empty", [])
+    w.add_string("s", "plain")
+    w.add_uint32("u", 7)
+    w.add_tensor("t", np.arange(64, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.mark.parametrize("endian", [gguf.GGUFEndian.LITTLE, gguf.GGUFEndian.BIG])
+def test_reader_builds_gguf_pys_fields_for_every_value_type(tmp_path, endian):
+    assert same_fields(every_value_type(tmp_path / "all.gguf", endian)) > 3000
+
+
+def test_reader_builds_gguf_pys_fields_for_a_vocabulary_and_a_model():
+    """A SentencePiece vocabulary of 32000 tokens with their scores and types (the arrays the
+    fast path exists for; gguf-py's side takes seconds, so not the 151936-token one)."""
+    assert same_fields(vocab_gguf().with_name("ggml-vocab-llama-spm.gguf")) > 3 * 32000
+    same_fields(FIXTURE_MODEL)
+
+
+@pytest.mark.parametrize("cut", [40, 200, 1000, 14000])
+def test_arrays_cut_short_are_truncated_errors(tmp_path, cut):
+    """A file cut inside a numeric or string array fails as truncated, naming the file."""
+    data = every_value_type(tmp_path / "all.gguf", gguf.GGUFEndian.LITTLE).read_bytes()
+    p = tmp_path / f"cut-{cut}.gguf"
+    p.write_bytes(data[:cut])
+    with pytest.raises(GGUFError, match="truncated") as e:
+        read_metadata(p)
+    assert str(p) in str(e.value)

@@ -25,7 +25,7 @@ import pytest
 
 from pytrain.cli import main
 from pytrain.train import checkpoint as ckpt
-from test_train_cli import (MODEL, checkpoint_steps, count_step_lines, step_records,
+from test_train_cli import (MODEL, at_a_terminal, checkpoint_steps, count_step_lines, step_records,
                             subprocess_env, wait_for, write_config, write_data)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -36,7 +36,8 @@ DEMO = ROOT / "pytrain" / "assets" / "default-model.gguf"
 # and then, with HOLD_MODE=wait, waits forever, or with HOLD_MODE=repeat, calls the real one
 # over and over: the test signals the process once it is there
 WRAPPER = r"""
-import importlib, os, sys, time
+import faulthandler, importlib, os, signal, sys, time
+faulthandler.register(signal.SIGUSR1, all_threads=True)   # where it is, if it hangs
 marks = open(sys.argv[1], "a", buffering=1)
 module, _, name = os.environ["HOLD_AT"].partition(":")
 owner = importlib.import_module(module)
@@ -64,15 +65,22 @@ def held_run(tmp_path: Path, hold_at: str, mode: str, *args: str) -> subprocess.
     marks.write_text("")
     proc = subprocess.Popen([sys.executable, "-c", WRAPPER, str(marks), *args], cwd=tmp_path,
                             env={**subprocess_env(), "HOLD_AT": hold_at, "HOLD_MODE": mode},
+                            preexec_fn=at_a_terminal,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     wait_for(lambda: "holding" in marks.read_text(), proc, 120, f"{hold_at} to be called")
     proc.send_signal(signal.SIGINT)
     try:
         out, err = proc.communicate(timeout=120)
     except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.communicate()
-        pytest.fail("the process went on after SIGINT")
+        proc.send_signal(signal.SIGUSR1)        # faulthandler: every thread's stack on stderr
+        try:
+            out, err = proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+        else:
+            proc.kill()
+        pytest.fail(f"the process went on after SIGINT; its stderr:\n{err[-6000:]}")
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
@@ -97,7 +105,8 @@ def test_a_run_killed_before_its_first_checkpoint_starts_again_from_step_0(tmp_p
     cfg = write_config(tmp_path, max_steps=500)
     out = tmp_path / "out"
     proc = subprocess.Popen([sys.executable, "-m", "pytrain", "train", str(cfg), "--no-progress"],
-                            cwd=tmp_path, env=subprocess_env(), stdout=subprocess.PIPE,
+                            cwd=tmp_path, env=subprocess_env(), preexec_fn=at_a_terminal,
+                            stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     wait_for(lambda: count_step_lines(out / "metrics.jsonl") >= 2, proc, 120, "2 step lines")
     proc.kill()

@@ -81,17 +81,13 @@ def test_llama_cpp_loads_adapter_and_matches_pytrain(llama_logits_exe, tmp_path,
         ours_lora = m.logits(toks, lora=ad.hook)
     finally:
         m.close()
-    from bounds import f32_bound
-    from perturbation import nudged, perturbed_model
-    mp = pytrain.load_model(perturbed_model(path, tmp_path), device="cpu", threads=2)
-    try:
+    from perturbation import adapter_bounds
+
+    def same_adapter(mp):
         adp = lora.create(mp.runtime, mp.config, names, rank=4, alpha=8, seed=0)
-        adp.set(nudged(tensors))
-        atol_base = f32_bound(float(np.abs(mp.logits(toks) - ours_base).max()), ours_base)
-        atol_lora = f32_bound(float(np.abs(mp.logits(toks, lora=adp.hook) - ours_lora).max()),
-                              ours_lora)
-    finally:
-        mp.close()
+        adp.set(tensors)
+        return adp
+    atol_base, atol_lora = adapter_bounds(path, tmp_path, toks, ours_base, ours_lora, same_adapter)
 
     d_base, d_lora, effect = deltas_with_adapter(llama_logits_exe, path, adapter_file, toks,
                                                  ours_base, ours_lora, tmp_path)

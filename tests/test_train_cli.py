@@ -103,6 +103,15 @@ def count_step_lines(metrics: Path) -> int:
     return n
 
 
+def at_a_terminal() -> None:
+    """``preexec_fn`` for a process a test sends SIGINT: SIGINT at its default, as under a
+    terminal's Ctrl-C.  A test run started in the background of a non-interactive shell
+    (``cmd &``, nohup) inherits SIGINT ignored, and Python then installs no KeyboardInterrupt
+    handler: `pytrain generate` went on after the test's SIGINT (pytrain train installs its
+    own handler, so only the commands relying on Python's own failed)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def wait_for(cond, proc: subprocess.Popen, timeout: float, what: str) -> None:
     end = time.monotonic() + timeout
     while not cond():
@@ -139,7 +148,8 @@ def test_sigterm_finishes_the_step_checkpoints_exits_130_and_resume_continues(tm
     out = tmp_path / "out"
     metrics = out / "metrics.jsonl"
     proc = subprocess.Popen([sys.executable, "-m", "pytrain", "train", str(cfg), "--no-progress"],
-                            cwd=tmp_path, env=subprocess_env(), stdout=subprocess.PIPE,
+                            cwd=tmp_path, env=subprocess_env(), preexec_fn=at_a_terminal,
+                            stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     wait_for(lambda: count_step_lines(metrics) >= 1, proc, 120, "the first step line")
     before = count_step_lines(metrics)
@@ -236,6 +246,7 @@ def test_second_ctrl_c_drops_the_step_in_flight_and_saves_the_finished_ones(tmp_
     proc = subprocess.Popen([sys.executable, "-c", WRAPPER, str(marks), "train", str(cfg),
                              "--no-progress"], cwd=tmp_path,
                             env={**subprocess_env(), "PAUSE": f"{first},{second}"},
+                            preexec_fn=at_a_terminal,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
     def paused_at(n):

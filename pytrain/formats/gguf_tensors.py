@@ -14,7 +14,7 @@ import numpy as np
 from gguf import GGUFReader
 
 from pytrain import ggml
-from pytrain.formats.gguf_meta import GGUFError, open_gguf
+from pytrain.formats.gguf_meta import GGUFError, Reader, open_gguf
 from pytrain.ggml import ffi, lib
 
 F32 = lib.GGML_TYPE_F32
@@ -55,7 +55,7 @@ class TensorInfo:
         return int(np.prod(self.shape, dtype=np.int64))
 
 
-class _IndexOnlyReader(GGUFReader):
+class _IndexOnlyReader(Reader):
     """Parses the header and tensor index but builds no data views, so it survives the files
     ``GGUFReader`` refuses with anonymous numpy errors: a data section cut short or a type id
     gguf-py does not know.  Used only to explain such failures by tensor name."""
