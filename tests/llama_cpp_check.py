@@ -169,3 +169,53 @@ def assert_tokenizer_matches_llama_cpp(tokenizer, exe, gguf_path, vocab_tests, e
                if (g := tokenizer.encode(t, parse_special=special)) != w]
         assert not bad, bad[:3]
     return len(texts)
+
+
+def assert_llama_cpp_runs_adapter(exe, path: Path, adapter_of, toks, tmp: Path, measured,
+                                  name: str) -> None:
+    """llama.cpp (its loader, its graph, its adapter loading) on ``path`` with the adapter
+    ``adapter_of(model)`` returns, written by pytrain, gives pytrain's logits on the CPU, and
+    the adapter changes them by far more than the tolerance.  Bounds: ``f32_bound`` of how far
+    the perturbed model and adapter move pytrain's logits (``perturbation.adapter_bounds``).
+    Gemma 3: llama.cpp's GELU table rounds to F16, so its logits, with and without the
+    adapter, are compared with the float64 forward computing that table (the same adapter
+    added) within that rounding's noise on these tokens."""
+    import pytrain
+    from bounds import assert_same_rounding, log_softmax
+    from perturbation import adapter_bounds
+    from pytrain.formats.adapter_gguf import write_lora_gguf
+    from scripts.llama_ref import forward, gguf_contents
+    m = pytrain.load_model(path, device="cpu", threads=2)
+    try:
+        ad = adapter_of(m)
+        adapter = write_lora_gguf(tmp / "ad.gguf", m.arch.name, ad.alpha, ad.get())
+        ours, ours_lora = m.logits(toks), m.logits(toks, lora=ad.hook)
+        t = ad.get()
+        ref_lora = {(n := k.removesuffix(".lora_a")): (t[k], t[n + ".lora_b"], ad.scale_of(n))
+                    for k in t if k.endswith(".lora_a")}
+        gemma = m.arch.name == "gemma3"
+    finally:
+        m.close()
+    if not gemma:
+        d, d_lora, effect = deltas_with_adapter(exe, path, adapter, toks, ours, ours_lora, tmp)
+        b, b_lora = adapter_bounds(path, tmp, toks, ours, ours_lora, adapter_of)
+        measured(f"{name} vs llama.cpp, max |Δ logit|", d, b)
+        measured(f"{name} with pytrain's adapter vs llama.cpp --lora, max |Δ logit|", d_lora,
+                 b_lora)
+        measured(f"{name} the adapter's effect on the logits (must exceed)", effect, 0.05)
+        assert effect > 0.05 and d <= b and d_lora <= b_lora, (effect, d, b, d_lora, b_lora)
+        return
+    W, F = gguf_contents(path)
+    V = ours.shape[-1]
+    for what, mine, lo in (("base", ours, None), ("adapter", ours_lora, ref_lora)):
+        theirs = log_softmax(run_llama(exe, path, adapter if lo else None, toks,
+                                       tmp / f"{what}.f32", V))
+        table = forward(W, F, toks, lora=lo, gelu_f16=True)
+        measured(f"{name} {what}: llama.cpp vs pytrain, max |Δ log-softmax|",
+                 np.abs(theirs - log_softmax(mine)).max(), "the F16 GELU table's noise")
+        assert_same_rounding(table, theirs, log_softmax(mine))
+        if lo is None:
+            base = theirs
+    effect = float(np.abs(theirs - base).max())
+    measured(f"{name} the adapter's effect in llama.cpp (must exceed)", effect, 0.05)
+    assert effect > 0.05

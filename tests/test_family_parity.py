@@ -295,59 +295,15 @@ def random_adapter(m, seed: int = 1):
     return ad
 
 
-def as_reference_lora(ad) -> dict:
-    """llama_ref.forward's ``lora`` argument from an adapter's tensors."""
-    t = ad.get()
-    return {n.removesuffix(".lora_a"): (t[n], t[n.removesuffix("_a") + "_b"], ad.alpha / ad.rank)
-            for n in t if n.endswith(".lora_a")}
-
-
 @pytest.mark.parametrize("name", [f"{f}-f32" for f in FAMILIES])
 def test_llama_cpp_runs_pytrains_adapter(llama_logits_exe, tmp_path, name, measured):
-    """llama.cpp (its loader, its qwen2 / qwen3 / gemma3 graph, its adapter loading) on the
-    same file and a pytrain-written adapter gives pytrain's logits, and the adapter changes
-    them by far more than the tolerance.  Gemma 3: llama.cpp's GELU table rounds to F16, so
-    its logits, with and without the adapter, are compared with the float64 forward computing
-    that table (the same adapter added) within that rounding's noise on these tokens."""
-    from bounds import assert_same_rounding
-    from llama_cpp_check import deltas_with_adapter, run_llama
-    from scripts.llama_ref import forward, gguf_contents
-    from pytrain.formats.adapter_gguf import write_lora_gguf
+    """llama.cpp's qwen2 / qwen3 / gemma3 graph with a pytrain-written random adapter gives
+    pytrain's logits (``llama_cpp_check.assert_llama_cpp_runs_adapter`` says within what)."""
+    from llama_cpp_check import assert_llama_cpp_runs_adapter
     path = FIXTURES / name.split("-")[0] / f"{name}.gguf"
-    m = pytrain.load_model(path, device="cpu", threads=2)
-    try:
-        ad = random_adapter(m)
-        adapter = write_lora_gguf(tmp_path / "ad.gguf", m.arch.name, ad.alpha, ad.get())
-        toks = np.random.default_rng(3).integers(0, 480, 100)
-        ours, ours_lora = m.logits(toks), m.logits(toks, lora=ad.hook)
-        ref_lora = as_reference_lora(ad)
-    finally:
-        m.close()
-    if not name.startswith("gemma3"):
-        from perturbation import adapter_bounds
-        d, d_lora, effect = deltas_with_adapter(llama_logits_exe, path, adapter, toks, ours,
-                                                ours_lora, tmp_path)
-        b, b_lora = adapter_bounds(path, tmp_path, toks, ours, ours_lora, random_adapter)
-        measured(f"{name} vs llama.cpp, max |Δ logit|", d, b)
-        measured(f"{name} with pytrain's adapter vs llama.cpp --lora, max |Δ logit|", d_lora,
-                 b_lora)
-        measured(f"{name} the adapter's effect on the logits (must exceed)", effect, 0.05)
-        assert effect > 0.05 and d <= b and d_lora <= b_lora, (effect, d, b, d_lora, b_lora)
-        return
-    W, F = gguf_contents(path)
-    V = ours.shape[-1]
-    for what, mine, lo in (("base", ours, None), ("adapter", ours_lora, ref_lora)):
-        theirs = log_softmax(run_llama(llama_logits_exe, path, adapter if lo else None, toks,
-                                       tmp_path / f"{what}.f32", V))
-        table = forward(W, F, toks, lora=lo, gelu_f16=True)
-        measured(f"{name} {what}: llama.cpp vs pytrain, max |Δ log-softmax|",
-                 np.abs(theirs - log_softmax(mine)).max(), "the F16 GELU table's noise")
-        assert_same_rounding(table, theirs, log_softmax(mine))
-        if lo is None:
-            base = theirs
-    effect = float(np.abs(theirs - base).max())
-    measured(f"{name} the adapter's effect in llama.cpp (must exceed)", effect, 0.05)
-    assert effect > 0.05
+    toks = np.random.default_rng(3).integers(0, 480, 100)
+    assert_llama_cpp_runs_adapter(llama_logits_exe, path, random_adapter, toks, tmp_path,
+                                  measured, name)
 
 
 @pytest.mark.parametrize("name", KEPT)

@@ -22,13 +22,14 @@ def write_data(folder: Path) -> None:
     (folder / "valid.jsonl").write_text("".join(json.dumps(rec(a, s)) + "\n" for a, s in ANIMALS))
 
 
-def write_config(folder: Path, **train) -> Path:
+def write_config(folder: Path, model: Path = FIX / "gqa-f32.gguf", device: str = "cpu",
+                 **train) -> Path:
     t = {"max_steps": 30, "batch_size": 8, "lr": 5e-3, "schedule": "constant", "eval_every": 10,
          **train}
     formats = t.pop("formats", ["gguf", "peft"])
     body = "\n".join(f"{k} = {json.dumps(v)}" for k, v in t.items())
     cfg = folder / "run.toml"
-    cfg.write_text(f'[model]\npath = "{FIX / "gqa-f32.gguf"}"\ndevice = "cpu"\nthreads = 2\n'
+    cfg.write_text(f'[model]\npath = "{model}"\ndevice = "{device}"\nthreads = 2\n'
                    f'[data]\ntrain = "train.jsonl"\nvalidation = "valid.jsonl"\n'
                    f'[lora]\nrank = 8\nalpha = 16.0\n[train]\n{body}\n'
                    f'[output]\ndir = "out"\nformats = {json.dumps(formats)}\n')

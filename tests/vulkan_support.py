@@ -11,10 +11,12 @@ where it installs lavapipe (``PYTRAIN_REQUIRE_VULKAN=1``): there a skip would hi
 install, so it fails instead.
 
 Pipelines: ggml-vulkan compiles each shader variant the first time a graph needs it, and
-lavapipe compiles it to machine code with LLVM then, which takes seconds (up to minutes for
-the largest matmul variants) on these 2-core machines.  ``GALLIVM_PERF=nopt`` (Mesa's switch:
-no LLVM optimization passes) makes that several times faster; the tiny test models run as
-fast either way.  Mesa keeps what it compiled in its on-disk shader cache, so a test process
+lavapipe compiles it to machine code with LLVM then, which takes seconds on these 2-core
+machines (patches 0013-0015 removed the variants that took minutes).  Mesa's optimisation
+passes stay on: without them (``GALLIVM_PERF=nopt``) Qwen3.5's first step from an empty
+shader cache took 82 s instead of 93 s, and every later step 2.4 times as long (1.4 s
+instead of 0.6 s at batch 2 x 46), which the 30-step runs pay many times over.  Mesa keeps
+what it compiled in its on-disk shader cache, so a test process
 after the first finds most pipelines there."""
 from __future__ import annotations
 
@@ -31,7 +33,6 @@ def prepare_environment() -> None:
     from vulkan_tools import lavapipe_installed       # native/, on sys.path (conftest)
     if "GGML_VK_VISIBLE_DEVICES" not in os.environ and lavapipe_installed():
         os.environ["GGML_VK_VISIBLE_DEVICES"] = "0"
-    os.environ.setdefault("GALLIVM_PERF", "nopt")
 
 
 def vulkan_device() -> str:
@@ -54,6 +55,14 @@ def vulkan_device() -> str:
     if desc not in _used:
         _used.append(desc)
     return desc
+
+
+def rounds_matmuls_to_f16(desc: str) -> bool:
+    """Whether the device's matmuls round their operands to F16: a GPU with F16 arithmetic,
+    not lavapipe (a CPU device gets ggml-vulkan's F32 shaders: patch 0016), and not where
+    ``GGML_VK_DISABLE_F16`` turns them off."""
+    from pytrain import ggml
+    return not ggml.is_lavapipe(desc) and "GGML_VK_DISABLE_F16" not in os.environ
 
 
 def devices_used() -> list[str]:
