@@ -71,6 +71,7 @@ from pathlib import Path
 
 from scripts import bench_common as bc
 from scripts.bench_common import REPO
+from scripts.bench_train_gpu_report import report, summary
 
 
 def _anchor() -> dict:
@@ -170,8 +171,25 @@ def _steps(one, warmup: int, steps: int, sync=lambda: None) -> dict:
                 median_s=statistics.median(timed), best_s=min(timed))
 
 
+def _device_free(device: str) -> int | None:
+    """ggml's free-memory reading of the device a run on ``device`` computes on (None on the
+    CPU), taken before the model loads: the worker's "device memory used" is this minus the
+    reading after its steps, where nvidia-smi is missing (a Vulkan GPU of another vendor,
+    lavapipe)."""
+    from pytrain import ggml
+    if device == "cpu":
+        return None
+    rt = ggml.Runtime(device)
+    try:
+        return rt.device_memory_info()[0]
+    finally:
+        rt.close()
+
+
 def pytrain_worker(a) -> dict:
+    from pytrain import ggml
     B, T = a.batch
+    free_before = _device_free(a.device)
     t0 = time.perf_counter()
     m, tr, names, batch, train = bc.pytrain_trainer(a.gguf, a.device, None, a.policy, a.seed,
                                                     (B, T))
@@ -180,7 +198,10 @@ def pytrain_worker(a) -> dict:
         return dict(profile=bc.profile_pytrain(tr, batch))
     r = _steps(lambda: tr.step([batch], bc.LR).loss, a.warmup, a.steps)
     free, total = m.runtime.device_memory_info()
+    label = m.runtime.device_label()
     return dict(r, load_s=load_s, first_loss=r["losses"][0], tokens=B * T,
+                device_label=label, lavapipe=ggml.is_lavapipe(label.partition(": ")[2]),
+                device_used_ggml=None if free_before is None else free_before - free,
                 n_targets=bc.n_targets(train), weights_bytes=int(m.weights.total_bytes),
                 **bc.step_facts(m, tr, names), device_used_end=total - free, device_total=total,
                 tokens_per_s=B * T / r["median_s"])
@@ -203,12 +224,34 @@ def hf_worker(a) -> dict:
                 tokens_per_s=hf.facts["tokens"] / r["median_s"], **mem)
 
 
+def hf_device(device: str) -> str:
+    """The HF side's torch device: beside a Vulkan run, torch on the same GPU through CUDA or
+    ROCm (torch has no Vulkan training backend; its ROCm builds answer to "cuda" too)."""
+    return "cuda" if device == "vulkan" else device
+
+
+def hf_not_run(a) -> str | None:
+    """Why the HF side cannot run beside ``a.device`` here (None: it can)."""
+    if a.device != "vulkan":
+        return None
+    cmd = [a.ref_python, "-c", "import torch; print(torch.cuda.is_available())"]
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"torch could not be asked for a GPU ({e})"
+    if r.stdout.strip() == "True":
+        return None
+    return (f"torch has no Vulkan training backend, and the HF side's torch ({a.ref_python}) "
+            f"sees no CUDA or ROCm GPU here" + ("" if r.returncode == 0 else
+                                              f" ({(r.stderr.strip().splitlines() or ['?'])[-1]})"))
+
+
 def run_worker(side: str, a, extra: list[str], profile: bool = False,
                timeout: int | None = None) -> dict:
     """One worker process; its RESULT line, its GPU memory, or the error it ended with."""
     timeout = timeout or a.timeout
     cmd = [a.python if side == "pytrain" else a.ref_python, "-m", "scripts.bench_train_gpu",
-           "--worker", side, "--device", a.device,
+           "--worker", side, "--device", a.device if side == "pytrain" else hf_device(a.device),
            "--batch", *map(str, a.batch), "--warmup", str(a.warmup), "--steps", str(a.steps),
            "--hf-attn", a.hf_attn, "--seed", str(a.seed), *extra]
     if profile:
@@ -307,19 +350,25 @@ def run(a) -> dict:
         return run_worker(side, a, extra, profile=profile, timeout=timeout)
 
     kinds: dict[str, set] = {}
+    no_hf = hf_not_run(a) if any(t == "hf" for t, _ in work) else None
     for t, pol in work:
-        if t == "hf":
+        if t == "hf" and no_hf:
+            j["hf"] = dict(not_run=no_hf)
+            print(f"[hf] not run: {no_hf}", flush=True)
+        elif t == "hf":
             r = one("hf", ["--hf", str(mod["dir"] / "hf")])
             if r is not None:
                 j["hf"] = r
-                print(f"[hf] {_summary(r)}", flush=True)
+                print(f"[hf] {summary(r)}", flush=True)
         else:
             r = one("pytrain", ["--gguf", str(mod["files"][t]), "--policy", pol])
             if r is not None and r.get("step_graph") not in kinds.setdefault(t, set()):
                 kinds[t].add(r.get("step_graph"))     # else: a policy chose a step measured
                 r["policy"] = pol
                 j["pytrain"][f"{t} {pol}"] = r
-                print(f"[pytrain {t}, recompute={pol}] {_summary(r)}", flush=True)
+                print(f"[pytrain {t}, recompute={pol}] {summary(r)}", flush=True)
+            if r is not None and r.get("device_label"):
+                j["device_label"], j["lavapipe"] = r["device_label"], r["lavapipe"]
         save()
     if a.do_profile:
         for t, pol in work:
@@ -328,7 +377,7 @@ def run(a) -> dict:
                 if r is not None:
                     j["profile"][f"{t} {pol}"] = r
                     save()
-        if any(t == "hf" for t, _ in work):
+        if any(t == "hf" for t, _ in work) and not no_hf:
             r = one("hf", ["--hf", str(mod["dir"] / "hf")], profile=True)
             if r is not None:
                 j["profile"]["hf"] = r
@@ -338,86 +387,9 @@ def run(a) -> dict:
     return j
 
 
-def _summary(r: dict) -> str:
-    if "error" in r:
-        return "FAILED " + r["error"].splitlines()[-1][:300] if r["error"].strip() else "FAILED"
-    mem = r.get("gpu_memory") or {}
-    return (f"{r['tokens_per_s']:.0f} tokens/s (median step {r['median_s']:.3f} s), first loss "
-            f"{r['first_loss']:.4f}, peak GPU memory above idle "
-            f"{_gib(mem.get('peak_above_idle_mib', 0) * 2**20) if mem else '-'}")
-
-
-def _gib(b) -> str:
-    return f"{b / 2**30:.1f} GiB" if b else "-"
-
-
-def _peak(r: dict | None) -> float | None:
-    mem = (r or {}).get("gpu_memory") or {}
-    return mem["peak_above_idle_mib"] * 2**20 if mem else None
-
-
-def report(j: dict) -> str:
-    hf = j.get("hf") or {}
-    hf_ok = "tokens_per_s" in hf
-    B, T = j["batch"]
-    lines = [f"# LoRA training on {j['device'].upper()}: pytrain vs HF transformers + PEFT "
-             f"({j['shape']} shape)", "",
-             f"Made by `{j['command']}` ({j['date']}); scripts/bench_train_gpu.py says what is "
-             "measured and how.", "",
-             f"- model: {j['desc']}; {j['n_params'] / 1e9:.2f} B parameters, random weights",
-             f"- batch {B} x {T}, the first half of each row a masked prompt; LoRA r {bc.RANK}, "
-             f"alpha {bc.ALPHA:g} on q/k/v/o of the attention layers; AdamW lr {bc.LR:g}, clip "
-             f"{bc.MAX_NORM:g}; {j['warmup']} warm-up and {j['steps']} timed steps per side",
-             f"- machine: {j['machine'].get('gpu', 'no GPU')}; {j['machine'].get('cpu', '')}; "
-             f"pytrain {j['machine'].get('commit', '?')}"]
-    if hf_ok:
-        lines.append(f"- HF side: torch {hf['torch']}, transformers {hf['transformers']}, PEFT "
-                     f"{hf['peft']}, attention {hf['attn']}, base bf16, LoRA {'/'.join(hf['lora_dtypes'])}")
-    an = j["anchor"]
-    lines += ["", f"Anchor (measured earlier on one H200, {an['stack']}): {an['tokens_per_s']:,} "
-              f"tokens/s, {an['peak_gib']} GiB peak.", "",
-              "| side | frozen weights (as loaded) | tokens/s | x HF here | x anchor | peak GPU memory "
-              "(nvidia-smi, above idle) | own allocator figure | first loss | step |",
-              "|---|---|---:|---:|---:|---:|---:|---:|---|"]
-    rows = ([("HF + PEFT", "bf16", hf)] if hf else []) + \
-        [("pytrain", k.split()[0], r) for k, r in j["pytrain"].items()]
-    for side, t, r in rows:
-        if "error" in r:
-            lines.append(f"| {side} | {t} | failed: {r['error'].strip().splitlines()[-1][:160] if r['error'].strip() else '?'} "
-                         "| | | | | | |")
-            continue
-        tps = r["tokens_per_s"]
-        x_hf = f"{tps / hf['tokens_per_s']:.2f}" if hf_ok else "-"
-        if side == "HF + PEFT":
-            own, what = r.get("max_reserved"), "bf16 (torch)"
-            step = "one graph (autograd)"
-        else:
-            own = r.get("device_used_end")
-            what = ", ".join(f"{k}: {v}" for k, v in sorted(r["weight_types"].items()))
-            step = f"recompute={r.get('policy', '?')}: {r['step_graph']}"
-        lines.append(f"| {side} | {what} | {tps:,.0f} | {x_hf} | {tps / an['tokens_per_s']:.2f} | "
-                     f"{_gib(_peak(r))} | {_gib(own)} | {r['first_loss']:.4f} | {step} |")
-    lines += ["", "Own allocator figure: HF = `torch.cuda.max_memory_reserved`; pytrain = device "
-              "memory in use after the timed steps (ggml_backend_dev_memory: total - free; ggml's "
-              "buffers and pools only grow)."]
-    for t, p in j.get("profile", {}).items():
-        if "error" in p or "profile" not in p:
-            lines += ["", f"Profile of {t}: failed: {p.get('error', '?').strip()[-300:]}"]
-            continue
-        p = p["profile"]
-        if t == "hf":
-            lines += ["", f"## Profile: HF + PEFT, one step under torch.profiler (wall {p['wall']:.3f} s; "
-                      f"{p['key']} summed {p['total_s']:.3f} s)", "",
-                      "| op | self time (s) | share | calls |", "|---|---:|---:|---:|"]
-            lines += [f"| `{k[:70]}` | {s:.4f} | {s / p['total_s']:.1%} | {n} |" for k, s, n in p["top"]]
-            continue
-        lines += bc.profile_lines(f"pytrain {t}", p)
-    return "\n".join(lines) + "\n"
-
-
 def parse(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--device", default="cuda", choices=["cuda", "vulkan", "cpu"])
     ap.add_argument("--shape", default="2b", choices=["2b", "mid"])
     ap.add_argument("--types", default=",".join(TYPES))
     ap.add_argument("--batch", type=int, nargs=2, default=list(ANCHOR["batch"]), metavar=("B", "T"))
@@ -442,7 +414,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
                     help="the workers, in order (default: hf, then every type x --recompute)")
     ap.add_argument("--deadline", type=float, default=None, metavar="EPOCH_SECONDS",
                     help="start no worker after this time, and cut each one's timeout to it")
-    ap.add_argument("--out", type=Path, default=REPO / "bench_results" / "train-cuda.md")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="the markdown report (default bench_results/train-DEVICE.md)")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--report-from", type=Path, default=None)
     ap.add_argument("--seed", type=int, default=1234)
@@ -457,6 +430,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--q4k", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--into", type=Path, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
+    a.out = a.out or REPO / "bench_results" / f"train-{a.device}.md"
     a.json = a.json or a.out.with_suffix(".json")
     a.ref_python = a.ref_python or a.python
     return a

@@ -93,6 +93,24 @@ def test_bench_train_gpu_workers_on_cpu(toy, ref_python):
     assert h["dtype"] == "bfloat16", h["dtype"]
 
 
+def test_bench_train_gpu_pytrain_worker_on_vulkan(toy):
+    """python -m scripts.bench_train --device vulkan's pytrain worker, one step on the Vulkan
+    device (Mesa's lavapipe in CI): the step ran there (a node left to the CPU stops a GPU
+    run), the report's device is ggml's, and its memory figure is ggml's own reading where
+    there is no nvidia-smi."""
+    from vulkan_support import vulkan_device
+    from pytrain import ggml
+    desc = vulkan_device()
+    p = worker(sys.executable, "bench_train_gpu", "pytrain", "--device", "vulkan", "--batch",
+               *BATCH, "--warmup", "0", "--steps", "1", "--gguf", toy["gguf"],
+               "--policy", "auto")
+    assert p["tokens"] == 32 and p["n_targets"] == 16 and len(p["times"]) == 1
+    assert 0 < p["first_loss"] < 100, p["losses"]
+    assert p["device_label"].endswith(f": {desc}") and p["backends"][0].startswith("Vulkan")
+    assert p["lavapipe"] is ggml.is_lavapipe(desc)
+    assert isinstance(p["device_used_ggml"], int) and p["device_total"] > 0
+
+
 def run_script(*argv: str, timeout: float = 600) -> str:
     r = subprocess.run([sys.executable, "-m", *argv], cwd=str(bc.REPO), capture_output=True,
                           text=True, timeout=timeout, env=bc.worker_env(1))
