@@ -20,7 +20,7 @@ def render(plan) -> list[str]:
     B, T = plan.batch
     lines = [f"model:   {plan.model} ({plan.arch})",
              f"device:  {plan.device}" + (f" ({plan.device_label})" if plan.device_label
-                                          else ""),
+                                          and plan.device != "cpu" else ""),
              f"batch:   {B} x {T} tokens (train.batch_size x data.max_seq_len, every token a "
              f"target: the largest micro-batch)", *plan.warnings, "",
              f"weights as loaded on {plan.device}:",
