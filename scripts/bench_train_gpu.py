@@ -1,7 +1,15 @@
-"""Benchmark on an NVIDIA GPU: LoRA training tokens/s and peak GPU memory of pytrain, with the
+"""Benchmark on a GPU: LoRA training tokens/s and peak GPU memory of pytrain, with the
 frozen weights as BF16 / F16 / Q8_0 / Q4_K GGUFs, against HF transformers + PEFT (bf16) on the
 same model and batch, plus a per-op profile of each side.  ``python -m scripts.bench_train
---device cuda`` runs this (and passes its arguments on).
+--device cuda`` (an NVIDIA GPU) or ``--device vulkan`` (ggml-vulkan: any vendor's GPU, or
+Mesa's lavapipe) runs this (and passes its arguments on).
+
+Vulkan: pytrain's worker runs on ``device="vulkan"`` (ggml-vulkan's first device; lavapipe, a
+CPU device, only with ``GGML_VK_VISIBLE_DEVICES=0``).  The HF side runs where the reference
+torch sees a GPU (``torch.cuda.is_available()``: CUDA, or ROCm on AMD) on that same GPU; else
+the report says it was not run and why (torch has no Vulkan training backend).  The report's
+title names the device as ggml lists it; on lavapipe it says that lavapipe runs on the CPU, so
+its speed says nothing about a GPU (and compares nothing with the anchor).
 
 Why: a GPU user compares pytrain's step with what HF + PEFT does on the same card.  The anchor,
 measured earlier on one H200 (HF transformers 5.17 + PEFT 0.21, torch 2.11, bf16, torch's
@@ -17,7 +25,11 @@ scripts/bench_common.py's spec), random weights made once by the reference stack
 and ggml's own Q4_K quantizer re-encodes every tensor the converter's Q8_0 file quantizes
 (``scripts/gguf_models.quantized_copy``: the converter writes no K-quant; this is what
 llama-quantize does with a pure type).  ``--shape mid`` is the CPU benchmark's small shape: a
-dry run of this script on a machine without a GPU (``--device cpu``).
+dry run of this script on a machine without a GPU (``--device cpu``).  ``--shape toy`` is the
+smoke tests' model (hidden 64; its rows are too short for Q4_K, so ``--types bf16,f16,q8_0``):
+the shape the lavapipe run uses, since lavapipe takes no buffer over 128 MiB and the mid
+shape's BF16 and F16 embedding (151936 x 512) is 155.6 MB (ggml aborts when the weight is
+loaded there; its Q8_0 step ran, 74 s a step on a loaded 2-core machine).
 
 The step, the same on both sides: batch 4 x 1024 random token ids over the vocabulary, the first
 half of each row a masked prompt (HF label -100, pytrain ``train_mask`` False); LoRA r 16,
@@ -37,15 +49,19 @@ Measured: each side and weight type runs in its own process; ``--warmup`` steps,
 ``--steps`` timed ones (wall time of a whole step, synchronised); tokens/s = B*T / median step.
 Peak GPU memory: ``nvidia-smi`` samples the device's used memory every 100 ms while the worker
 runs, minus what was in use before it started (the same measure for both sides: CUDA context,
-weights, activations, allocator pools, everything); beside it each side's own figure (torch:
-``max_memory_reserved``; pytrain: device memory in use after the steps, from ggml).  Profile
+weights, activations, allocator pools, everything); where the machine has no ``nvidia-smi``
+(another vendor's GPU, lavapipe), pytrain's figure is ggml's instead: the device's free memory
+before the model loads minus after the steps (lavapipe's memory is the system's, so other
+processes move it too).  Beside it each side's own figure (torch: ``max_memory_reserved``;
+pytrain: device memory in use after the steps, from ggml).  Profile
 (``--profile-types``, default bf16; ``--no-profile`` skips): one extra pytrain step computed node
 by node through a ggml scheduler eval callback (the scheduler synchronises after each node;
 ``pytrain profile``'s code, pytrain/train/profile.py), summed by op and by part of the model; one HF step under
 torch.profiler, top ops by self GPU time.
 
-Results go to ``--json`` (default ``bench_results/train-cuda.json``) and the markdown rendered
-from it (``--out``, default ``bench_results/train-cuda.md``; ``--report-from FILE`` re-renders)
+Results go to ``--json`` (default ``bench_results/train-DEVICE.json``) and the markdown rendered
+from it (``--out``, default ``bench_results/train-DEVICE.md``; ``--report-from FILE`` re-renders;
+scripts/bench_train_gpu_report.py)
 after every worker, so a run stopped at a time limit keeps what it measured.  ``--plan`` names
 the workers in order (``hf,bf16:auto,bf16:layers,q4_k:layers``: HF first, then weight type :
 recompute policy) and ``--deadline`` (epoch seconds) starts none after that time and cuts each
@@ -55,6 +71,10 @@ one's ``--timeout`` to it: scripts/gpu_check.sh fits the whole benchmark in one 
     python -m scripts.bench_train --device cuda --make-only            # only the GGUFs (CPU work)
     python -m scripts.bench_train --device cpu --shape mid --batch 1 64 --steps 1 --warmup 1 \\
         --out /tmp/gpu.md                                              # the dry run
+    python -m scripts.bench_train --device vulkan                      # a Vulkan GPU -> train-vulkan.md
+    GGML_VK_VISIBLE_DEVICES=0 python -m scripts.bench_train --device vulkan --shape toy \\
+        --types bf16,f16,q8_0 --batch 1 64 --steps 1 --warmup 1 \\
+        --out bench_results/train-vulkan-lavapipe.md                   # lavapipe: ran, no speed
 """
 from __future__ import annotations
 
@@ -259,7 +279,9 @@ def run_worker(side: str, a, extra: list[str], profile: bool = False,
     t0 = time.time()
     with bc.GpuMemory() as mem:
         try:
-            p = subprocess.run(cmd, cwd=str(REPO), capture_output=True, text=True, timeout=timeout)
+            # GGML_NO_BACKTRACE: a ggml abort's message is the error's last line (not gdb's)
+            p = subprocess.run(cmd, cwd=str(REPO), capture_output=True, text=True, timeout=timeout,
+                               env=dict(os.environ, GGML_NO_BACKTRACE="1"))
             out, err, rc = p.stdout, p.stderr, p.returncode
         except subprocess.TimeoutExpired as e:
             out, err, rc = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) \
@@ -390,7 +412,7 @@ def run(a) -> dict:
 def parse(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda", choices=["cuda", "vulkan", "cpu"])
-    ap.add_argument("--shape", default="2b", choices=["2b", "mid"])
+    ap.add_argument("--shape", default="2b", choices=["2b", "mid", "toy"])
     ap.add_argument("--types", default=",".join(TYPES))
     ap.add_argument("--batch", type=int, nargs=2, default=list(ANCHOR["batch"]), metavar=("B", "T"))
     ap.add_argument("--warmup", type=int, default=2)
@@ -424,7 +446,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--policy", default="auto", help=argparse.SUPPRESS)
     ap.add_argument("--gguf", help=argparse.SUPPRESS)
     ap.add_argument("--hf", help=argparse.SUPPRESS)
-    ap.add_argument("--make", choices=["2b", "mid"], help=argparse.SUPPRESS)
+    ap.add_argument("--make", choices=["2b", "mid", "toy"], help=argparse.SUPPRESS)
     ap.add_argument("--convert", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--type", help=argparse.SUPPRESS)
     ap.add_argument("--q4k", type=Path, help=argparse.SUPPRESS)

@@ -37,6 +37,10 @@ def peak_memory(r: dict | None) -> tuple[float | None, str | None]:
     return (used, "ggml") if used is not None else (None, None)
 
 
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.2f} M"
+
+
 def _header(j: dict, hf: dict) -> list[str]:
     B, T = j["batch"]
     label = j.get("device_label")
@@ -47,7 +51,7 @@ def _header(j: dict, hf: dict) -> list[str]:
         lines += [LAVAPIPE, ""]
     lines += [f"Made by `{j['command']}` ({j['date']}); scripts/bench_train_gpu.py says what "
               "is measured and how.", "",
-              f"- model: {j['desc']}; {j['n_params'] / 1e9:.2f} B parameters, random weights",
+              f"- model: {j['desc']}; {_count(j['n_params'])} parameters, random weights",
               f"- batch {B} x {T}, the first half of each row a masked prompt; LoRA r {bc.RANK}, "
               f"alpha {bc.ALPHA:g} on q/k/v/o of the attention layers; AdamW lr {bc.LR:g}, clip "
               f"{bc.MAX_NORM:g}; {j['warmup']} warm-up and {j['steps']} timed steps per side",
@@ -77,7 +81,7 @@ def _row(side: str, t: str, r: dict, hf: dict, anchor: dict, lavapipe: bool) -> 
         what = ", ".join(f"{k}: {v}" for k, v in sorted(r["weight_types"].items()))
         step = f"recompute={r.get('policy', '?')}: {r['step_graph']}"
     peak, src = peak_memory(r)
-    return (f"| {side} | {what} | {tps:,.0f} | {x_hf} | {x_an} | "
+    return (f"| {side} | {what} | {tps:,.{0 if tps >= 100 else 1}f} | {x_hf} | {x_an} | "
             f"{gib(peak)}{f' ({src})' if src else ''} | {gib(own)} | {r['first_loss']:.4f} | "
             f"{step} |")
 
