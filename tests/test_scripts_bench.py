@@ -81,6 +81,22 @@ def test_bench_train_report_renders_the_committed_results(tmp_path):
         assert not missing, (name, missing[:3])
 
 
+def test_bench_train_vulkan_report_renders_the_committed_result(tmp_path):
+    """python -m scripts.bench_train --device vulkan --report-from: the committed lavapipe
+    report is what the script renders from its json (title naming llvmpipe, the lavapipe
+    warning, the HF side not run and why)."""
+    repo = Path(bc.REPO)
+    out = tmp_path / "vk.md"
+    r = subprocess.run([sys.executable, "-m", "scripts.bench_train", "--device", "vulkan",
+                        "--report-from", str(repo / "bench_results" / "train-vulkan-lavapipe.json"),
+                        "--out", str(out)], cwd=str(repo), capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    text = out.read_text()
+    assert text == (repo / "bench_results" / "train-vulkan-lavapipe.md").read_text()
+    assert "llvmpipe" in text.splitlines()[0] and "runs on the CPU" in text
+    assert "HF side: not run: torch has no Vulkan training backend" in text
+
+
 def test_bench_train_gpu_workers_on_cpu(toy, ref_python):
     """python -m scripts.bench_train --device cuda's two workers (scripts/bench_train_gpu.py),
     dry-run on the CPU: pytrain's step and HF + PEFT's bfloat16 step, one each."""
