@@ -945,6 +945,14 @@ class Runtime:
         lib.ggml_backend_dev_memory(dev, free, total)
         return int(free[0]), int(total[0])
 
+    def device_label(self) -> str:
+        """The device the step runs on as ggml names it ("Vulkan0: llvmpipe (LLVM ...)",
+        "CUDA0: NVIDIA H200", "CPU: AMD EPYC ..."): which of several devices, and whether a
+        Vulkan one is a GPU or Mesa's lavapipe, for a plan, a profile or a log."""
+        dev = lib.ggml_backend_get_device(self.gpu if self.gpu is not None else self.cpu)
+        return (f"{ffi.string(lib.ggml_backend_dev_name(dev)).decode()}: "
+                f"{ffi.string(lib.ggml_backend_dev_description(dev)).decode()}")
+
     def compute_on_owner(self, graph, tensor) -> None:
         """Compute a small graph of views of ``tensor`` (already placed by the allocated graph)
         directly on the backend that owns its buffer, outside the scheduler (which keeps the

@@ -46,8 +46,9 @@ Profile (``--no-profile`` skips): one extra pytrain step in its own process comp
 node, by part of the model and op and backend: ``pytrain profile``'s code
 (pytrain/train/profile.py); and one HF step under torch.profiler (top ops by self CPU time).
 
-On a GPU: ``--device cuda`` runs scripts/bench_train_gpu.py instead (it passes every argument
-on and its docstring says what it measures) -> bench_results/train-cuda.md.
+On a GPU: ``--device cuda`` or ``--device vulkan`` runs scripts/bench_train_gpu.py instead (it
+passes every argument on and its docstring says what it measures) ->
+bench_results/train-cuda.md, train-vulkan.md.
 
 How (from the repo root, with the project's python, the native library built and the reference
 stack of scripts/requirements-reference.txt in /opt/refenv):

@@ -1,7 +1,15 @@
-"""Benchmark on an NVIDIA GPU: LoRA training tokens/s and peak GPU memory of pytrain, with the
+"""Benchmark on a GPU: LoRA training tokens/s and peak GPU memory of pytrain, with the
 frozen weights as BF16 / F16 / Q8_0 / Q4_K GGUFs, against HF transformers + PEFT (bf16) on the
 same model and batch, plus a per-op profile of each side.  ``python -m scripts.bench_train
---device cuda`` runs this (and passes its arguments on).
+--device cuda`` (an NVIDIA GPU) or ``--device vulkan`` (ggml-vulkan: any vendor's GPU, or
+Mesa's lavapipe) runs this (and passes its arguments on).
+
+Vulkan: pytrain's worker runs on ``device="vulkan"`` (ggml-vulkan's first device; lavapipe, a
+CPU device, only with ``GGML_VK_VISIBLE_DEVICES=0``).  The HF side runs where the reference
+torch sees a GPU (``torch.cuda.is_available()``: CUDA, or ROCm on AMD) on that same GPU; else
+the report says it was not run and why (torch has no Vulkan training backend).  The report's
+title names the device as ggml lists it; on lavapipe it says that lavapipe runs on the CPU, so
+its speed says nothing about a GPU (and compares nothing with the anchor).
 
 Why: a GPU user compares pytrain's step with what HF + PEFT does on the same card.  The anchor,
 measured earlier on one H200 (HF transformers 5.17 + PEFT 0.21, torch 2.11, bf16, torch's
@@ -17,7 +25,11 @@ scripts/bench_common.py's spec), random weights made once by the reference stack
 and ggml's own Q4_K quantizer re-encodes every tensor the converter's Q8_0 file quantizes
 (``scripts/gguf_models.quantized_copy``: the converter writes no K-quant; this is what
 llama-quantize does with a pure type).  ``--shape mid`` is the CPU benchmark's small shape: a
-dry run of this script on a machine without a GPU (``--device cpu``).
+dry run of this script on a machine without a GPU (``--device cpu``).  ``--shape toy`` is the
+smoke tests' model (hidden 64; its rows are too short for Q4_K, so ``--types bf16,f16,q8_0``):
+the shape the lavapipe run uses, since lavapipe takes no buffer over 128 MiB and the mid
+shape's BF16 and F16 embedding (151936 x 512) is 155.6 MB (ggml aborts when the scheduler
+places the step's graph; its Q8_0 step ran, 74 s a step on a loaded 2-core machine).
 
 The step, the same on both sides: batch 4 x 1024 random token ids over the vocabulary, the first
 half of each row a masked prompt (HF label -100, pytrain ``train_mask`` False); LoRA r 16,
@@ -37,15 +49,19 @@ Measured: each side and weight type runs in its own process; ``--warmup`` steps,
 ``--steps`` timed ones (wall time of a whole step, synchronised); tokens/s = B*T / median step.
 Peak GPU memory: ``nvidia-smi`` samples the device's used memory every 100 ms while the worker
 runs, minus what was in use before it started (the same measure for both sides: CUDA context,
-weights, activations, allocator pools, everything); beside it each side's own figure (torch:
-``max_memory_reserved``; pytrain: device memory in use after the steps, from ggml).  Profile
+weights, activations, allocator pools, everything); where the machine has no ``nvidia-smi``
+(another vendor's GPU, lavapipe), pytrain's figure is ggml's instead: the device's free memory
+before the model loads minus after the steps (lavapipe's memory is the system's, so other
+processes move it too).  Beside it each side's own figure (torch: ``max_memory_reserved``;
+pytrain: device memory in use after the steps, from ggml).  Profile
 (``--profile-types``, default bf16; ``--no-profile`` skips): one extra pytrain step computed node
 by node through a ggml scheduler eval callback (the scheduler synchronises after each node;
 ``pytrain profile``'s code, pytrain/train/profile.py), summed by op and by part of the model; one HF step under
 torch.profiler, top ops by self GPU time.
 
-Results go to ``--json`` (default ``bench_results/train-cuda.json``) and the markdown rendered
-from it (``--out``, default ``bench_results/train-cuda.md``; ``--report-from FILE`` re-renders)
+Results go to ``--json`` (default ``bench_results/train-DEVICE.json``) and the markdown rendered
+from it (``--out``, default ``bench_results/train-DEVICE.md``; ``--report-from FILE`` re-renders;
+scripts/bench_train_gpu_report.py)
 after every worker, so a run stopped at a time limit keeps what it measured.  ``--plan`` names
 the workers in order (``hf,bf16:auto,bf16:layers,q4_k:layers``: HF first, then weight type :
 recompute policy) and ``--deadline`` (epoch seconds) starts none after that time and cuts each
@@ -55,6 +71,10 @@ one's ``--timeout`` to it: scripts/gpu_check.sh fits the whole benchmark in one 
     python -m scripts.bench_train --device cuda --make-only            # only the GGUFs (CPU work)
     python -m scripts.bench_train --device cpu --shape mid --batch 1 64 --steps 1 --warmup 1 \\
         --out /tmp/gpu.md                                              # the dry run
+    python -m scripts.bench_train --device vulkan                      # a Vulkan GPU -> train-vulkan.md
+    GGML_VK_VISIBLE_DEVICES=0 python -m scripts.bench_train --device vulkan --shape toy \\
+        --types bf16,f16,q8_0 --batch 1 64 --steps 1 --warmup 1 \\
+        --out bench_results/train-vulkan-lavapipe.md                   # lavapipe: ran, no speed
 """
 from __future__ import annotations
 
@@ -71,6 +91,7 @@ from pathlib import Path
 
 from scripts import bench_common as bc
 from scripts.bench_common import REPO
+from scripts.bench_train_gpu_report import report, summary
 
 
 def _anchor() -> dict:
@@ -170,8 +191,25 @@ def _steps(one, warmup: int, steps: int, sync=lambda: None) -> dict:
                 median_s=statistics.median(timed), best_s=min(timed))
 
 
+def _device_free(device: str) -> int | None:
+    """ggml's free-memory reading of the device a run on ``device`` computes on (None on the
+    CPU), taken before the model loads: the worker's "device memory used" is this minus the
+    reading after its steps, where nvidia-smi is missing (a Vulkan GPU of another vendor,
+    lavapipe)."""
+    from pytrain import ggml
+    if device == "cpu":
+        return None
+    rt = ggml.Runtime(device)
+    try:
+        return rt.device_memory_info()[0]
+    finally:
+        rt.close()
+
+
 def pytrain_worker(a) -> dict:
+    from pytrain import ggml
     B, T = a.batch
+    free_before = _device_free(a.device)
     t0 = time.perf_counter()
     m, tr, names, batch, train = bc.pytrain_trainer(a.gguf, a.device, None, a.policy, a.seed,
                                                     (B, T))
@@ -180,7 +218,10 @@ def pytrain_worker(a) -> dict:
         return dict(profile=bc.profile_pytrain(tr, batch))
     r = _steps(lambda: tr.step([batch], bc.LR).loss, a.warmup, a.steps)
     free, total = m.runtime.device_memory_info()
+    label = m.runtime.device_label()
     return dict(r, load_s=load_s, first_loss=r["losses"][0], tokens=B * T,
+                device_label=label, lavapipe=ggml.is_lavapipe(label.partition(": ")[2]),
+                device_used_ggml=None if free_before is None else free_before - free,
                 n_targets=bc.n_targets(train), weights_bytes=int(m.weights.total_bytes),
                 **bc.step_facts(m, tr, names), device_used_end=total - free, device_total=total,
                 tokens_per_s=B * T / r["median_s"])
@@ -203,12 +244,34 @@ def hf_worker(a) -> dict:
                 tokens_per_s=hf.facts["tokens"] / r["median_s"], **mem)
 
 
+def hf_device(device: str) -> str:
+    """The HF side's torch device: beside a Vulkan run, torch on the same GPU through CUDA or
+    ROCm (torch has no Vulkan training backend; its ROCm builds answer to "cuda" too)."""
+    return "cuda" if device == "vulkan" else device
+
+
+def hf_not_run(a) -> str | None:
+    """Why the HF side cannot run beside ``a.device`` here (None: it can)."""
+    if a.device != "vulkan":
+        return None
+    cmd = [a.ref_python, "-c", "import torch; print(torch.cuda.is_available())"]
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"torch could not be asked for a GPU ({e})"
+    if r.stdout.strip() == "True":
+        return None
+    return (f"torch has no Vulkan training backend, and the HF side's torch ({a.ref_python}) "
+            f"sees no CUDA or ROCm GPU here" + ("" if r.returncode == 0 else
+                                              f" ({(r.stderr.strip().splitlines() or ['?'])[-1]})"))
+
+
 def run_worker(side: str, a, extra: list[str], profile: bool = False,
                timeout: int | None = None) -> dict:
     """One worker process; its RESULT line, its GPU memory, or the error it ended with."""
     timeout = timeout or a.timeout
     cmd = [a.python if side == "pytrain" else a.ref_python, "-m", "scripts.bench_train_gpu",
-           "--worker", side, "--device", a.device,
+           "--worker", side, "--device", a.device if side == "pytrain" else hf_device(a.device),
            "--batch", *map(str, a.batch), "--warmup", str(a.warmup), "--steps", str(a.steps),
            "--hf-attn", a.hf_attn, "--seed", str(a.seed), *extra]
     if profile:
@@ -216,7 +279,9 @@ def run_worker(side: str, a, extra: list[str], profile: bool = False,
     t0 = time.time()
     with bc.GpuMemory() as mem:
         try:
-            p = subprocess.run(cmd, cwd=str(REPO), capture_output=True, text=True, timeout=timeout)
+            # GGML_NO_BACKTRACE: a ggml abort's message is the error's last line (not gdb's)
+            p = subprocess.run(cmd, cwd=str(REPO), capture_output=True, text=True, timeout=timeout,
+                               env=dict(os.environ, GGML_NO_BACKTRACE="1"))
             out, err, rc = p.stdout, p.stderr, p.returncode
         except subprocess.TimeoutExpired as e:
             out, err, rc = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) \
@@ -307,19 +372,25 @@ def run(a) -> dict:
         return run_worker(side, a, extra, profile=profile, timeout=timeout)
 
     kinds: dict[str, set] = {}
+    no_hf = hf_not_run(a) if any(t == "hf" for t, _ in work) else None
     for t, pol in work:
-        if t == "hf":
+        if t == "hf" and no_hf:
+            j["hf"] = dict(not_run=no_hf)
+            print(f"[hf] not run: {no_hf}", flush=True)
+        elif t == "hf":
             r = one("hf", ["--hf", str(mod["dir"] / "hf")])
             if r is not None:
                 j["hf"] = r
-                print(f"[hf] {_summary(r)}", flush=True)
+                print(f"[hf] {summary(r)}", flush=True)
         else:
             r = one("pytrain", ["--gguf", str(mod["files"][t]), "--policy", pol])
             if r is not None and r.get("step_graph") not in kinds.setdefault(t, set()):
                 kinds[t].add(r.get("step_graph"))     # else: a policy chose a step measured
                 r["policy"] = pol
                 j["pytrain"][f"{t} {pol}"] = r
-                print(f"[pytrain {t}, recompute={pol}] {_summary(r)}", flush=True)
+                print(f"[pytrain {t}, recompute={pol}] {summary(r)}", flush=True)
+            if r is not None and r.get("device_label"):
+                j["device_label"], j["lavapipe"] = r["device_label"], r["lavapipe"]
         save()
     if a.do_profile:
         for t, pol in work:
@@ -328,7 +399,7 @@ def run(a) -> dict:
                 if r is not None:
                     j["profile"][f"{t} {pol}"] = r
                     save()
-        if any(t == "hf" for t, _ in work):
+        if any(t == "hf" for t, _ in work) and not no_hf:
             r = one("hf", ["--hf", str(mod["dir"] / "hf")], profile=True)
             if r is not None:
                 j["profile"]["hf"] = r
@@ -338,87 +409,10 @@ def run(a) -> dict:
     return j
 
 
-def _summary(r: dict) -> str:
-    if "error" in r:
-        return "FAILED " + r["error"].splitlines()[-1][:300] if r["error"].strip() else "FAILED"
-    mem = r.get("gpu_memory") or {}
-    return (f"{r['tokens_per_s']:.0f} tokens/s (median step {r['median_s']:.3f} s), first loss "
-            f"{r['first_loss']:.4f}, peak GPU memory above idle "
-            f"{_gib(mem.get('peak_above_idle_mib', 0) * 2**20) if mem else '-'}")
-
-
-def _gib(b) -> str:
-    return f"{b / 2**30:.1f} GiB" if b else "-"
-
-
-def _peak(r: dict | None) -> float | None:
-    mem = (r or {}).get("gpu_memory") or {}
-    return mem["peak_above_idle_mib"] * 2**20 if mem else None
-
-
-def report(j: dict) -> str:
-    hf = j.get("hf") or {}
-    hf_ok = "tokens_per_s" in hf
-    B, T = j["batch"]
-    lines = [f"# LoRA training on {j['device'].upper()}: pytrain vs HF transformers + PEFT "
-             f"({j['shape']} shape)", "",
-             f"Made by `{j['command']}` ({j['date']}); scripts/bench_train_gpu.py says what is "
-             "measured and how.", "",
-             f"- model: {j['desc']}; {j['n_params'] / 1e9:.2f} B parameters, random weights",
-             f"- batch {B} x {T}, the first half of each row a masked prompt; LoRA r {bc.RANK}, "
-             f"alpha {bc.ALPHA:g} on q/k/v/o of the attention layers; AdamW lr {bc.LR:g}, clip "
-             f"{bc.MAX_NORM:g}; {j['warmup']} warm-up and {j['steps']} timed steps per side",
-             f"- machine: {j['machine'].get('gpu', 'no GPU')}; {j['machine'].get('cpu', '')}; "
-             f"pytrain {j['machine'].get('commit', '?')}"]
-    if hf_ok:
-        lines.append(f"- HF side: torch {hf['torch']}, transformers {hf['transformers']}, PEFT "
-                     f"{hf['peft']}, attention {hf['attn']}, base bf16, LoRA {'/'.join(hf['lora_dtypes'])}")
-    an = j["anchor"]
-    lines += ["", f"Anchor (measured earlier on one H200, {an['stack']}): {an['tokens_per_s']:,} "
-              f"tokens/s, {an['peak_gib']} GiB peak.", "",
-              "| side | frozen weights (as loaded) | tokens/s | x HF here | x anchor | peak GPU memory "
-              "(nvidia-smi, above idle) | own allocator figure | first loss | step |",
-              "|---|---|---:|---:|---:|---:|---:|---:|---|"]
-    rows = ([("HF + PEFT", "bf16", hf)] if hf else []) + \
-        [("pytrain", k.split()[0], r) for k, r in j["pytrain"].items()]
-    for side, t, r in rows:
-        if "error" in r:
-            lines.append(f"| {side} | {t} | failed: {r['error'].strip().splitlines()[-1][:160] if r['error'].strip() else '?'} "
-                         "| | | | | | |")
-            continue
-        tps = r["tokens_per_s"]
-        x_hf = f"{tps / hf['tokens_per_s']:.2f}" if hf_ok else "-"
-        if side == "HF + PEFT":
-            own, what = r.get("max_reserved"), "bf16 (torch)"
-            step = "one graph (autograd)"
-        else:
-            own = r.get("device_used_end")
-            what = ", ".join(f"{k}: {v}" for k, v in sorted(r["weight_types"].items()))
-            step = f"recompute={r.get('policy', '?')}: {r['step_graph']}"
-        lines.append(f"| {side} | {what} | {tps:,.0f} | {x_hf} | {tps / an['tokens_per_s']:.2f} | "
-                     f"{_gib(_peak(r))} | {_gib(own)} | {r['first_loss']:.4f} | {step} |")
-    lines += ["", "Own allocator figure: HF = `torch.cuda.max_memory_reserved`; pytrain = device "
-              "memory in use after the timed steps (ggml_backend_dev_memory: total - free; ggml's "
-              "buffers and pools only grow)."]
-    for t, p in j.get("profile", {}).items():
-        if "error" in p or "profile" not in p:
-            lines += ["", f"Profile of {t}: failed: {p.get('error', '?').strip()[-300:]}"]
-            continue
-        p = p["profile"]
-        if t == "hf":
-            lines += ["", f"## Profile: HF + PEFT, one step under torch.profiler (wall {p['wall']:.3f} s; "
-                      f"{p['key']} summed {p['total_s']:.3f} s)", "",
-                      "| op | self time (s) | share | calls |", "|---|---:|---:|---:|"]
-            lines += [f"| `{k[:70]}` | {s:.4f} | {s / p['total_s']:.1%} | {n} |" for k, s, n in p["top"]]
-            continue
-        lines += bc.profile_lines(f"pytrain {t}", p)
-    return "\n".join(lines) + "\n"
-
-
 def parse(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    ap.add_argument("--shape", default="2b", choices=["2b", "mid"])
+    ap.add_argument("--device", default="cuda", choices=["cuda", "vulkan", "cpu"])
+    ap.add_argument("--shape", default="2b", choices=["2b", "mid", "toy"])
     ap.add_argument("--types", default=",".join(TYPES))
     ap.add_argument("--batch", type=int, nargs=2, default=list(ANCHOR["batch"]), metavar=("B", "T"))
     ap.add_argument("--warmup", type=int, default=2)
@@ -442,7 +436,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
                     help="the workers, in order (default: hf, then every type x --recompute)")
     ap.add_argument("--deadline", type=float, default=None, metavar="EPOCH_SECONDS",
                     help="start no worker after this time, and cut each one's timeout to it")
-    ap.add_argument("--out", type=Path, default=REPO / "bench_results" / "train-cuda.md")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="the markdown report (default bench_results/train-DEVICE.md)")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--report-from", type=Path, default=None)
     ap.add_argument("--seed", type=int, default=1234)
@@ -451,12 +446,13 @@ def parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--policy", default="auto", help=argparse.SUPPRESS)
     ap.add_argument("--gguf", help=argparse.SUPPRESS)
     ap.add_argument("--hf", help=argparse.SUPPRESS)
-    ap.add_argument("--make", choices=["2b", "mid"], help=argparse.SUPPRESS)
+    ap.add_argument("--make", choices=["2b", "mid", "toy"], help=argparse.SUPPRESS)
     ap.add_argument("--convert", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--type", help=argparse.SUPPRESS)
     ap.add_argument("--q4k", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--into", type=Path, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
+    a.out = a.out or REPO / "bench_results" / f"train-{a.device}.md"
     a.json = a.json or a.out.with_suffix(".json")
     a.ref_python = a.ref_python or a.python
     return a

@@ -8,6 +8,7 @@ from gguf import GGUFReader
 
 from pytrain.cli import main
 from pytrain.cli.plan import NOT_FIT
+from pytrain.train.run_plan import size
 from scripts.gguf_models import write_qwen35
 from tests.test_train_cli import MODEL, write_config, write_data
 
@@ -108,6 +109,41 @@ def test_a_gpu_this_machine_lacks_is_planned_for_a_given_memory(capsys, tmp_path
     d = plan_json(capsys, cfg, "--device", "cuda", "--set", model, "--set", "train.memory_gib=1")
     assert d["device"] == "cuda" and d["free_bytes"] is None and d["budget_bytes"] == 2**30
     assert ("BF16", "BF16") in {(g["file_type"], g["loaded_type"]) for g in d["weights"]}
+
+
+def test_vulkan_plans_with_the_vulkan_devices_memory(capsys, cfg, monkeypatch):
+    """--device vulkan: the plan names the Vulkan device (a GPU, or Mesa's lavapipe in CI)
+    and plans with the free and total memory ggml reports for it; its budget is the free
+    memory, as on any GPU (lavapipe's is the system's: ggml-vulkan reads the driver's heap
+    budget).  The free memory moves with other processes, so each read is recorded."""
+    from pytrain import ggml
+    from vulkan_support import vulkan_device
+    desc = vulkan_device()
+    reads = []
+    real = ggml.Runtime.device_memory_info
+
+    def record(self):
+        reads.append((self.device_label(), real(self)))
+        return reads[-1][1]
+    monkeypatch.setattr(ggml.Runtime, "device_memory_info", record)
+    d = plan_json(capsys, cfg, "--device", "vulkan")
+    vk = next(x for x in ggml.devices() if x.name.startswith("Vulkan"))
+    label = f"{vk.name}: {desc}"
+    assert d["device"] == "vulkan" and d["device_label"] == label
+    assert [lb for lb, _ in reads] == [label, label]      # the plan's read, then the budget's
+    assert (d["free_bytes"], d["total_bytes"]) == reads[0][1]
+    assert d["total_bytes"] == vk.memory_total > 0
+    assert d["budget_bytes"] == d["available_bytes"] == reads[1][1][0]
+    assert d["budget_source"] == "the device's free memory"
+    assert any("lavapipe" in n for n in d["notes"]) is ggml.is_lavapipe(desc)
+    reads.clear()
+    rc, out = plan(capsys, cfg, "--device", "vulkan")
+    free, total = reads[0][1]
+    assert rc == 0 and f"device:  vulkan ({label})" in out.splitlines()
+    assert f"device memory: {size(free)} free of {size(total)}; " in out
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    assert "vulkan" in capsys.readouterr().out
 
 
 def test_a_tiny_memory_limit_does_not_fit(capsys, cfg):

@@ -67,3 +67,32 @@ def test_text_output(capsys, cfg):
 def test_bad_steps(capsys, cfg):
     rc, out = profile(capsys, cfg, "--steps", "0")
     assert rc == 1 and "--steps" in out
+
+
+def test_a_vulkan_step_runs_on_the_vulkan_device(capsys, cfg):
+    """model.device = "vulkan" (Mesa's lavapipe in CI): the profiled step's nodes ran on the
+    Vulkan backend, none on the CPU, and the text output's backend tables say so (with one
+    backend in use they were left out, which hid where a GPU step ran)."""
+    from dataclasses import fields
+
+    from vulkan_support import vulkan_device
+
+    from pytrain.cli.profile import render
+    from pytrain.train.profile import StepProfile
+    desc = vulkan_device()
+    rc, out = profile(capsys, cfg, "--json", "--set", 'model.device="vulkan"')
+    assert rc == 0
+    d = json.loads(out)
+    assert d["device"] == "vulkan" and f": {desc})" in d["runtime"], d["runtime"]
+    vk = d["backends"][0]
+    assert vk.startswith("Vulkan") and d["backends"][1:] == ["CPU"], d["backends"]
+    assert set(d["by_backend"]) == {vk}, d["by_backend"]
+    assert all(k.endswith(f" [{vk}]") for k in d["count_op_backend"]), d["count_op_backend"]
+    assert {"MUL_MAT", "OUT_PROD", "CROSS_ENTROPY_LOSS", "CROSS_ENTROPY_LOSS_BACK"} <= set(
+        d["by_op"])
+    assert d["by_backend"][vk] == pytest.approx(d["total"], rel=1e-9) and d["total"] > 0
+    lines = render(StepProfile(**{f.name: d[f.name] for f in fields(StepProfile)}), d)
+    at = next((i for i, ln in enumerate(lines) if ln.split()[:1] == ["backend"]), None)
+    assert at is not None, "no backend table in the text output"
+    assert lines[at + 1].split()[0] == vk and lines[at + 1].endswith("100.0%"), lines[at:at + 3]
+    assert any(ln.startswith("op [backend]") for ln in lines)

@@ -81,6 +81,22 @@ def test_bench_train_report_renders_the_committed_results(tmp_path):
         assert not missing, (name, missing[:3])
 
 
+def test_bench_train_vulkan_report_renders_the_committed_result(tmp_path):
+    """python -m scripts.bench_train --device vulkan --report-from: the committed lavapipe
+    report is what the script renders from its json (title naming llvmpipe, the lavapipe
+    warning, the HF side not run and why)."""
+    repo = Path(bc.REPO)
+    out = tmp_path / "vk.md"
+    r = subprocess.run([sys.executable, "-m", "scripts.bench_train", "--device", "vulkan",
+                        "--report-from", str(repo / "bench_results" / "train-vulkan-lavapipe.json"),
+                        "--out", str(out)], cwd=str(repo), capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    text = out.read_text()
+    assert text == (repo / "bench_results" / "train-vulkan-lavapipe.md").read_text()
+    assert "llvmpipe" in text.splitlines()[0] and "runs on the CPU" in text
+    assert "HF side: not run: torch has no Vulkan training backend" in text
+
+
 def test_bench_train_gpu_workers_on_cpu(toy, ref_python):
     """python -m scripts.bench_train --device cuda's two workers (scripts/bench_train_gpu.py),
     dry-run on the CPU: pytrain's step and HF + PEFT's bfloat16 step, one each."""
@@ -91,6 +107,24 @@ def test_bench_train_gpu_workers_on_cpu(toy, ref_python):
     assert p["tokens"] == h["tokens"] == 32 and p["n_targets"] == h["n_targets"] == 16
     assert p["lora_params"] == h["lora_params"]
     assert h["dtype"] == "bfloat16", h["dtype"]
+
+
+def test_bench_train_gpu_pytrain_worker_on_vulkan(toy):
+    """python -m scripts.bench_train --device vulkan's pytrain worker, one step on the Vulkan
+    device (Mesa's lavapipe in CI): the step ran there (a node left to the CPU stops a GPU
+    run), the report's device is ggml's, and its memory figure is ggml's own reading where
+    there is no nvidia-smi."""
+    from vulkan_support import vulkan_device
+    from pytrain import ggml
+    desc = vulkan_device()
+    p = worker(sys.executable, "bench_train_gpu", "pytrain", "--device", "vulkan", "--batch",
+               *BATCH, "--warmup", "0", "--steps", "1", "--gguf", toy["gguf"],
+               "--policy", "auto")
+    assert p["tokens"] == 32 and p["n_targets"] == 16 and len(p["times"]) == 1
+    assert 0 < p["first_loss"] < 100, p["losses"]
+    assert p["device_label"].endswith(f": {desc}") and p["backends"][0].startswith("Vulkan")
+    assert p["lavapipe"] is ggml.is_lavapipe(desc)
+    assert isinstance(p["device_used_ggml"], int) and p["device_total"] > 0
 
 
 def run_script(*argv: str, timeout: float = 600) -> str:

@@ -10,7 +10,7 @@ NOT_FIT = 3     # exit status of a run that does not fit (1 is an error)
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", help="plan for this device instead of model.device (cpu, cuda, "
-                   "auto, rpc:HOST:PORT)")
+                   "vulkan, auto, rpc:HOST:PORT)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
@@ -19,7 +19,8 @@ def render(plan) -> list[str]:
     from pytrain.train.run_plan import size      # loaded when the command runs
     B, T = plan.batch
     lines = [f"model:   {plan.model} ({plan.arch})",
-             f"device:  {plan.device}",
+             f"device:  {plan.device}" + (f" ({plan.device_label})" if plan.device_label
+                                          and plan.device != "cpu" else ""),
              f"batch:   {B} x {T} tokens (train.batch_size x data.max_seq_len, every token a "
              f"target: the largest micro-batch)", *plan.warnings, "",
              f"weights as loaded on {plan.device}:",

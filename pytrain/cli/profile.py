@@ -46,7 +46,7 @@ def render(prof, facts: dict, top: int = 15) -> list[str]:
     for k, v in prof.count_op_backend.items():
         counts[k.rsplit(" [", 1)[0]] += v
     lines += _table("op", prof.by_op, prof.total, counts, top) + [""]
-    if len(prof.by_backend) > 1:
+    if len(prof.by_backend) > 1 or len(prof.backends) > 1:    # (a GPU run: which ran where)
         lines += _table("backend", prof.by_backend, prof.total) + [""]
         lines += _table("op [backend]", prof.by_op_backend, prof.total,
                         prof.count_op_backend, top) + [""]

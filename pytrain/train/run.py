@@ -176,10 +176,12 @@ MICRO_BATCHES = "micro-batches per step (train.grad_accum x ranks)"
 
 
 def runtime_summary(model: Model) -> str:
-    """One line saying what the run computes on, for the log and for bug reports: the device,
-    the ggml-cpu variant (which instruction sets its kernels use), threads, BLAS."""
+    """One line saying what the run computes on, for the log and for bug reports: the device
+    (a GPU's name, or Mesa's lavapipe, as ggml lists it), the ggml-cpu variant (which
+    instruction sets its kernels use), threads, BLAS."""
     rt, v = model.runtime, ggml.CPU_VARIANT
-    return (f"device {rt.device}: ggml-cpu variant {v.name} ({v.chosen_by}), {rt.threads} "
+    named = f" ({rt.device_label()})" if rt.gpu is not None else ""
+    return (f"device {rt.device}{named}: ggml-cpu variant {v.name} ({v.chosen_by}), {rt.threads} "
             f"threads{', BLAS backend' if rt.blas is not None else ''}")
 
 

@@ -53,14 +53,17 @@ class RunPlan:
     notes: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)   # lines starting "warning: "
     types: dict = field(default_factory=dict)   # type_policy's choice: TypeChoice.to_dict()
+    device_label: str | None = None   # ggml's name and description of the device (None: the
+                                      # device is not on this machine)
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
 def _device_memory(device: str, threads: int | None, budget_set: bool
-                   ) -> tuple[str, int | None, int | None, int | None]:
-    """(device kind, free, total, available) of the device a run on ``device`` computes on.
+                   ) -> tuple[str, int | None, int | None, int | None, str | None]:
+    """(device kind, free, total, available, ggml's label of the device) of the device a run
+    on ``device`` computes on.
     A GPU this machine does not have is planned for (its weight types) when the budget is
     given (train.memory_gib): its memory is then None."""
     try:
@@ -71,10 +74,10 @@ def _device_memory(device: str, threads: int | None, budget_set: bool
         if not budget_set:
             raise ggml.DeviceError(f"{e}; to plan for such a device from this machine, give "
                                    f"its memory: --set train.memory_gib=GIB") from e
-        return device.split(":")[0], None, None, None
+        return device.split(":")[0], None, None, None, None
     try:
         free, total = rt.device_memory_info()
-        return rt.device, free, total, available_bytes(rt)
+        return rt.device, free, total, available_bytes(rt), rt.device_label()
     finally:
         rt.close()
 
@@ -146,8 +149,8 @@ def plan_run(cfg) -> RunPlan:
     """The memory ``cfg``'s run needs on its device (model.device), from the model file's
     index and keys and the graphs the trainer would build, measured by the scheduler without
     allocating; nothing is loaded and no step is run."""
-    device, free, total, available = _device_memory(cfg.model.device, cfg.model.threads,
-                                                    bool(cfg.train.memory_gib))
+    device, free, total, available, label = _device_memory(
+        cfg.model.device, cfg.model.threads, bool(cfg.train.memory_gib))
     t = cfg.train
     if t.memory_gib:
         budget, source = int(t.memory_gib * 2**30), "train.memory_gib"
@@ -181,10 +184,13 @@ def plan_run(cfg) -> RunPlan:
     need = weights + adapter + state + step
     notes = ["plus a few small graphs (optimizer, labels) and, on a GPU, the CUDA context and "
              "the pool's slack"]
+    if label and ggml.is_lavapipe(label.partition(": ")[2]):
+        notes.append("lavapipe (Mesa's Vulkan driver) runs on the CPU: its memory is the "
+                     "system's")
     return RunPlan(str(cfg.model.path), model.arch.name, device, (B, T),
                    _weight_groups(files, model), weights, not_loaded, len(names),
                    lora_param_count(model.config, names, cfg.lora.rank), adapter, state, one, lw,
                    t.recompute, layers, why, free, total, available, budget, source, need,
                    need <= budget, notes,
                    [w for w in [context_warning(model.config, cfg.data.max_seq_len)] if w],
-                   chosen[-1].to_dict())
+                   chosen[-1].to_dict(), label)
