@@ -22,9 +22,11 @@ $(VENV)/.deps: pyproject.toml
 	$(PY) -m pip install -q --upgrade pip setuptools wheel cffi
 	touch $@
 
+# pip's install runs native/build.py again (setup.py; a no-op on the same options): it gets
+# the same options, or it would record a build without the CUDA or Vulkan backend just built
 build: $(VENV)/.deps vulkan-tools
 	PYTRAIN_CUDA=$(CUDA) PYTRAIN_VULKAN=$(VULKAN) $(PY) native/build.py
-	$(PY) -m pip install -q --no-build-isolation -e '.[test,mpi]'
+	PYTRAIN_CUDA=$(CUDA) PYTRAIN_VULKAN=$(VULKAN) $(PY) -m pip install -q --no-build-isolation -e '.[test,mpi]'
 
 # ggml-vulkan's shader compiler, loader and headers and Mesa's lavapipe (a Vulkan driver on the
 # CPU, for the tests), each pinned, for VULKAN=1 or auto: installed with apt where this is root

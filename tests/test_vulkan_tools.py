@@ -93,3 +93,13 @@ def test_tests_must_run_where_make_test_installs_lavapipe(monkeypatch):
     assert not vulkan_tools.required("0")
     monkeypatch.setattr(vulkan_tools, "can_install", lambda: False)
     assert not vulkan_tools.required("auto") and vulkan_tools.required("1")
+
+
+def test_the_build_record_names_the_backends_built():
+    """`pytrain doctor` and the wheel's metadata read build_info.json: it must say Vulkan
+    where libggml-vulkan.so was built (``make build VULKAN=1`` recorded a CPU-only build:
+    pip's install step ran native/build.py again without PYTRAIN_VULKAN)."""
+    from pytrain import ggml
+    info = ggml.build_info()
+    assert bool(info.get("vulkan")) == ggml.vulkan_built(), info.get("options")
+    assert ("-DGGML_VULKAN=ON" in info.get("options", [])) == ggml.vulkan_built()

@@ -223,6 +223,7 @@ def load_weights(path: str | os.PathLike[str], runtime, shapes: Mapping[str, tup
         t = lib.ggml_new_tensor(ctx.ptr, lt, len(want_ne), ffi.new("int64_t[]", want_ne))
         ggml.set_name(t, info.name)
         tensors[info.name] = t
+    _refuse_oversized(p, runtime, tensors)
     buf = runtime.alloc(ctx)
     lib.ggml_backend_buffer_set_usage(buf, lib.GGML_BACKEND_BUFFER_USAGE_WEIGHTS)
     weights = Weights(str(p), runtime, ctx, buf, tensors, {},
@@ -238,6 +239,26 @@ def load_weights(path: str | os.PathLike[str], runtime, shapes: Mapping[str, tup
         weights.close()
         raise
     return weights
+
+
+def _refuse_oversized(path: Path, runtime, tensors: Mapping[str, object]) -> None:
+    """A weight larger than the device takes in one tensor (ggml-vulkan: its buffer size or
+    storage-buffer range; 128 MiB on lavapipe) is refused here, by name: the scheduler would
+    abort the process when a graph reads it (the node cannot run on the device, and the
+    weight cannot move to the CPU)."""
+    gpu = getattr(runtime, "gpu", None)
+    if gpu is None:
+        return
+    big = [(n, int(lib.ggml_nbytes(t))) for n, t in tensors.items()
+           if not lib.ggml_backend_supports_op(gpu, t)]
+    if big:
+        n, size = max(big, key=lambda x: x[1])
+        label = runtime.device_label() if hasattr(runtime, "device_label") else runtime.device
+        raise WeightsError(
+            f"{path}: tensor {n!r} ({_mib(size)} as loaded) is larger than {label} takes in "
+            f"one tensor ({len(big)} such weight{'s' if len(big) > 1 else ''}); load the "
+            f"model in a smaller type (a Q8_0 or Q4_K GGUF) or train on a device with larger "
+            f"buffers")
 
 
 def _bf16_overflows_f16(raw: np.ndarray) -> bool:
