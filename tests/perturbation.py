@@ -28,7 +28,8 @@ def perturbed_model(path: Path, tmp: Path) -> Path:
     return perturbed_copy(path, tmp / f"perturbed-{Path(path).name}")
 
 
-def adapter_bounds(path: Path, tmp: Path, toks, ours_base, ours_lora, adapter_of) -> tuple[float, float]:
+def adapter_bounds(path: Path, tmp: Path, toks, ours_base, ours_lora,
+                   adapter_of) -> tuple[float, float]:
     """``f32_bound`` of pytrain's logits without and with an adapter on ``path``: how far the
     perturbed model (and the adapter ``adapter_of(model)`` returns, nudged) moves them.  Two
     float32 implementations of the same function (pytrain and llama.cpp) are compared with

@@ -85,8 +85,9 @@ def test_a_stopped_hunt_keeps_the_runs_it_finished(tmp_path):
     files, which say the hunt stopped, and the load is gone."""
     (tmp_path / "test_slow.py").write_text(SLOW_SECOND)
     out, started = tmp_path / "flakes", tmp_path / "started"
-    p = subprocess.Popen([sys.executable, "-m", "scripts.flake_hunt", str(tmp_path / "test_slow.py"),
-                          "-n", "3", "--load", "1", "--out", str(out)], cwd=ROOT,
+    p = subprocess.Popen([sys.executable, "-m", "scripts.flake_hunt",
+                          str(tmp_path / "test_slow.py"), "-n", "3", "--load", "1",
+                          "--out", str(out)], cwd=ROOT,
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                          env={**os.environ, "FLAKE_MARKER": str(tmp_path / "marker"),
                               "FLAKE_STARTED": str(started)})

@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -73,13 +74,9 @@ def held_run(tmp_path: Path, hold_at: str, mode: str, *args: str) -> subprocess.
         out, err = proc.communicate(timeout=120)
     except subprocess.TimeoutExpired:
         proc.send_signal(signal.SIGUSR1)        # faulthandler: every thread's stack on stderr
-        try:
-            out, err = proc.communicate(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            out, err = proc.communicate()
-        else:
-            proc.kill()
+        time.sleep(2)
+        proc.kill()
+        out, err = proc.communicate()
         pytest.fail(f"the process went on after SIGINT; its stderr:\n{err[-6000:]}")
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 

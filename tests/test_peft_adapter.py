@@ -23,11 +23,11 @@ threads), logits of magnitude ~14, adapters moving them by up to 13.4 ("all") / 
 Bounds (tests/bounds.py), derived on the same input: the golden also holds HF + PEFT in true
 float64 on the GGUF's exact weights (``S/logits64``), the exact answer.  HF float32's distance
 from it (up to 2.0e-4 on these, the largest over both sets and every sequence) is this
-network's float32 rounding, measured by another implementation; pytrain is allowed ``f32_bound`` of it (4x, at least 8 ulps) from the exact
-answer, and that plus HF's distance from HF float32.  That is four orders of magnitude below
-the adapter's effect; the same tensors applied without the converter's value-head
-re-ordering miss by > 100 x the bound (checked below), as would a wrong scale, orientation or
-module.
+network's float32 rounding, measured by another implementation; pytrain is allowed
+``f32_bound`` of it (4x, at least 8 ulps) from the exact answer, and that plus HF's
+distance from HF float32.  That is four orders of magnitude below the adapter's effect;
+the same tensors applied without the converter's value-head re-ordering miss by > 100 x the
+bound (checked below), as would a wrong scale, orientation or module.
 No torch at test time: only numpy, safetensors and pytrain.
 """
 from __future__ import annotations

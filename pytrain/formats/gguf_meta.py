@@ -31,30 +31,29 @@ class Reader(GGUFReader):
     (Gemma 3) took 13 s to open, Qwen3.5's 248320 tokens as long, at every ``train``,
     ``generate`` and ``inspect``.  The fields built here are the same (one part per element,
     the same ``data`` indices and types, so ``contents()`` and byte-exact copies of a field
-    behave identically: tests/test_gguf_reader.py), as views of one ndarray over the same
+    behave identically: tests/test_gguf_meta.py), as views of one ndarray over the same
     mapping, in a tenth of a second."""
 
     def _get_field_parts(self, orig_offs: int, raw_type: int):
         if raw_type != GGUFValueType.ARRAY or self.byte_order != "I":
             return super()._get_field_parts(orig_offs, raw_type)
-        plain = self.data.view(np.ndarray)
+        plain = self.data.view(np.ndarray)        # the same uint8 bytes, without memmap's cost
         itype, alen = self._get(orig_offs, np.uint32), self._get(orig_offs + 4, np.uint64)
         if len(itype) < 1 or len(alen) < 1:
             raise ValueError(f"array header at byte {orig_offs} runs past the end of the file")
         sub, n, offs = GGUFValueType(int(itype[0])), int(alen[0]), orig_offs + 12
         parts: list[np.ndarray] = [itype, alen]
-        if sub == GGUFValueType.STRING:
+        if sub == GGUFValueType.STRING:           # each: a uint64 length, then the bytes
             u64 = np.dtype("<u8")
-            lengths = plain.view(np.uint8)
             for _ in range(n):
-                if offs + 8 > len(lengths):
+                if offs + 8 > len(plain):
                     raise ValueError(f"string array at byte {orig_offs} runs past the end of "
                                      f"the file")
-                head = lengths[offs:offs + 8].view(u64)
+                head = plain[offs:offs + 8].view(u64)
                 end = offs + 8 + int(head[0])
-                if end > len(lengths):
+                if end > len(plain):
                     raise ValueError(f"string at byte {offs} runs past the end of the file")
-                parts += (head, lengths[offs + 8:end])
+                parts += (head, plain[offs + 8:end])
                 offs = end
             return offs - orig_offs, parts, list(range(3, len(parts), 2)), \
                 [GGUFValueType.ARRAY, sub]
