@@ -28,8 +28,8 @@ llama-quantize does with a pure type).  ``--shape mid`` is the CPU benchmark's s
 dry run of this script on a machine without a GPU (``--device cpu``).  ``--shape toy`` is the
 smoke tests' model (hidden 64; its rows are too short for Q4_K, so ``--types bf16,f16,q8_0``):
 the shape the lavapipe run uses, since lavapipe takes no buffer over 128 MiB and the mid
-shape's BF16 and F16 embedding (151936 x 512) is 155.6 MB (ggml aborts when the scheduler
-places the step's graph; its Q8_0 step ran, 74 s a step on a loaded 2-core machine).
+shape's BF16 and F16 embedding (151936 x 512) is 155.6 MB (refused at load, by name; its
+Q8_0 step ran, 74 s a step on a loaded 2-core machine).
 
 The step, the same on both sides: batch 4 x 1024 random token ids over the vocabulary, the first
 half of each row a masked prompt (HF label -100, pytrain ``train_mask`` False); LoRA r 16,

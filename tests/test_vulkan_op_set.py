@@ -198,3 +198,29 @@ def test_the_check_sees_an_op_vulkan_lacks(device):
     finally:
         ctx.close()
         rt.close()
+
+
+def test_a_weight_beyond_the_devices_limit_is_refused_by_name(device):
+    """Loading refuses a weight the device cannot take in one tensor, naming it, the file and
+    the device (ggml's scheduler aborted the process when a graph read it: the BF16 mid
+    benchmark shape's 155.6 MB embedding on lavapipe); one of exactly the limit loads."""
+    from pathlib import Path
+
+    from pytrain.formats.gguf_tensors import WeightsError
+    from pytrain.models.weights import _refuse_oversized
+    rt = ggml.Runtime("vulkan")
+    ctx = ggml.Context(n_tensors=4)
+    try:
+        limit = size_limit(rt.gpu)
+        fits = lib.ggml_new_tensor_1d(ctx.ptr, lib.GGML_TYPE_F32, limit // 4)
+        big = lib.ggml_new_tensor_2d(ctx.ptr, lib.GGML_TYPE_F32, 1024, limit // 4096 + 1)
+        _refuse_oversized(Path("m.gguf"), rt, {"blk.0.ffn_up.weight": fits})
+        with pytest.raises(WeightsError) as e:
+            _refuse_oversized(Path("m.gguf"), rt, {"blk.0.ffn_up.weight": fits,
+                                                   "token_embd.weight": big})
+        msg = str(e.value)
+        assert msg.startswith("m.gguf: tensor 'token_embd.weight'") and "\n" not in msg
+        assert rt.device_label() in msg and "1 such weight" in msg
+    finally:
+        ctx.close()
+        rt.close()
