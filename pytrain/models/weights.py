@@ -49,8 +49,9 @@ POLICIES = ("auto", "f32", "keep")
 F32, F16, BF16 = lib.GGML_TYPE_F32, lib.GGML_TYPE_F16, lib.GGML_TYPE_BF16
 _CHUNK_ELEMENTS = 1 << 22      # conversion temporaries: at most ~16 MiB of float32 at a time
 _F16_MAX = 65504.0
-# matrix types a CUDA run keeps (MUL_MAT, GET_ROWS and patch 0003's OUT_PROD all take them)
-_CUDA_KEPT = {F32, F16, BF16} | {getattr(lib, f"GGML_TYPE_{n}") for n in (
+# matrix types a GPU run keeps (MUL_MAT, GET_ROWS and OUT_PROD take them: patch 0003 on CUDA,
+# 0011 on Vulkan)
+_DEVICE_KEPT = {F32, F16, BF16} | {getattr(lib, f"GGML_TYPE_{n}") for n in (
     "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")}
 
 
@@ -155,7 +156,7 @@ def load_type(name: str, shape: tuple[int, ...], file_type: int, device: str,
     if dequantize and file_type in dequantize:
         return dequantize[file_type]
     if device != "cpu":
-        return file_type if file_type in _CUDA_KEPT else F32
+        return file_type if file_type in _DEVICE_KEPT else F32
     return F16 if file_type == BF16 else file_type
 
 
