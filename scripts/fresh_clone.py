@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """A new user's first run, timed: clone the repository's HEAD into an empty folder, point
-``PYTRAIN_CACHE`` at an empty cache, run ``bash .ci/run`` (what CI runs: the README's test
+``PYTRAIN_CACHE`` (and Mesa's shader cache, where lavapipe keeps the Vulkan pipelines it
+compiled) at an empty cache, run ``bash .ci/run`` (what CI runs: the README's test
 command), then ``make demo``.  Writes ``bench_results/fresh_clone-<cpu>.md`` (one file per CPU
 vendor, since CI runs on AMD and Intel machines) with the wall times, the test summary, the
 libllama build time its stamp recorded and the demo's result.
@@ -55,6 +56,8 @@ def main() -> int:
     subprocess.check_call(["git", "clone", "-q", str(ROOT), str(clone)])
     env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
     env["PYTRAIN_CACHE"] = str(cache)
+    # and an empty Mesa shader cache: lavapipe compiles every Vulkan pipeline on a new machine
+    env["MESA_SHADER_CACHE_DIR"] = str(work / "mesa-shader-cache")
     print(f"clone {commit} in {clone}; running .ci/run", flush=True)
     ci_rc, ci_s, ci_log = timed(["bash", ".ci/run"], clone, env, work / "ci.log")
     summary = [ln for ln in ci_log.splitlines() if re.search(r"\d+ (passed|failed)", ln)]
