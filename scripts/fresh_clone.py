@@ -80,7 +80,8 @@ def main() -> int:
         f"# A fresh clone, as a new user runs it ({vendor.upper()})",
         "",
         f"Made by `python3 -m scripts.fresh_clone`: `git clone` of commit {commit} into an empty "
-        f"folder, an empty `PYTRAIN_CACHE`, no `.venv`; then `bash .ci/run` and `make demo`.",
+        f"folder, an empty `PYTRAIN_CACHE` and Mesa shader cache, no `.venv`; then "
+        f"`bash .ci/run` and `make demo`.",
         "",
         f"- date: {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC",
         f"- CPU: {model}, {os.cpu_count()} cores; flags: {' '.join(flags) or 'none of avx2/avx512/amx'}",
