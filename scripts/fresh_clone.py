@@ -10,7 +10,7 @@ Why: the README quotes these times, and every figure there must come from a comm
 The pip cache (~/.cache/pip) is not emptied: a fresh machine downloads the same wheels, which
 this machine's registry mirror serves in seconds.
 
-Usage:  python3 -m scripts.fresh_clone [--keep]     (about 8 minutes on 2 cores)
+Usage:  python3 -m scripts.fresh_clone [--keep]     (about 27 minutes on 2 cores)
 """
 from __future__ import annotations
 
