@@ -254,9 +254,9 @@ def _refuse_oversized(path: Path, runtime, tensors: Mapping[str, object]) -> Non
            if not lib.ggml_backend_supports_op(gpu, t)]
     if big:
         n, size = max(big, key=lambda x: x[1])
-        label = runtime.device_label() if hasattr(runtime, "device_label") else runtime.device
         raise WeightsError(
-            f"{path}: tensor {n!r} ({_mib(size)} as loaded) is larger than {label} takes in "
+            f"{path}: tensor {n!r} ({_mib(size)} as loaded) is larger than "
+            f"{runtime.device_label()} takes in "
             f"one tensor ({len(big)} such weight{'s' if len(big) > 1 else ''}); load the "
             f"model in a smaller type (a Q8_0 or Q4_K GGUF) or train on a device with larger "
             f"buffers")
