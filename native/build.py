@@ -321,12 +321,41 @@ def openblas() -> tuple[Path, Path]:
     return pkg / "lib" / OPENBLAS_LIB, shim
 
 
+# oneDNN for BF16 weights (``train.compute_type = "bf16"``): ggml-blas multiplies them with its
+# bf16 x bf16 -> f32 matmul (patch 0018), on AMX tiles or avx512_bf16's vdpbf16ps where the CPU
+# has them.  ggml-cpu has BF16 dot products for the forward only (no BF16 OUT_PROD), and
+# scipy-openblas32 is built without sbgemm.  Intel's PyPI wheels of oneDNN 3.2, built with GNU
+# OpenMP (the runtime ggml already uses): the library, and the devel wheel for its headers.
+ONEDNN_PROJECT = "onednn-cpu-gomp"
+ONEDNN_VERSION = "2023.2.0"
+ONEDNN_WHEEL = "onednn_cpu_gomp-2023.2.0-py2.py3-none-manylinux1_x86_64.whl"
+ONEDNN_SHA256 = "2f22a54d6a890ed14bfa185d42a4be65d8b5b1df85dc1f0f3a9abe31620416fb"
+ONEDNN_DEVEL_PROJECT = "onednn-devel-cpu-gomp"
+ONEDNN_DEVEL_WHEEL = "onednn_devel_cpu_gomp-2023.2.0-py2.py3-none-manylinux1_x86_64.whl"
+ONEDNN_DEVEL_SHA256 = "9763c69e8c907e119056bd52ad918ca84ac9ba939d130a99dfa95ccca3e5e284"
+ONEDNN_LIB = "libdnnl.so.3"
+
+
+def onednn() -> tuple[Path, Path]:
+    """(oneDNN's library, its include folder), from the two pinned wheels."""
+    found = []
+    for project, wheel_name, sha in ((ONEDNN_PROJECT, ONEDNN_WHEEL, ONEDNN_SHA256),
+                                     (ONEDNN_DEVEL_PROJECT, ONEDNN_DEVEL_WHEEL,
+                                      ONEDNN_DEVEL_SHA256)):
+        wheel = fetch_pinned(project, ONEDNN_VERSION, wheel_name, sha, source=False)
+        root = _extract_wheel(wheel, cache_dir() / f"{project}-{ONEDNN_VERSION}", sha)
+        found.append(root / f"{project.replace('-', '_')}-{ONEDNN_VERSION}.data" / "data")
+    return found[0] / "lib" / ONEDNN_LIB, found[1] / "include"
+
+
 def blas_options() -> list[str]:
     if not blas_wanted():
         return ["-DGGML_BLAS=OFF"]
     lib, include = openblas()
+    dnnl_lib, dnnl_include = onednn()
     return ["-DGGML_BLAS=ON", "-DGGML_BLAS_VENDOR=OpenBLAS", f"-DGGML_BLAS_LIBRARIES={lib}",
-            f"-DBLAS_INCLUDE_DIRS={include}"]
+            f"-DBLAS_INCLUDE_DIRS={include}", f"-DGGML_BLAS_DNNL_LIBRARY={dnnl_lib}",
+            f"-DGGML_BLAS_DNNL_INCLUDE_DIRS={dnnl_include}"]
 
 
 # ggml's own CMake defaults leave GGML_LLAMAFILE off when ggml is built alone (llama.cpp's
@@ -468,7 +497,7 @@ def install_libs(prefix: Path, out_dir: Path, options: list[str]) -> list[str]:
     libggml-base under the names the extension and the modules load them by (their sonames;
     the link-time names and symlinks stay in the prefix, so a wheel holds one copy of each),
     the backend modules (ggml-cpu variants, blas, cuda: installed by ggml's CMake in bin/),
-    and the BLAS library libggml-blas links by its soname."""
+    and the BLAS and oneDNN libraries libggml-blas links by their sonames."""
     lib_dir = out_dir / "lib"
     tmp = Path(tempfile.mkdtemp(dir=out_dir, prefix=".lib-"))
     names = []
@@ -479,7 +508,7 @@ def install_libs(prefix: Path, out_dir: Path, options: list[str]) -> list[str]:
         shutil.copy2(so, tmp / so.name)          # a soname link: the file it names
         names.append(so.name)
     for opt in options:
-        if opt.startswith("-DGGML_BLAS_LIBRARIES="):
+        if opt.startswith(("-DGGML_BLAS_LIBRARIES=", "-DGGML_BLAS_DNNL_LIBRARY=")):
             blas_lib = Path(opt.split("=", 1)[1])
             if not blas_lib.exists():     # a prefix built elsewhere with BLAS on
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -598,6 +627,8 @@ def build(cuda: bool = False, jobs: int | None = None, force: bool = False,
         "vulkan": any(o == "-DGGML_VULKAN=ON" for o in options),
         "cuda_library_dirs": cuda_library_dirs(options),
         "blas": f"{OPENBLAS_PROJECT}=={OPENBLAS_VERSION}" if "-DGGML_BLAS=ON" in options else None,
+        "onednn": (f"{ONEDNN_PROJECT}=={ONEDNN_VERSION}"
+                   if any(o.startswith("-DGGML_BLAS_DNNL_LIBRARY=") for o in options) else None),
         "options": options,
         "libs": libs,
         "cpu_variants": cpu_variants(libs),
