@@ -10,7 +10,9 @@ from pytrain._version import __version__
 __all__ = ["__version__", "load_model"]
 
 
-def load_model(path, device: str = "auto", threads: int | None = None, type_policy: str = "auto"):
+def load_model(path, device: str = "auto", threads: int | None = None, type_policy: str = "auto",
+               compute_type: str = "f32"):
     """Load a GGUF model: see pytrain.models.model.Model (``.logits``, ``.generate``, ``.tokenizer``)."""
     from pytrain.models.model import load_model as _load
-    return _load(path, device=device, threads=threads, type_policy=type_policy)
+    return _load(path, device=device, threads=threads, type_policy=type_policy,
+                 compute_type=compute_type)

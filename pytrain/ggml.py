@@ -491,6 +491,20 @@ def blas_enabled() -> bool:
     return os.environ.get("PYTRAIN_BLAS", "1") not in ("", "0") and _blas_device() is not None
 
 
+def bf16_kernel() -> str:
+    """The oneDNN matmul ggml-blas multiplies BF16 weights with on this CPU (patch 0018:
+    "brg:avx512_core_amx", "brg:avx512_core_bf16", or an emulation on a CPU without bf16
+    units); "" when the build has no BLAS backend or no oneDNN."""
+    dev = _blas_device()
+    if dev is None:
+        return ""
+    fn = lib.ggml_backend_reg_get_proc_address(lib.ggml_backend_dev_backend_reg(dev),
+                                               b"ggml_backend_blas_bf16_kernel")
+    if fn == ffi.NULL:
+        return ""
+    return ffi.string(ffi.cast("const char * (*)(void)", fn)()).decode()
+
+
 def _init_blas(threads: int):
     """The BLAS backend with ``threads`` threads, or None when the build has none."""
     dev = _blas_device()

@@ -22,7 +22,8 @@ def render(plan) -> list[str]:
              f"device:  {plan.device}" + (f" ({plan.device_label})" if plan.device_label
                                           and plan.device != "cpu" else ""),
              f"batch:   {B} x {T} tokens (train.batch_size x data.max_seq_len, every token a "
-             f"target: the largest micro-batch)", *plan.warnings, "",
+             f"target: the largest micro-batch)",
+             f"compute: {plan.compute.removeprefix('compute ')}", *plan.warnings, "",
              f"weights as loaded on {plan.device}:",
              f"  {'file type -> loaded':<22} {'tensors':>8} {'in file':>12} {'loaded':>12}"]
     for g in plan.weights:

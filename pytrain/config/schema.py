@@ -170,6 +170,12 @@ class TrainConfig:
                           "over half of the memory left: the device's free memory, on CPU "
                           "also the container's cgroup limit, or train.memory_gib)",
                           choices=("auto", "off", "layers"))
+    compute_type: str = _opt("f32", "precision of the products with the frozen weight "
+                             "matrices: f32, or bf16 (CPU only: the matrices stored as BF16 and "
+                             "multiplied on the CPU's bf16 units through oneDNN, forward and "
+                             "backward, their other operand rounded to bf16, sums in f32; the "
+                             "LoRA matrices, norms, attention and the loss stay f32; needs "
+                             "model.type_policy = auto)", choices=("f32", "bf16"))
     memory_gib: float | None = _opt(None, "memory (GiB, weights included) recompute = auto "
                                     "may plan a step for; unset: what the device has free "
                                     "(on CPU the least of available memory and the "

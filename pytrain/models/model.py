@@ -18,7 +18,7 @@ from pytrain.errors import PytrainError
 from pytrain.ggml import lib
 from pytrain.models.model_file import ModelFileError, open_model
 from pytrain import models
-from pytrain.models import Architecture
+from pytrain.models import Architecture, precision
 from pytrain.data import pad_token_id
 from pytrain.data.tokenizer import Tokenizer
 from pytrain.formats.gguf_tensors import open_reader
@@ -49,6 +49,7 @@ class Model:
     weights: object
     tokenizer: Tokenizer
     arch: Architecture
+    compute: str = "compute f32"     # what multiplies the weights (pytrain.models.precision)
 
     @cached_property
     def graph(self):
@@ -184,13 +185,16 @@ class Model:
 
 def load_model(path: str | os.PathLike, device: str = "auto", threads: int | None = None,
                type_policy: str = "auto", device_index: int = 0,
-               dequantize: Mapping[int, int] | Callable[..., Mapping[int, int]] | None = None
-               ) -> Model:
+               dequantize: Mapping[int, int] | Callable[..., Mapping[int, int]] | None = None,
+               compute_type: str = "f32") -> Model:
     """``device_index``: which CUDA device (modulo their count): a data-parallel rank's
     place on its host, one GPU per rank.  ``dequantize``: file types ``auto`` loads as F32 or
     F16 (``pytrain.models.weights``), or a function of (runtime, the file's tensor index, the
     shapes to load) returning them, called once the device is known (a training run's
-    measured choice, ``pytrain.train.type_choice``)."""
+    measured choice, ``pytrain.train.type_choice``).  ``compute_type``: "f32", or "bf16"
+    (CPU: weight matrices as BF16, multiplied on the CPU's bf16 units;
+    ``pytrain.models.precision``); ``Model.compute`` says what ran."""
+    type_policy = precision.type_policy_for(compute_type, type_policy)
     reader = open_reader(path)
     arch, meta, infos, config = open_model(path, reader)
     tokenizer = Tokenizer.from_metadata(meta)
@@ -202,7 +206,10 @@ def load_model(path: str | os.PathLike, device: str = "auto", threads: int | Non
             f"would have no embedding")
     rt = ggml.Runtime(device, threads=threads, device_index=device_index)
     try:
+        compute = precision.check_runtime(compute_type, rt)
         shapes = config.tensor_shapes()
+        if compute_type != "f32":
+            dequantize = None        # the bf16 policy decides every float matrix's type
         if callable(dequantize):
             dequantize = dequantize(rt, infos, shapes)
         weights = load_weights(path, rt, shapes, type_policy, reader=reader,
@@ -210,4 +217,4 @@ def load_model(path: str | os.PathLike, device: str = "auto", threads: int | Non
     except BaseException:
         rt.close()
         raise
-    return Model(str(path), config, meta, rt, weights, tokenizer, models.get(arch))
+    return Model(str(path), config, meta, rt, weights, tokenizer, models.get(arch), compute)

@@ -21,6 +21,11 @@ the depthwise conv kernel) feed ``MUL``/``ADD``, which want F32 everywhere.  Hen
            dequantizer for it (F16, BF16, Q4_0/1, Q5_0/1, Q8_0, Q2_K-Q6_K); any other type
            becomes F32.  Element-wise tensors: F32 on both.
 ``f32``    everything F32 (reference runs; 4 bytes per weight).
+``bf16``   CPU training at bf16 precision (``train.compute_type = "bf16"``): F32, F16 and BF16
+           matrices become BF16 (F32 and F16 rounded to nearest even, as torch's
+           ``.to(torch.bfloat16)`` rounds them), which ggml-blas multiplies with oneDNN's bf16
+           matmul, forward and backward (patch 0018); quantized matrices and the element-wise
+           tensors load as under ``auto``.
 ``keep``   the file's types untouched: inference only, training graphs may not run.
 
 ``dequantize`` (a file type -> F32 or F16) refines ``auto`` for the matrices of those types:
@@ -45,7 +50,7 @@ from pytrain.ggml import ffi, lib
 from pytrain.formats.gguf_tensors import (TensorInfo, WeightsError, is_elementwise, open_reader,
                                           tensor_infos, type_supported)
 
-POLICIES = ("auto", "f32", "keep")
+POLICIES = ("auto", "f32", "keep", "bf16")
 F32, F16, BF16 = lib.GGML_TYPE_F32, lib.GGML_TYPE_F16, lib.GGML_TYPE_BF16
 _CHUNK_ELEMENTS = 1 << 22      # conversion temporaries: at most ~16 MiB of float32 at a time
 _F16_MAX = 65504.0
@@ -153,6 +158,8 @@ def load_type(name: str, shape: tuple[int, ...], file_type: int, device: str,
         return file_type
     if policy == "f32" or is_elementwise(name, shape):
         return F32
+    if policy == "bf16" and file_type in (F32, F16, BF16):
+        return BF16
     if dequantize and file_type in dequantize:
         return dequantize[file_type]
     if device != "cpu":
@@ -282,7 +289,7 @@ def _fill(t, info: TensorInfo, lt: int, raw: np.ndarray) -> int:
                                f"{lib.ggml_nbytes(t)} in ggml")
         lib.ggml_backend_tensor_set(t, ffi.from_buffer(raw), 0, raw.nbytes)
         return 0
-    if lt not in (F32, F16):
+    if lt not in (F32, F16, BF16):
         raise WeightsError(f"tensor {info.name!r}: no conversion {info.type_name} -> "
                            f"{ggml.type_name(lt)}")
     row_len = info.ne[0]
@@ -297,9 +304,12 @@ def _fill(t, info: TensorInfo, lt: int, raw: np.ndarray) -> int:
         if lt == F16:
             out = f32.astype(np.float16)
             back = out.astype(np.float32)
-            inexact += int(np.count_nonzero((back != f32) & ~(np.isnan(back) & np.isnan(f32))))
+        elif lt == BF16:          # ggml's round to nearest even
+            out = ggml.to_bytes(f32, BF16, row_len)
+            back = ggml.decode(out, BF16, nr * row_len)
         else:
-            out = f32
+            out = back = f32
+        inexact += int(np.count_nonzero((back != f32) & ~(np.isnan(back) & np.isnan(f32))))
         lib.ggml_backend_tensor_set(t, ffi.from_buffer(out), r0 * dst_row, out.nbytes)
     return inexact
 

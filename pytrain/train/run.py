@@ -33,6 +33,7 @@ from pytrain.config import Config
 from pytrain.data import DataSplits, load_data, make_batches
 from pytrain.models.lora_targets import LoraTargetError, select_targets
 from pytrain.models.model import Model, load_model
+from pytrain.models.precision import ComputeTypeError
 from pytrain.train.optimizer import AdamWSettings, schedule
 from pytrain.train.planning import context_warning
 from pytrain.train.trainer import NonFiniteLoss, Trainer
@@ -191,12 +192,17 @@ def open_session(cfg: Config, out: Path, log: Callable[[str], None],
     threads = cfg.model.threads
     if threads is None and w.local_size > 1:      # the CPUs of this host, shared by its ranks
         threads = max(1, ggml.default_threads() // w.local_size)
-    model = load_model(cfg.model.path, cfg.model.device, threads, cfg.model.type_policy,
-                       device_index=w.local_rank,
-                       dequantize=for_training(cfg.model.type_policy, cfg.train.memory_gib, log,
-                                               w.local_size))
+    try:
+        model = load_model(cfg.model.path, cfg.model.device, threads, cfg.model.type_policy,
+                           device_index=w.local_rank,
+                           dequantize=for_training(cfg.model.type_policy, cfg.train.memory_gib,
+                                                   log, w.local_size),
+                           compute_type=cfg.train.compute_type)
+    except ComputeTypeError as e:
+        raise cfg.error("train", "compute_type", str(e)) from None
     try:
         log(runtime_summary(model) + (f"; {w.size} data-parallel ranks" if w.size > 1 else ""))
+        log(model.compute)
         too_long = context_warning(model.config, cfg.data.max_seq_len)
         if too_long:
             log(too_long)

@@ -19,6 +19,7 @@ from pytrain.train.planning import (compute_bytes, context_warning, file_shape_m
 from pytrain.train.recompute import RecomputeGraph
 from pytrain.train.trainer import bucket_length
 from pytrain.train import type_choice
+from pytrain.models import precision
 
 
 @dataclass
@@ -55,6 +56,7 @@ class RunPlan:
     types: dict = field(default_factory=dict)   # type_policy's choice: TypeChoice.to_dict()
     device_label: str | None = None   # ggml's name and description of the device (None: the
                                       # device is not on this machine)
+    compute: str = "compute f32"      # train.compute_type and, for bf16, the kernel
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -158,6 +160,11 @@ def plan_run(cfg) -> RunPlan:
         budget, source = available, ("the device's free memory" if device != "cpu" else
                                      "available memory: the least of the system's and the "
                                      "cgroup's")
+    try:
+        policy = precision.type_policy_for(t.compute_type, cfg.model.type_policy)
+        compute = precision.check(t.compute_type, device, ggml.blas_enabled())
+    except precision.ComputeTypeError as e:
+        raise cfg.error("train", "compute_type", str(e)) from None
     chosen = []
 
     def choose_types(infos, shapes):      # the trainer's choice (type_choice.for_training)
@@ -165,8 +172,9 @@ def plan_run(cfg) -> RunPlan:
         chosen.append(type_choice.choose(key, infos, shapes, cfg.model.type_policy, budget,
                                          source.split(":")[0]))
         return chosen[-1].dequantize
-    model, files, not_loaded = file_shape_model(cfg.model.path, device, cfg.model.type_policy,
-                                                cfg.model.threads or 1, choose_types)
+    model, files, not_loaded = file_shape_model(cfg.model.path, device, policy,
+                                                cfg.model.threads or 1,
+                                                choose_types if policy != "bf16" else None)
     try:
         names = select_targets(model.config, cfg.lora.targets, cfg.lora.skip_ssm)
         ad = lora.create(model.runtime, model.config, names, cfg.lora.rank, cfg.lora.alpha)
@@ -193,4 +201,4 @@ def plan_run(cfg) -> RunPlan:
                    t.recompute, layers, why, free, total, available, budget, source, need,
                    need <= budget, notes,
                    [w for w in [context_warning(model.config, cfg.data.max_seq_len)] if w],
-                   chosen[-1].to_dict(), label)
+                   chosen[-1].to_dict() if chosen else {}, label, compute)

@@ -1,0 +1,186 @@
+"""``train.compute_type = "bf16"``: BF16 weight matrices multiplied by oneDNN's bf16 matmul in
+ggml-blas (native/patches/0018), forward (MUL_MAT) and backward (OUT_PROD).
+
+The products are checked against float64 products of the bf16-rounded operands, within the
+float32 accumulation bound (the operands are exact in bf16 and their products exact in
+float32, so summation is the only rounding left); and the other operand must have been
+rounded to bf16 (the documented numerics: the result is farther from the unrounded product
+than that bound).  A training step in bf16 is checked against the f32 step within bf16's own
+rounding times the depth of the graph, and runs, plans and errors say what they compute with.
+"""
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import pytrain
+from pytrain import ggml
+from pytrain.ggml import ffi, lib
+from pytrain.models import lora, precision
+from pytrain.models.lora_targets import select_targets
+from pytrain.train import loss as L
+from pytrain.train.graphs import GradGraph
+
+FIX = Path(__file__).resolve().parent / "fixtures" / "qwen35"
+F32, BF16 = lib.GGML_TYPE_F32, lib.GGML_TYPE_BF16
+U32 = 2.0 ** -24               # float32 unit roundoff
+U_BF16 = 2.0 ** -8             # bf16's spacing relative to a value: 2^-9 rounding, twice
+pytestmark = pytest.mark.skipif(os.environ.get("PYTRAIN_BLAS", "1") in ("", "0"),
+                                reason="PYTRAIN_BLAS=0: bf16 compute needs the BLAS backend")
+
+
+def bf16(x: np.ndarray) -> np.ndarray:
+    """x rounded to bf16 by ggml's own conversion (round to nearest even), as float32."""
+    raw = ggml.to_bytes(x.astype(np.float32), BF16, x.shape[-1])
+    return ggml.decode(raw, BF16, x.size).reshape(x.shape)
+
+
+def run_op(build, w: np.ndarray, x: np.ndarray, x_ne: list[int]):
+    """One op on the CPU runtime with a BF16 weight ``w`` (numpy [rows, cols]) and an F32
+    ``x`` (ggml ne ``x_ne``): (result, the backend the scheduler ran it on)."""
+    rt = ggml.Runtime("cpu", threads=2)
+    assert rt.blas is not None
+    ctx = ggml.Context(n_tensors=8, graph_size=16)
+    c = ctx.ptr
+    tw = lib.ggml_new_tensor_2d(c, BF16, w.shape[1], w.shape[0])
+    tx = lib.ggml_new_tensor(c, F32, len(x_ne), ffi.new("int64_t[]", x_ne))
+    for t in (tw, tx):
+        lib.ggml_set_input(t)
+    out = build(c, tw, tx)
+    lib.ggml_set_output(out)
+    graph = ggml.new_graph(ctx, 16)
+    lib.ggml_build_forward_expand(graph, out)
+    rt.alloc_graph(graph, ctx)
+    ggml.from_numpy(tw, w)                 # rounded to BF16 by ggml
+    ggml.from_numpy(tx, x)
+    rt.compute(graph)
+    be = lib.ggml_backend_sched_get_tensor_backend(rt.sched, out)
+    got = ggml.to_numpy(out)
+    return got, ffi.string(lib.ggml_backend_name(be)).decode()
+
+
+def assert_bf16_product(got, w, x, contract_w_rows: bool):
+    """got == bf16(x) . bf16(w) (contracting w's columns, or its rows) to within float32
+    summation, and not within that of the product with x unrounded."""
+    wb, xb = bf16(w).astype(np.float64), bf16(x).astype(np.float64)
+    wt = wb if contract_w_rows else wb.T
+    want = xb @ wt
+    k = wt.shape[0]
+    bound = 1.01 * k * U32 * (np.abs(xb) @ np.abs(wt)) + 1e-30
+    assert np.all(np.abs(got - want) <= bound), float(np.max(np.abs(got - want) / bound))
+    unrounded = x.astype(np.float64) @ wt
+    assert np.any(np.abs(got - unrounded) > bound), "the F32 operand was not rounded to bf16"
+
+
+@pytest.mark.parametrize("m, k, n, batch", [(40, 96, 72, 1), (33, 64, 45, 3), (64, 200, 32, 2)])
+def test_bf16_weight_mul_mat_on_blas(m, k, n, batch):
+    """The forward: y = x W^T for x of any batch shape (the weight broadcast over it)."""
+    rng = np.random.default_rng(m * k + n)
+    w = rng.normal(size=(n, k)).astype(np.float32)          # ne [k, n]
+    x = rng.normal(size=(batch, m, k)).astype(np.float32)   # ne [k, m, batch]
+    got, backend = run_op(lib.ggml_mul_mat, w, x, [k, m, batch])
+    assert backend == "BLAS"
+    assert_bf16_product(got.reshape(batch * m, n), w, x.reshape(batch * m, k),
+                        contract_w_rows=False)
+
+
+@pytest.mark.parametrize("transposed", [True, False])
+@pytest.mark.parametrize("m, k, n", [(40, 96, 72), (7, 300, 45)])
+def test_bf16_weight_out_prod_on_blas(transposed, m, k, n):
+    """The backward for a matmul's input: dx = g W, OUT_PROD(W, g^T) as ggml's autodiff builds
+    it (the gradient transposed; also a plain src1), any size."""
+    rng = np.random.default_rng(m + k + n)
+    w = rng.normal(size=(k, n)).astype(np.float32)           # ne [n, k]
+    g = rng.normal(size=(m, k)).astype(np.float32)           # dx rows = g rows . w
+    if transposed:
+        def build(c, tw, tg):
+            return lib.ggml_out_prod(c, tw, lib.ggml_transpose(c, tg))
+        got, backend = run_op(build, w, g, [k, m])
+    else:
+        got, backend = run_op(lib.ggml_out_prod, w, np.ascontiguousarray(g.T), [m, k])
+    assert backend == "BLAS"
+    assert_bf16_product(got.reshape(m, n), w, g, contract_w_rows=True)
+
+
+def adapted(path, compute_type):
+    m = pytrain.load_model(path, device="cpu", threads=2, compute_type=compute_type)
+    ad = lora.create(m.runtime, m.config, select_targets(m.config), rank=4, alpha=8, seed=0)
+    rng = np.random.default_rng(0)
+    vals = ad.get()
+    for key in vals:                  # B != 0 so that A gets a gradient too
+        if key.endswith("lora_b"):
+            vals[key] = rng.normal(0, 0.05, vals[key].shape).astype(np.float32)
+    ad.set(vals)
+    return m, ad
+
+
+def step(path, compute_type, tokens, seg, tgt) -> tuple[dict, dict]:
+    m, ad = adapted(path, compute_type)
+    try:
+        g = GradGraph(m, ad, B=tokens.shape[0], T=tokens.shape[1])
+        try:
+            return g.run(tokens, seg, tgt), {r.name: r.loaded_type for r in m.weights.report.values()}
+        finally:
+            g.close()
+    finally:
+        m.close()
+
+
+def depth(config) -> int:
+    """bf16 roundings on the longest path from the input to the loss: each block rounds the
+    input of its mixer's projections and of the mixer's output projection, and the FFN's two
+    (four products, each with its weight rounded too: 2 roundings), and the head one more."""
+    return 2 * (4 * config.n_layer + 1)
+
+
+@pytest.mark.parametrize("fixture", ["gqa-f32.gguf", "gqa-bf16.gguf"])
+def test_bf16_step_is_the_f32_step_within_bf16_rounding(fixture):
+    """A step's loss within depth x 2^-8 of the f32 step's (relative), and every LoRA
+    gradient within twice that depth (the backward's OUT_PRODs round the gradient once per
+    product on the way back) in norm.  Padding, a packed row and masked prompt tokens are in
+    the batch, so the masked loss's bookkeeping is the same in both."""
+    rng = np.random.default_rng(0)
+    B, T = 3, 40
+    tokens = rng.integers(0, 480, (B, T))
+    seg = np.zeros((B, T), np.int64)
+    seg[1, 30:] = -1
+    seg[2, 20:] = 1
+    tgt = L.shift_targets(tokens, rng.random((B, T)) < 0.6, seg)
+    f32, types32 = step(FIX / fixture, "f32", tokens, seg, tgt)
+    b16, types16 = step(FIX / fixture, "bf16", tokens, seg, tgt)
+    assert "BF16" not in types32.values()              # the f32 path loads no BF16 weight
+    assert {types16[n] for n in types16 if n.endswith("attn_q.weight")} == {"BF16"}
+    assert b16["n_valid"] == f32["n_valid"] > 0
+    cfg = pytrain.load_model(FIX / fixture, device="cpu").config
+    d = depth(cfg)
+    assert abs(b16["loss"] - f32["loss"]) <= d * U_BF16 * abs(f32["loss"]), (b16["loss"], f32["loss"])
+    assert b16["loss"] != f32["loss"]                    # bf16 did round something
+    for name, g in f32["grads"].items():
+        err = np.linalg.norm(b16["grads"][name] - g)
+        assert err <= 2 * d * U_BF16 * np.linalg.norm(g), (name, err, np.linalg.norm(g))
+
+
+def test_cpu_bf16_units_from_cpuinfo(tmp_path):
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_bf16 amx_tile\n")
+    assert precision.cpu_bf16_units(info) == ["avx512_bf16"]
+    info.write_text("processor\t: 0\nflags\t\t: fpu avx2 amx_bf16 avx512_bf16\n")
+    assert precision.cpu_bf16_units(info) == ["amx_bf16", "avx512_bf16"]
+    info.write_text("processor\t: 0\nflags\t\t: fpu avx2\n")
+    assert precision.cpu_bf16_units(info) == []
+    assert precision.cpu_bf16_units(tmp_path / "missing") == []
+
+
+def test_compute_type_checks():
+    assert precision.type_policy_for("f32", "keep") == "keep"
+    assert precision.type_policy_for("bf16", "auto") == "bf16"
+    with pytest.raises(precision.ComputeTypeError, match="type_policy must stay auto"):
+        precision.type_policy_for("bf16", "f32")
+    with pytest.raises(precision.ComputeTypeError, match="for CPU training"):
+        precision.check("bf16", "cuda", blas=False)
+    with pytest.raises(precision.ComputeTypeError, match="BLAS backend with oneDNN"):
+        precision.check("bf16", "cpu", blas=False)
+    line = precision.check("bf16", "cpu", blas=True)
+    assert ggml.bf16_kernel() in line and ggml.bf16_kernel()
+    assert ("WARNING" in line) == (not precision.cpu_bf16_units())
