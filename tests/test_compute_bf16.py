@@ -8,6 +8,7 @@ rounded to bf16 (the documented numerics: the result is farther from the unround
 than that bound).  A training step in bf16 is checked against the f32 step within bf16's own
 rounding times the depth of the graph, and runs, plans and errors say what they compute with.
 """
+import json
 import os
 from pathlib import Path
 
@@ -184,3 +185,29 @@ def test_compute_type_checks():
     line = precision.check("bf16", "cpu", blas=True)
     assert ggml.bf16_kernel() in line and ggml.bf16_kernel()
     assert ("WARNING" in line) == (not precision.cpu_bf16_units())
+
+
+def test_plan_and_run_say_what_they_compute_with(capsys, tmp_path):
+    """`pytrain plan` prints the compute line and loads the matrices as BF16; `pytrain train`
+    logs it, trains, and writes an adapter; a type_policy or device that contradicts bf16 is
+    an error naming train.compute_type and the config file's line."""
+    from pytrain.cli import main
+    from tests.test_train_cli import write_config, write_data
+    write_data(tmp_path, copies=1)
+    cfg = write_config(tmp_path, batch_size=2, max_steps=2, compute_type="bf16",
+                       data={"max_seq_len": 64})
+    capsys.readouterr()
+    assert main(["plan", str(cfg), "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["compute"].startswith("compute bf16: BF16 weight matrices through oneDNN's ")
+    kinds = {(g["file_type"], g["loaded_type"]) for g in d["weights"]}
+    assert kinds == {("F32", "BF16"), ("F32", "F32")}, kinds
+    assert main(["train", str(cfg)]) == 0
+    out = capsys.readouterr()
+    assert "compute bf16: BF16 weight matrices through oneDNN" in out.out + out.err
+    assert (tmp_path / "out" / "adapter.gguf").exists()
+    line = next(i for i, s in enumerate(cfg.read_text().splitlines(), 1) if "compute_type" in s)
+    rc = main(["plan", str(cfg), "--set", 'model.type_policy="f32"'])
+    err = capsys.readouterr().err
+    assert rc == 1 and f"{cfg}:{line}: train.compute_type:" in err, err
+    assert "type_policy must stay auto" in err

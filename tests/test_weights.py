@@ -195,8 +195,12 @@ def test_load_type_table():
         assert load_type("blk.0.attn_norm.weight", vec, t, "cpu") == F32
         assert load_type("blk.0.ssm_conv1d.weight", (512, 4), t, "cpu") == F32
     assert is_elementwise("blk.0.ssm_a", (2,)) and not is_elementwise("blk.0.attn_q.weight", mat)
+    for t in (BF16, F16, F32):              # train.compute_type = "bf16"
+        assert load_type("blk.0.ffn_up.weight", mat, t, "cpu", "bf16") == BF16
+        assert load_type("blk.0.attn_norm.weight", vec, t, "cpu", "bf16") == F32
+    assert load_type("blk.0.ffn_up.weight", mat, q4k, "cpu", "bf16") == q4k
     with pytest.raises(ValueError, match="type_policy"):
-        load_type("x", mat, F32, "cpu", "bf16")
+        load_type("x", mat, F32, "cpu", "f16")
 
 
 # --------------------------------------------------------------------------- extras
@@ -316,8 +320,8 @@ def test_unsupported_architecture(tmp_path):
 
 def test_bad_policy(tmp_path, rt):
     m = write_qwen35(tmp_path / "m.gguf", "f32")
-    with pytest.raises(ValueError, match="type_policy must be one of auto, f32, keep"):
-        load_weights(m.path, rt, {}, type_policy="bf16")
+    with pytest.raises(ValueError, match="type_policy must be one of auto, f32, keep, bf16"):
+        load_weights(m.path, rt, {}, type_policy="f16")
 
 
 # --------------------------------------------------------------------------- real fixtures
