@@ -16,6 +16,11 @@ def test_doctor_reports_build_devices_and_cpu(capsys):
     assert cpu and "GiB free of" in cpu[0]             # the CPU device, with its memory
     assert "cpu features:" in out and "threads (default):" in out
     assert info["cuda"] == ("backends built: cpu + cuda" in out)
+    bf16 = next(line for line in out.splitlines() if line.startswith("bf16 compute:"))
+    if info.get("onednn") and ggml.bf16_kernel():       # a BLAS build: oneDNN's kernel named
+        assert info["onednn"] in bf16 and f"kernel {ggml.bf16_kernel()}" in bf16
+    else:
+        assert "unavailable" in bf16
 
 
 def test_doctor_says_which_vulkan_device_a_vulkan_run_gets(capsys):

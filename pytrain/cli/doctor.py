@@ -41,8 +41,22 @@ def report() -> str:
     extra = ggml.extra_buffer_types()
     lines.append(f"cpu extra buffer types: {' '.join(extra) or 'none'} (never used by pytrain: "
                  f"weights and compute stay in the default buffer types)")
+    lines.append(bf16_line(info))
     lines.append(f"threads (default): {ggml.default_threads()}")
     return "\n".join(lines)
+
+
+def bf16_line(info: dict) -> str:
+    """What ``train.compute_type = "bf16"`` would run on: oneDNN's kernel and the CPU's bf16
+    units (a CPU without them gets an emulation, slower than f32)."""
+    from pytrain import ggml
+    from pytrain.models.precision import cpu_bf16_units
+    kernel = ggml.bf16_kernel()
+    if not (info.get("onednn") and kernel):
+        return "bf16 compute: unavailable (no oneDNN in the BLAS backend of this build)"
+    units = cpu_bf16_units()
+    return (f"bf16 compute: {info['onednn']}, kernel {kernel}; this CPU's bf16 units: "
+            f"{' '.join(units) if units else 'none (bf16 would be slower than f32 here)'}")
 
 
 def vulkan_line(info: dict) -> str:
