@@ -104,6 +104,24 @@ def test_bf16_weight_out_prod_on_blas(transposed, m, k, n):
     assert_bf16_product(got.reshape(m, n), w, g, contract_w_rows=True)
 
 
+def test_bf16_out_prod_over_a_long_contraction_in_slabs():
+    """A contraction longer than one 64 MiB bf16 slab of the gradient (the LM head's backward
+    runs over the vocabulary): the slabs' products add up in f32 (a "sum" post-op).  Small
+    integers are exact in bf16 and every partial sum (|s| <= 4 k < 2^24) is exact in f32, so
+    the result must equal the integer product exactly; a slab lost or counted twice cannot."""
+    rng = np.random.default_rng(7)
+    m, k, n = 48, (1 << 20) + 5, 32                 # 48 x 2^20 bf16 = 96 MiB: two slabs
+    w = rng.integers(-2, 3, size=(k, n))
+    g = rng.integers(-2, 3, size=(m, k))
+
+    def build(c, tw, tg):
+        return lib.ggml_out_prod(c, tw, lib.ggml_transpose(c, tg))
+    got, backend = run_op(build, w.astype(np.float32), g.astype(np.float32), [k, m])
+    assert backend == "BLAS"
+    want = g.astype(np.float64) @ w.astype(np.float64)     # exact: integers below 2^53
+    np.testing.assert_array_equal(got.reshape(m, n), want.astype(np.float32))
+
+
 def adapted(path, compute_type):
     m = pytrain.load_model(path, device="cpu", threads=2, compute_type=compute_type)
     ad = lora.create(m.runtime, m.config, select_targets(m.config), rank=4, alpha=8, seed=0)

@@ -37,6 +37,7 @@ Extra tensors in the file (MTP/nextn blocks, blocks past the trunk) are not load
 """
 from __future__ import annotations
 
+import mmap
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -240,6 +241,7 @@ def load_weights(path: str | os.PathLike[str], runtime, shapes: Mapping[str, tup
         for info, lt, raw, note in plan:
             t = tensors[info.name]
             n_inexact = _fill(t, info, lt, raw)
+            _release(reader, info.offset, info.n_bytes)
             weights.report[info.name] = TensorLoad(
                 info.name, info.shape, info.type_name, ggml.type_name(lt), info.n_bytes,
                 int(lib.ggml_nbytes(t)), note, n_inexact)
@@ -247,6 +249,21 @@ def load_weights(path: str | os.PathLike[str], runtime, shapes: Mapping[str, tup
         weights.close()
         raise
     return weights
+
+
+def _release(reader: GGUFReader, start: int, length: int) -> None:
+    """Take a copied tensor's file pages out of this process's resident set (MADV_DONTNEED on
+    the read-only map: the pages stay in the page cache, and one read again faults back in
+    from it).  Without this, loading left the whole file resident beside its copy in the
+    backend buffer: at the Qwen3.5-2B shape the peak RSS of loading was 7.3 GiB for 3.5 GiB
+    of weights."""
+    mm = getattr(reader.data, "_mmap", None)
+    if mm is None or not hasattr(mm, "madvise") or getattr(reader.data, "offset", 0) != 0:
+        return
+    first = start // mmap.PAGESIZE * mmap.PAGESIZE
+    end = min(start + length, len(mm))
+    if end > first:
+        mm.madvise(mmap.MADV_DONTNEED, first, end - first)
 
 
 def _refuse_oversized(path: Path, runtime, tensors: Mapping[str, object]) -> None:
