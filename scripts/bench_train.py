@@ -74,7 +74,8 @@ import time
 from pathlib import Path
 
 from scripts import bench_common as bc
-from scripts.bench_train_report import BATCH, VARIANTS, machine_info, report
+from scripts.bench_train_report import (BATCH, HF_OTHER, VARIANTS, bf16_ratio_lines,
+                                        machine_info, report)
 from scripts.bench_common import LR, REPO, SPECS
 
 # Per-model step settings other than BATCH and --warmup / --steps: the real-size 2B shape trains
@@ -154,11 +155,17 @@ class _Phases:
         return out
 
 
+def _kernel(compute_type: str) -> dict:
+    """pytrain's bf16 matmul kernel (oneDNN's implementation name), for a bf16 run."""
+    from pytrain import ggml
+    return dict(bf16_kernel=ggml.bf16_kernel()) if compute_type == "bf16" else {}
+
+
 def pytrain_worker(a) -> dict:
     B, T = a.batch
     t0 = time.perf_counter()
     m, tr, names, batch, train = bc.pytrain_trainer(a.gguf, "cpu", int(a.threads), a.recompute,
-                                                    a.seed, (B, T))
+                                                    a.seed, (B, T), a.compute_type)
     load_s = time.perf_counter() - t0
     after_load = bc.proc_status()
     ph = _Phases(tr)
@@ -194,7 +201,9 @@ def pytrain_worker(a) -> dict:
                rss_end_file=st["RssFile"], batch=[B, T],
                loss_rows=sorted({int(g.ce.n_rows) for g in tr.graphs.values()
                                  if getattr(g, "ce", None)}),
-               recompute=a.recompute, type_policy="auto", **bc.step_facts(m, tr, names), **stats)
+               recompute=a.recompute, type_policy="auto", compute_type=a.compute_type,
+               compute=m.compute, **_kernel(a.compute_type), **bc.step_facts(m, tr, names),
+               **stats)
     res["tokens_per_s"] = B * T / res["median_s"]
     res["target_tokens_per_s"] = res["n_targets"] / res["median_s"]
     return res
@@ -220,9 +229,12 @@ def hf_worker(a) -> dict:
         return dict(side="hf", profile=bc.hf_profile(hf, 12))
     stats, _, _ = bc.clean_loop(lambda: losses.append(hf.one()), a.runs, int(a.threads))
     st = bc.proc_status()
+    # one more step, untimed, after the peak RSS was read: which kernels the products ran on
+    kernels = bc.hf_kernels(hf) if a.kernels else None
     res = dict(side="hf", load_s=load_s, warmup_s=warm, first_loss=losses[0], losses=losses,
                peak_rss=st["VmHWM"], rss_after_load=after_load["VmRSS"],
-               rss_end_anon=st["RssAnon"], rss_end_file=st["RssFile"], **hf.facts, **stats)
+               rss_end_anon=st["RssAnon"], rss_end_file=st["RssFile"], kernels=kernels,
+               **hf.facts, **stats)
     res["tokens_per_s"] = res["tokens"] / res["median_s"]
     res["target_tokens_per_s"] = res["n_targets"] / res["median_s"]
     return res
@@ -261,21 +273,26 @@ def prepare(name: str, a) -> dict | None:
 
 def run_worker(python: str, side: str, model: dict, a, threads: int, profile: bool = False,
                batch=BATCH, steps: int | None = None, warmup: int | None = None,
-               blas: bool = True, recompute: str | None = None) -> dict | None:
+               blas: bool = True, recompute: str | None = None, compute_type: str = "f32",
+               hf_dtype: str | None = None) -> dict | None:
     """One worker process; ``blas=False`` runs pytrain with PYTRAIN_BLAS=0 (its CPU backend
-    alone), ``recompute`` overrides --recompute."""
+    alone), ``recompute`` overrides --recompute, ``compute_type`` is pytrain's, ``hf_dtype``
+    overrides --hf-dtype."""
+    hf_dtype = hf_dtype or a.hf_dtype
     cmd = [python, "-m", "scripts.bench_train", "--worker", side, "--threads", str(threads),
            "--runs", str(a.steps if steps is None else steps),
            "--warmup", str(a.warmup if warmup is None else warmup),
            "--batch", str(batch[0]), str(batch[1]), "--vocab", str(model["vocab"]),
-           "--hf-attn", a.hf_attn, "--hf-dtype", a.hf_dtype,
+           "--hf-attn", a.hf_attn, "--hf-dtype", hf_dtype, "--compute-type", compute_type,
            "--recompute", recompute or a.recompute, "--nice", str(a.nice)]
     if profile:
         cmd += ["--profile", "--warmup", "1"]
     cmd += ["--gguf", str(model["gguf"])] if side == "pytrain" else ["--hf", str(model["hf"])]
     env = bc.worker_env(threads, **({} if blas else {"PYTRAIN_BLAS": "0"}))
     busy = bc.wait_quiet(a.quiet_wait) if a.quiet_wait else bc.machine_busy()
-    what = (f"{side}{'' if blas else ' BLAS off'}{f' recompute={recompute}' if recompute else ''}"
+    kind = compute_type if side == "pytrain" else hf_dtype
+    what = (f"{side} {kind}{'' if blas else ' BLAS off'}"
+            f"{f' recompute={recompute}' if recompute else ''}"
             f"{' profile' if profile else ''}, {threads} thread{'s' if threads > 1 else ''}")
     print(f"  [{model['name']}] {what} ... (machine busy {busy:.2f} cores before; load average "
           f"{os.getloadavg()[0]:.2f})", flush=True)
@@ -312,7 +329,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--one-graph", default="2b", metavar="MODELS",
                     help="models whose pytrain side, when recompute auto chose layer-wise "
                          "recompute, also runs as one graph (recompute=off) ('' for none)")
-    ap.add_argument("--hf-dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--hf-dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="dtype of the main HF + PEFT reference (the 'HF' columns)")
+    ap.add_argument("--bf16", default="auto", choices=["auto", "on", "off"],
+                    help="also run each row in bfloat16: pytrain compute_type bf16 and HF + PEFT "
+                         "in the other dtype than --hf-dtype (auto: when the CPU has avx512_bf16 "
+                         "or amx_bf16; on: also without them, emulated and slow)")
     ap.add_argument("--recompute", default="auto", choices=["auto", "off", "layers"])
     ap.add_argument("--steps", type=int, default=5, help="clean timed steps wanted per side")
     ap.add_argument("--warmup", type=int, default=2)
@@ -341,6 +363,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--into", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--worker", choices=["pytrain", "hf"], help=argparse.SUPPRESS)
     ap.add_argument("--profile", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--compute-type", default="f32", choices=["f32", "bf16"], help=argparse.SUPPRESS)
+    ap.add_argument("--no-kernels", dest="kernels", action="store_false", help=argparse.SUPPRESS)
     ap.add_argument("--runs", type=int, default=5, help=argparse.SUPPRESS)
     ap.add_argument("--gguf", help=argparse.SUPPRESS)
     ap.add_argument("--hf", help=argparse.SUPPRESS)
@@ -376,6 +400,17 @@ def report_from(a) -> int:
     return 0
 
 
+def bf16_rows(mode: str) -> bool:
+    """Whether each row also runs in bfloat16 (--bf16): auto = when this CPU has bf16 units."""
+    if mode != "auto":
+        return mode == "on"
+    from pytrain.models.precision import cpu_bf16_units
+    units = cpu_bf16_units()
+    print(f"--bf16 auto: CPU bf16 units {', '.join(units) or 'none'}: bf16 rows "
+          f"{'run' if units else 'not run'}", flush=True)
+    return bool(units)
+
+
 def bench_row(name: str, model: dict, a, threads: int, first: bool) -> dict:
     """One model at one thread count: pytrain (and its variants), HF, and the profiles."""
     batch, warmup, steps = train_settings(name, a)
@@ -388,6 +423,11 @@ def bench_row(name: str, model: dict, a, threads: int, first: bool) -> dict:
     if name in a.blas_off.split(","):
         row["pytrain_noblas"] = run(a.pytrain_python, "pytrain", blas=False, **kw)
     row["hf"] = run(a.ref_python, "hf", **kw) if model["hf"] else None
+    if a.bf16_rows:
+        row["pytrain_bf16"] = run(a.pytrain_python, "pytrain", compute_type="bf16", **kw)
+        other = "float32" if a.hf_dtype == "bfloat16" else "bfloat16"
+        if model["hf"]:      # the second reference: hf_bf16 (or hf_f32 beside a bf16 "hf")
+            row[HF_OTHER[other]] = run(a.ref_python, "hf", hf_dtype=other, **kw)
     p = row["pytrain"]
     if name in a.one_graph.split(",") and p and "recompute" in (p.get("step_graph") or ""):
         row["pytrain_onegraph"] = run(a.pytrain_python, "pytrain", recompute="off", **kw)
@@ -395,6 +435,8 @@ def bench_row(name: str, model: dict, a, threads: int, first: bool) -> dict:
         if p and row.get(k):
             print(f"  [{name}] pytrain / {v} = "
                   f"{p['tokens_per_s'] / row[k]['tokens_per_s']:.2f}", flush=True)
+    for line in bf16_ratio_lines(row):
+        print(f"  [{name}] {line}", flush=True)
     if a.do_profile and first:
         pp = run(a.pytrain_python, "pytrain", profile=True, batch=batch)
         row["pytrain_profile"] = pp and pp["profile"]
@@ -421,6 +463,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.report_from:
         return report_from(a)
     a.thread_list = [int(t) for t in str(a.threads or "2").split(",") if t.strip()]
+    a.bf16_rows = bf16_rows(a.bf16)
     a.out = a.out or REPO / "bench_results" / "train.md"
     a.json = a.json or a.out.with_suffix(".json")
     t_start = time.time()
