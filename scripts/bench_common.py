@@ -470,9 +470,9 @@ def hf_profile(hf, top: int = 20) -> dict:
                 top=[(e.key, getattr(e, key, 0) / 1e6, int(e.count)) for e in ka[:top]])
 
 
-# the torch ops a training step's matrix products go through (torch.profiler's names)
-MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul",
-              "aten::linear", "aten::mkldnn_linear")
+# the torch ops a training step's matrix products end in (torch.profiler's names; aten::linear
+# and aten::matmul only dispatch to these)
+MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::mkldnn_linear")
 
 
 def onednn_matmuls(verbose: str) -> dict[str, int]:
@@ -519,10 +519,10 @@ def hf_kernels(hf) -> dict:
 
 
 def kernel_summary(k: dict | None) -> str:
-    """One line for a report: "brg_matmul:avx512_core_bf16 x 37" (oneDNN), else the op names."""
+    """One line for a report: "oneDNN brg_matmul:avx512_core_bf16 x 75; aten::mm x 96, ...
+    (MKL BLAS where not oneDNN)"."""
     if not k:
         return "-"
     fmt = lambda d: ", ".join(f"{n} x {c}" for n, c in sorted(d.items(), key=lambda kv: -kv[1]))  # noqa: E731
-    if k.get("onednn"):
-        return "oneDNN " + fmt(k["onednn"])
-    return f"no oneDNN matmul ({k.get('blas', '?')} BLAS): " + (fmt(k.get("aten") or {}) or "-")
+    return (f"oneDNN {fmt(k.get('onednn') or {}) or 'none'}; {fmt(k.get('aten') or {}) or '-'} "
+            f"({k.get('blas', '?')} BLAS where not oneDNN)")

@@ -19,6 +19,22 @@ Models (``--models``, comma-separated, default ``default,mid,mid-v248k``; the co
                bfloat16 was far slower).  Batch 1 x 512 (``TRAIN``), at most 1 warm-up and 3
                clean timed steps; pytrain's Trainer picks layer-wise recompute there on a 24 GiB
                machine (``--recompute``, default auto), HF keeps every activation.
+    toy        the smoke tests' model (tests/test_scripts_bench.py), batch 1 x 32
+
+bf16 rows (``--bf16 auto|on|off``, default auto = when /proc/cpuinfo lists ``avx512_bf16`` or
+``amx_bf16``; ``on`` also elsewhere, where both sides emulate bf16 slowly): each row (model x
+threads) also runs, in the same invocation, pytrain with ``compute_type="bf16"`` (the frozen
+weight matrices loaded as BF16 and multiplied, forward and backward, by oneDNN's bf16 matmul in
+ggml-blas; LoRA, the other ops and AdamW stay float32; ``row["pytrain_bf16"]``) and HF + PEFT
+with the model in the other dtype than ``--hf-dtype`` (``row["hf_bf16"]``, or ``row["hf_f32"]``
+beside ``--hf-dtype bfloat16``; the 2b checkpoint's float16 is converted on load).  The report
+then opens with a table of all four sides: tokens/s, pytrain f32 / HF f32, pytrain bf16 / HF
+bf16, each pytrain figure against the faster HF reference (named), peak RSS, first-step losses
+(bf16 rounding moves them a little) and the kernels: pytrain's oneDNN implementation
+(``pytrain.ggml.bf16_kernel()``) and, for each HF side, one extra untimed step after the timed
+ones under oneDNN verbose (matmul / inner_product implementations and how often they ran) and
+torch.profiler (aten::mm / bmm / ... counts: torch's float32 products go to its CPU BLAS, not
+oneDNN).  The committed bf16 figures are ``bench_results/train-bf16.md`` (``--out`` it).
 
 The training step, the same on both sides: batch 2 x 256 random token ids over the vocabulary,
 no padding, the first half of each row a masked prompt (HF: label -100; pytrain: ``train_mask``
@@ -56,9 +72,12 @@ stack of scripts/requirements-reference.txt in /opt/refenv):
     python -m scripts.bench_train                            # -> bench_results/train.md
     python -m scripts.bench_train --models mid --steps 3 --no-profile --out /tmp/train.md
     python -m scripts.bench_train --report-from bench_results/train.json   # re-render
+    python -m scripts.bench_train --models mid,mid-v248k,2b --model-threads 2b=2 \
+        --out bench_results/train-bf16.md                  # the bf16 rows (on a bf16 CPU)
 
 ``--report-from`` rewrites the markdown from ``--json`` files of earlier runs (merging several;
-``--note`` lines are added, and stored into a single json named by ``--json``).  Without 2b the
+``--note`` lines are added, and stored into a single json named by ``--json``; results of runs
+before the bf16 rows render as they did).  Without 2b the
 run takes ~20 minutes per thread count on 2 cores.  The masked loss's label work before and after
 it moved onto the device (bench_results/labels.md) and the LM-head backward alternatives were
 measured by this script at commit 9bbf5b4 and before; those investigations are finished.
@@ -79,8 +98,9 @@ from scripts.bench_train_report import (BATCH, HF_OTHER, VARIANTS, bf16_ratio_li
 from scripts.bench_common import LR, REPO, SPECS
 
 # Per-model step settings other than BATCH and --warmup / --steps: the real-size 2B shape trains
-# on batch 1 x 512 with at most 1 warm-up and 3 clean timed steps (a step takes tens of seconds).
-TRAIN = {"2b": dict(batch=(1, 512), warmup=1, steps=3)}
+# on batch 1 x 512 with at most 1 warm-up and 3 clean timed steps (a step takes tens of seconds);
+# the smoke tests' toy model on its own batch.
+TRAIN = {"2b": dict(batch=(1, 512), warmup=1, steps=3), "toy": dict(batch=SPECS["toy"]["batch"])}
 
 
 

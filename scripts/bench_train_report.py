@@ -275,7 +275,9 @@ def _details(rows: list[dict]) -> list[str]:
                    + (f"; {x['compute']}" if x.get("compute_type") == "bf16" else "")
                    if not side.startswith("hf") else
                    (f"; LoRA weights {', '.join(x['lora_dtypes'])}" if x.get("lora_dtypes")
-                    else ""))
+                    else "")
+                   + (f"; kernels: {bc.kernel_summary(x['kernels'])}" if x.get("kernels")
+                      else ""))
             lines.append(
                 f"- {r['name']} {sname}, {r.get('threads')} threads: load {x['load_s']:.2f} s, "
                 f"warm-up {', '.join(f'{t:.3f}' for t in x['warmup_s'])} s, steps "
