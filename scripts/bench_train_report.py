@@ -336,13 +336,13 @@ def _ratio(v: float | None) -> str:
 def _bf16_cells(r: dict) -> list[str]:
     x = bf16_ratios(r)
     sides = list(x["sides"].values())
-    four = lambda f: " / ".join(f(y) if y else "-" for y in sides)  # noqa: E731
+    four = lambda f, sep=" / ": sep.join(f(y) if y else "-" for y in sides)  # noqa: E731
     p16, h32, h16 = sides[1], sides[2], sides[3]
     kern = [f"pytrain: {p16.get('bf16_kernel') or '?'}" if p16 else "pytrain: -",
             f"HF bf16: {bc.kernel_summary(h16.get('kernels')) if h16 else '-'}",
             f"HF f32: {bc.kernel_summary(h32.get('kernels')) if h32 else '-'}"]
     return [r["name"], str(r.get("threads", "?")), four(lambda y: f"{y['tokens_per_s']:.1f}"),
-            _ratio(x["f32"]), _ratio(x["bf16"]), x["faster"] or "-", _ratio(x["f32_fast"]),
+            four(lambda y: f"{y['n_clean']}/{len(y['times'])}", ", "), _ratio(x["f32"]), _ratio(x["bf16"]), x["faster"] or "-", _ratio(x["f32_fast"]),
             _ratio(x["bf16_fast"]), four(lambda y: f"{y['peak_rss'] / 2**30:.2f}"),
             four(lambda y: f"{y['first_loss']:.5f}"), "; ".join(kern)]
 
@@ -365,10 +365,10 @@ def bf16_section(rows: list[dict]) -> list[str]:
              "ones, under oneDNN verbose (matmul / inner_product implementations x executions) "
              "and torch.profiler (the aten matmul ops, where torch does not call oneDNN).", "",
              "| model | threads | tokens/s pytrain f32 / pytrain bf16 / HF f32 / HF bf16 | "
-             "pytrain f32 / HF f32 | pytrain bf16 / HF bf16 | faster HF | pytrain f32 / faster "
+             "clean/timed steps (same order) | pytrain f32 / HF f32 | pytrain bf16 / HF bf16 | faster HF | pytrain f32 / faster "
              "HF | pytrain bf16 / faster HF | peak RSS (GiB) pytrain f32 / pytrain bf16 / HF f32 "
              "/ HF bf16 | first-step loss pytrain f32 / pytrain bf16 / HF f32 / HF bf16 | "
-             "kernels |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "kernels |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     lines += ["| " + " | ".join(_bf16_cells(r)) + " |" for r in rows]
     computes = dict.fromkeys(r["pytrain_bf16"]["compute"] for r in rows
                              if (r.get("pytrain_bf16") or {}).get("compute"))

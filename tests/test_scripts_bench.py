@@ -94,11 +94,11 @@ def test_bench_train_bf16_rows_and_their_report(toy, ref_python, tmp_path):
     section = text.split("## float32 and bfloat16", 1)[1].split("| model | threads | batch |")[0]
     cells = [c.strip() for c in next(ln for ln in section.splitlines()
                                      if ln.startswith("| toy | 1 |")).strip("|").split("|")]
-    assert len(cells) == 11 and cells[5] in ("HF f32", "HF bf16"), cells
-    assert "HF bf16: oneDNN" in cells[10] and "aten::mm" in cells[10], cells[10]
+    assert len(cells) == 12 and cells[6] in ("HF f32", "HF bf16"), cells
+    assert "HF bf16: oneDNN" in cells[11] and "aten::mm" in cells[11], cells[11]
     if p16:
-        assert "-" not in cells[2].split(" / ") and cells[4] != "-", cells
-        assert f"pytrain: {p16['bf16_kernel']}" in cells[10]
+        assert "-" not in cells[2].split(" / ") and cells[5] != "-", cells
+        assert f"pytrain: {p16['bf16_kernel']}" in cells[11]
     again = tmp_path / "again.md"
     run_script("scripts.bench_train", "--report-from", str(out.with_suffix(".json")),
                "--out", str(again))
