@@ -523,6 +523,7 @@ def kernel_summary(k: dict | None) -> str:
     (MKL BLAS where not oneDNN)"."""
     if not k:
         return "-"
-    fmt = lambda d: ", ".join(f"{n} x {c}" for n, c in sorted(d.items(), key=lambda kv: -kv[1]))  # noqa: E731
+    def fmt(d: dict) -> str:
+        return ", ".join(f"{n} x {c}" for n, c in sorted(d.items(), key=lambda kv: -kv[1]))
     return (f"oneDNN {fmt(k.get('onednn') or {}) or 'none'}; {fmt(k.get('aten') or {}) or '-'} "
             f"({k.get('blas', '?')} BLAS where not oneDNN)")

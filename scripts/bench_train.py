@@ -383,7 +383,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--into", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--worker", choices=["pytrain", "hf"], help=argparse.SUPPRESS)
     ap.add_argument("--profile", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--compute-type", default="f32", choices=["f32", "bf16"], help=argparse.SUPPRESS)
+    ap.add_argument("--compute-type", default="f32", choices=["f32", "bf16"],
+                    help=argparse.SUPPRESS)
     ap.add_argument("--no-kernels", dest="kernels", action="store_false", help=argparse.SUPPRESS)
     ap.add_argument("--runs", type=int, default=5, help=argparse.SUPPRESS)
     ap.add_argument("--gguf", help=argparse.SUPPRESS)

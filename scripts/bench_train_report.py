@@ -342,8 +342,8 @@ def _bf16_cells(r: dict) -> list[str]:
             f"HF bf16: {bc.kernel_summary(h16.get('kernels')) if h16 else '-'}",
             f"HF f32: {bc.kernel_summary(h32.get('kernels')) if h32 else '-'}"]
     return [r["name"], str(r.get("threads", "?")), four(lambda y: f"{y['tokens_per_s']:.1f}"),
-            four(lambda y: f"{y['n_clean']}/{len(y['times'])}", ", "), _ratio(x["f32"]), _ratio(x["bf16"]), x["faster"] or "-", _ratio(x["f32_fast"]),
-            _ratio(x["bf16_fast"]), four(lambda y: f"{y['peak_rss'] / 2**30:.2f}"),
+            four(lambda y: f"{y['n_clean']}/{len(y['times'])}", ", "), _ratio(x["f32"]),
+            _ratio(x["bf16"]), x["faster"] or "-", _ratio(x["f32_fast"]), _ratio(x["bf16_fast"]), four(lambda y: f"{y['peak_rss'] / 2**30:.2f}"),
             four(lambda y: f"{y['first_loss']:.5f}"), "; ".join(kern)]
 
 
@@ -363,10 +363,11 @@ def bf16_section(rows: list[dict]) -> list[str]:
              "one with more tokens/s in that row. Kernels: pytrain's bf16 matmul "
              "(`pytrain.ggml.bf16_kernel()`); HF's from one extra, untimed step after the timed "
              "ones, under oneDNN verbose (matmul / inner_product implementations x executions) "
-             "and torch.profiler (the aten matmul ops, where torch does not call oneDNN).", "",
+             "and torch.profiler (calls of the aten matmul ops: torch's float32 products go to "
+             "its CPU BLAS, not oneDNN).", "",
              "| model | threads | tokens/s pytrain f32 / pytrain bf16 / HF f32 / HF bf16 | "
-             "clean/timed steps (same order) | pytrain f32 / HF f32 | pytrain bf16 / HF bf16 | faster HF | pytrain f32 / faster "
-             "HF | pytrain bf16 / faster HF | peak RSS (GiB) pytrain f32 / pytrain bf16 / HF f32 "
+             "clean/timed steps (same order) | pytrain f32 / HF f32 | pytrain bf16 / HF bf16 | "
+             "faster HF | pytrain f32 / faster HF | pytrain bf16 / faster HF | peak RSS (GiB) pytrain f32 / pytrain bf16 / HF f32 "
              "/ HF bf16 | first-step loss pytrain f32 / pytrain bf16 / HF f32 / HF bf16 | "
              "kernels |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     lines += ["| " + " | ".join(_bf16_cells(r)) + " |" for r in rows]
