@@ -338,9 +338,10 @@ def n_targets(train) -> int:
 
 
 def pytrain_trainer(gguf, device: str, threads: int | None, recompute: str, seed: int,
-                    batch: tuple[int, int]):
-    """(model, trainer, target names, batch, train mask) of pytrain's side: the model loaded,
-    LoRA on the default targets, AdamW, and the benchmark's batch."""
+                    batch: tuple[int, int], compute_type: str = "f32"):
+    """(model, trainer, target names, batch, train mask) of pytrain's side: the model loaded
+    (``compute_type`` "bf16": its weight matrices as BF16, multiplied in bf16), LoRA on the
+    default targets, AdamW, and the benchmark's batch."""
     from types import SimpleNamespace
 
     import pytrain
@@ -348,7 +349,7 @@ def pytrain_trainer(gguf, device: str, threads: int | None, recompute: str, seed
     from pytrain.models.lora_targets import select_targets
     from pytrain.train.optimizer import AdamWSettings
     from pytrain.train.trainer import Trainer
-    m = pytrain.load_model(gguf, device=device, threads=threads)
+    m = pytrain.load_model(gguf, device=device, threads=threads, compute_type=compute_type)
     names = select_targets(m.config)
     ad = lora.create(m.runtime, m.config, names, RANK, ALPHA, seed=0)
     tr = Trainer(m, ad, AdamWSettings(lr=LR, max_grad_norm=MAX_NORM), recompute=recompute)
@@ -467,3 +468,62 @@ def hf_profile(hf, top: int = 20) -> dict:
     ka = sorted(prof.key_averages(), key=lambda e: -getattr(e, key, 0))
     return dict(wall=wall, total_s=sum(getattr(e, key, 0) for e in ka) / 1e6, key=key,
                 top=[(e.key, getattr(e, key, 0) / 1e6, int(e.count)) for e in ka[:top]])
+
+
+# the torch ops a training step's matrix products end in (torch.profiler's names; aten::linear
+# and aten::matmul only dispatch to these)
+MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::mkldnn_linear")
+
+
+def onednn_matmuls(verbose: str) -> dict[str, int]:
+    """{implementation: executions} of oneDNN's matmul and inner_product primitives in its
+    verbose output (``onednn_verbose,[v1,]primitive,exec,cpu,matmul,brg_matmul:...``)."""
+    out: dict[str, int] = {}
+    for line in verbose.splitlines():
+        f = line.split(",")
+        if not f or f[0] != "onednn_verbose" or "exec" not in f:
+            continue
+        i = f.index("exec")
+        if len(f) > i + 3 and f[i + 2] in ("matmul", "inner_product"):
+            out[f[i + 3]] = out.get(f[i + 3], 0) + 1
+    return out
+
+
+def hf_kernels(hf) -> dict:
+    """Which kernels one HF step's matrix products ran on: oneDNN's matmul implementations
+    (its verbose output of the step, caught at the file descriptor since oneDNN prints from C)
+    and torch.profiler's matmul op counts (torch's f32 products go to its CPU BLAS, not
+    oneDNN: there the op names are all there is)."""
+    import ctypes
+    import tempfile
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    sys.stdout.flush()
+    saved = os.dup(1)
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), 1)
+        try:
+            with profile(activities=[ProfilerActivity.CPU]) as prof, \
+                    torch.backends.mkldnn.verbose(torch.backends.mkldnn.VERBOSE_ON):
+                hf.one()
+        finally:
+            ctypes.CDLL(None).fflush(None)
+            os.dup2(saved, 1)
+            os.close(saved)
+        tmp.seek(0)
+        text = tmp.read().decode(errors="replace")
+    ops = {e.key: int(e.count) for e in prof.key_averages() if e.key in MATMUL_OPS}
+    return dict(onednn=onednn_matmuls(text), aten=ops,
+                blas="MKL" if torch.backends.mkl.is_available() else "torch's own")
+
+
+def kernel_summary(k: dict | None) -> str:
+    """One line for a report: "oneDNN brg_matmul:avx512_core_bf16 x 75; aten::mm x 96, ...
+    (MKL BLAS where not oneDNN)"."""
+    if not k:
+        return "-"
+    def fmt(d: dict) -> str:
+        return ", ".join(f"{n} x {c}" for n, c in sorted(d.items(), key=lambda kv: -kv[1]))
+    return (f"oneDNN {fmt(k.get('onednn') or {}) or 'none'}; {fmt(k.get('aten') or {}) or '-'} "
+            f"({k.get('blas', '?')} BLAS where not oneDNN)")

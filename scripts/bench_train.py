@@ -19,6 +19,22 @@ Models (``--models``, comma-separated, default ``default,mid,mid-v248k``; the co
                bfloat16 was far slower).  Batch 1 x 512 (``TRAIN``), at most 1 warm-up and 3
                clean timed steps; pytrain's Trainer picks layer-wise recompute there on a 24 GiB
                machine (``--recompute``, default auto), HF keeps every activation.
+    toy        the smoke tests' model (tests/test_scripts_bench.py), batch 1 x 32
+
+bf16 rows (``--bf16 auto|on|off``, default auto = when /proc/cpuinfo lists ``avx512_bf16`` or
+``amx_bf16``; ``on`` also elsewhere, where both sides emulate bf16 slowly): each row (model x
+threads) also runs, in the same invocation, pytrain with ``compute_type="bf16"`` (the frozen
+weight matrices loaded as BF16 and multiplied, forward and backward, by oneDNN's bf16 matmul in
+ggml-blas; LoRA, the other ops and AdamW stay float32; ``row["pytrain_bf16"]``) and HF + PEFT
+with the model in the other dtype than ``--hf-dtype`` (``row["hf_bf16"]``, or ``row["hf_f32"]``
+beside ``--hf-dtype bfloat16``; the 2b checkpoint's float16 is converted on load).  The report
+then opens with a table of all four sides: tokens/s, pytrain f32 / HF f32, pytrain bf16 / HF
+bf16, each pytrain figure against the faster HF reference (named), peak RSS, first-step losses
+(bf16 rounding moves them a little) and the kernels: pytrain's oneDNN implementation
+(``pytrain.ggml.bf16_kernel()``) and, for each HF side, one extra untimed step after the timed
+ones under oneDNN verbose (matmul / inner_product implementations and how often they ran) and
+torch.profiler (aten::mm / bmm / ... counts: torch's float32 products go to its CPU BLAS, not
+oneDNN).  The committed bf16 figures are ``bench_results/train-bf16.md`` (``--out`` it).
 
 The training step, the same on both sides: batch 2 x 256 random token ids over the vocabulary,
 no padding, the first half of each row a masked prompt (HF: label -100; pytrain: ``train_mask``
@@ -56,9 +72,12 @@ stack of scripts/requirements-reference.txt in /opt/refenv):
     python -m scripts.bench_train                            # -> bench_results/train.md
     python -m scripts.bench_train --models mid --steps 3 --no-profile --out /tmp/train.md
     python -m scripts.bench_train --report-from bench_results/train.json   # re-render
+    python -m scripts.bench_train --models mid,mid-v248k,2b --model-threads 2b=2 \
+        --out bench_results/train-bf16.md                  # the bf16 rows (on a bf16 CPU)
 
 ``--report-from`` rewrites the markdown from ``--json`` files of earlier runs (merging several;
-``--note`` lines are added, and stored into a single json named by ``--json``).  Without 2b the
+``--note`` lines are added, and stored into a single json named by ``--json``; results of runs
+before the bf16 rows render as they did).  Without 2b the
 run takes ~20 minutes per thread count on 2 cores.  The masked loss's label work before and after
 it moved onto the device (bench_results/labels.md) and the LM-head backward alternatives were
 measured by this script at commit 9bbf5b4 and before; those investigations are finished.
@@ -74,12 +93,14 @@ import time
 from pathlib import Path
 
 from scripts import bench_common as bc
-from scripts.bench_train_report import BATCH, VARIANTS, machine_info, report
+from scripts.bench_train_report import (BATCH, HF_OTHER, VARIANTS, bf16_ratio_lines,
+                                        machine_info, report)
 from scripts.bench_common import LR, REPO, SPECS
 
 # Per-model step settings other than BATCH and --warmup / --steps: the real-size 2B shape trains
-# on batch 1 x 512 with at most 1 warm-up and 3 clean timed steps (a step takes tens of seconds).
-TRAIN = {"2b": dict(batch=(1, 512), warmup=1, steps=3)}
+# on batch 1 x 512 with at most 1 warm-up and 3 clean timed steps (a step takes tens of seconds);
+# the smoke tests' toy model on its own batch.
+TRAIN = {"2b": dict(batch=(1, 512), warmup=1, steps=3), "toy": dict(batch=SPECS["toy"]["batch"])}
 
 
 
@@ -154,11 +175,17 @@ class _Phases:
         return out
 
 
+def _kernel(compute_type: str) -> dict:
+    """pytrain's bf16 matmul kernel (oneDNN's implementation name), for a bf16 run."""
+    from pytrain import ggml
+    return dict(bf16_kernel=ggml.bf16_kernel()) if compute_type == "bf16" else {}
+
+
 def pytrain_worker(a) -> dict:
     B, T = a.batch
     t0 = time.perf_counter()
     m, tr, names, batch, train = bc.pytrain_trainer(a.gguf, "cpu", int(a.threads), a.recompute,
-                                                    a.seed, (B, T))
+                                                    a.seed, (B, T), a.compute_type)
     load_s = time.perf_counter() - t0
     after_load = bc.proc_status()
     ph = _Phases(tr)
@@ -194,7 +221,9 @@ def pytrain_worker(a) -> dict:
                rss_end_file=st["RssFile"], batch=[B, T],
                loss_rows=sorted({int(g.ce.n_rows) for g in tr.graphs.values()
                                  if getattr(g, "ce", None)}),
-               recompute=a.recompute, type_policy="auto", **bc.step_facts(m, tr, names), **stats)
+               recompute=a.recompute, type_policy="auto", compute_type=a.compute_type,
+               compute=m.compute, **_kernel(a.compute_type), **bc.step_facts(m, tr, names),
+               **stats)
     res["tokens_per_s"] = B * T / res["median_s"]
     res["target_tokens_per_s"] = res["n_targets"] / res["median_s"]
     return res
@@ -220,9 +249,12 @@ def hf_worker(a) -> dict:
         return dict(side="hf", profile=bc.hf_profile(hf, 12))
     stats, _, _ = bc.clean_loop(lambda: losses.append(hf.one()), a.runs, int(a.threads))
     st = bc.proc_status()
+    # one more step, untimed, after the peak RSS was read: which kernels the products ran on
+    kernels = bc.hf_kernels(hf) if a.kernels else None
     res = dict(side="hf", load_s=load_s, warmup_s=warm, first_loss=losses[0], losses=losses,
                peak_rss=st["VmHWM"], rss_after_load=after_load["VmRSS"],
-               rss_end_anon=st["RssAnon"], rss_end_file=st["RssFile"], **hf.facts, **stats)
+               rss_end_anon=st["RssAnon"], rss_end_file=st["RssFile"], kernels=kernels,
+               **hf.facts, **stats)
     res["tokens_per_s"] = res["tokens"] / res["median_s"]
     res["target_tokens_per_s"] = res["n_targets"] / res["median_s"]
     return res
@@ -261,21 +293,26 @@ def prepare(name: str, a) -> dict | None:
 
 def run_worker(python: str, side: str, model: dict, a, threads: int, profile: bool = False,
                batch=BATCH, steps: int | None = None, warmup: int | None = None,
-               blas: bool = True, recompute: str | None = None) -> dict | None:
+               blas: bool = True, recompute: str | None = None, compute_type: str = "f32",
+               hf_dtype: str | None = None) -> dict | None:
     """One worker process; ``blas=False`` runs pytrain with PYTRAIN_BLAS=0 (its CPU backend
-    alone), ``recompute`` overrides --recompute."""
+    alone), ``recompute`` overrides --recompute, ``compute_type`` is pytrain's, ``hf_dtype``
+    overrides --hf-dtype."""
+    hf_dtype = hf_dtype or a.hf_dtype
     cmd = [python, "-m", "scripts.bench_train", "--worker", side, "--threads", str(threads),
            "--runs", str(a.steps if steps is None else steps),
            "--warmup", str(a.warmup if warmup is None else warmup),
            "--batch", str(batch[0]), str(batch[1]), "--vocab", str(model["vocab"]),
-           "--hf-attn", a.hf_attn, "--hf-dtype", a.hf_dtype,
+           "--hf-attn", a.hf_attn, "--hf-dtype", hf_dtype, "--compute-type", compute_type,
            "--recompute", recompute or a.recompute, "--nice", str(a.nice)]
     if profile:
         cmd += ["--profile", "--warmup", "1"]
     cmd += ["--gguf", str(model["gguf"])] if side == "pytrain" else ["--hf", str(model["hf"])]
     env = bc.worker_env(threads, **({} if blas else {"PYTRAIN_BLAS": "0"}))
     busy = bc.wait_quiet(a.quiet_wait) if a.quiet_wait else bc.machine_busy()
-    what = (f"{side}{'' if blas else ' BLAS off'}{f' recompute={recompute}' if recompute else ''}"
+    kind = compute_type if side == "pytrain" else hf_dtype
+    what = (f"{side} {kind}{'' if blas else ' BLAS off'}"
+            f"{f' recompute={recompute}' if recompute else ''}"
             f"{' profile' if profile else ''}, {threads} thread{'s' if threads > 1 else ''}")
     print(f"  [{model['name']}] {what} ... (machine busy {busy:.2f} cores before; load average "
           f"{os.getloadavg()[0]:.2f})", flush=True)
@@ -312,7 +349,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--one-graph", default="2b", metavar="MODELS",
                     help="models whose pytrain side, when recompute auto chose layer-wise "
                          "recompute, also runs as one graph (recompute=off) ('' for none)")
-    ap.add_argument("--hf-dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--hf-dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="dtype of the main HF + PEFT reference (the 'HF' columns)")
+    ap.add_argument("--bf16", default="auto", choices=["auto", "on", "off"],
+                    help="also run each row in bfloat16: pytrain compute_type bf16 and HF + PEFT "
+                         "in the other dtype than --hf-dtype (auto: when the CPU has avx512_bf16 "
+                         "or amx_bf16; on: also without them, emulated and slow)")
     ap.add_argument("--recompute", default="auto", choices=["auto", "off", "layers"])
     ap.add_argument("--steps", type=int, default=5, help="clean timed steps wanted per side")
     ap.add_argument("--warmup", type=int, default=2)
@@ -341,6 +383,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--into", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--worker", choices=["pytrain", "hf"], help=argparse.SUPPRESS)
     ap.add_argument("--profile", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--compute-type", default="f32", choices=["f32", "bf16"],
+                    help=argparse.SUPPRESS)
+    ap.add_argument("--no-kernels", dest="kernels", action="store_false", help=argparse.SUPPRESS)
     ap.add_argument("--runs", type=int, default=5, help=argparse.SUPPRESS)
     ap.add_argument("--gguf", help=argparse.SUPPRESS)
     ap.add_argument("--hf", help=argparse.SUPPRESS)
@@ -376,6 +421,17 @@ def report_from(a) -> int:
     return 0
 
 
+def bf16_rows(mode: str) -> bool:
+    """Whether each row also runs in bfloat16 (--bf16): auto = when this CPU has bf16 units."""
+    if mode != "auto":
+        return mode == "on"
+    from pytrain.models.precision import cpu_bf16_units
+    units = cpu_bf16_units()
+    print(f"--bf16 auto: CPU bf16 units {', '.join(units) or 'none'}: bf16 rows "
+          f"{'run' if units else 'not run'}", flush=True)
+    return bool(units)
+
+
 def bench_row(name: str, model: dict, a, threads: int, first: bool) -> dict:
     """One model at one thread count: pytrain (and its variants), HF, and the profiles."""
     batch, warmup, steps = train_settings(name, a)
@@ -388,6 +444,11 @@ def bench_row(name: str, model: dict, a, threads: int, first: bool) -> dict:
     if name in a.blas_off.split(","):
         row["pytrain_noblas"] = run(a.pytrain_python, "pytrain", blas=False, **kw)
     row["hf"] = run(a.ref_python, "hf", **kw) if model["hf"] else None
+    if a.bf16_rows:
+        row["pytrain_bf16"] = run(a.pytrain_python, "pytrain", compute_type="bf16", **kw)
+        other = "float32" if a.hf_dtype == "bfloat16" else "bfloat16"
+        if model["hf"]:      # the second reference: hf_bf16 (or hf_f32 beside a bf16 "hf")
+            row[HF_OTHER[other]] = run(a.ref_python, "hf", hf_dtype=other, **kw)
     p = row["pytrain"]
     if name in a.one_graph.split(",") and p and "recompute" in (p.get("step_graph") or ""):
         row["pytrain_onegraph"] = run(a.pytrain_python, "pytrain", recompute="off", **kw)
@@ -395,6 +456,8 @@ def bench_row(name: str, model: dict, a, threads: int, first: bool) -> dict:
         if p and row.get(k):
             print(f"  [{name}] pytrain / {v} = "
                   f"{p['tokens_per_s'] / row[k]['tokens_per_s']:.2f}", flush=True)
+    for line in bf16_ratio_lines(row):
+        print(f"  [{name}] {line}", flush=True)
     if a.do_profile and first:
         pp = run(a.pytrain_python, "pytrain", profile=True, batch=batch)
         row["pytrain_profile"] = pp and pp["profile"]
@@ -421,6 +484,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.report_from:
         return report_from(a)
     a.thread_list = [int(t) for t in str(a.threads or "2").split(",") if t.strip()]
+    a.bf16_rows = bf16_rows(a.bf16)
     a.out = a.out or REPO / "bench_results" / "train.md"
     a.json = a.json or a.out.with_suffix(".json")
     t_start = time.time()

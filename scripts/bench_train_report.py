@@ -17,6 +17,10 @@ BATCH = (2, 256)
 # BLAS off = PYTRAIN_BLAS=0 (--blas-off), one graph = recompute="off" where auto chose layer-wise
 # recompute (--one-graph).
 VARIANTS = {"pytrain_noblas": "BLAS off", "pytrain_onegraph": "one graph, recompute=off"}
+# The bf16 runs of a row (--bf16): pytrain with compute_type "bf16", and the HF + PEFT reference
+# in the other dtype than the main "hf" one (--hf-dtype), under the key its dtype names.
+HF_OTHER = {"bfloat16": "hf_bf16", "float32": "hf_f32"}
+BF16_KEYS = ("pytrain_bf16", *HF_OTHER.values())
 
 
 def machine_info(a, wall_s: float | None = None) -> list[str]:
@@ -34,10 +38,26 @@ def machine_info(a, wall_s: float | None = None) -> list[str]:
             f"OMP/MKL/OPENBLAS_NUM_THREADS=N)",
             f"- ggml {m['ggml']}",
             f"- {_blas_info()}",
+            _bf16_info(a),
             f"- python {platform.python_version()} (pytrain side); worker processes at niceness "
             f"{a.nice:+d}" + (" in a session (scheduler autogroup) of their own, so that other "
                               "jobs on this shared machine yield the cores while they run"
                               if a.nice < 0 else "")]
+
+
+def _bf16_info(a) -> str:
+    """The CPU's bf16 units (the flags bf16 compute runs on) and whether the bf16 rows ran."""
+    try:
+        from pytrain import ggml
+        from pytrain.models.precision import cpu_bf16_units
+        units, kernel = cpu_bf16_units(), ggml.bf16_kernel()
+    except ImportError:      # a report rendered by an interpreter without pytrain
+        units, kernel = None, ""
+    ran = getattr(a, "bf16_rows", None)
+    return (f"- CPU bf16 units (avx512_bf16 / amx_bf16 in /proc/cpuinfo): "
+            f"{'?' if units is None else ', '.join(units) or 'none'}; bf16 rows (`--bf16 "
+            f"{getattr(a, 'bf16', 'auto')}`): {'?' if ran is None else 'run' if ran else 'not run'}"
+            + (f"; pytrain's bf16 matmul: oneDNN {kernel}" if kernel else ""))
 
 
 def _blas_info() -> str:
@@ -65,7 +85,9 @@ def _ms(s: float) -> str:
 def _header(rows: list[dict], a, loads: list, info: list[str] | None) -> list[str]:
     la = ", ".join(f"{x:.2f}" for x in loads[0]) if loads else "?"
     lb = ", ".join(f"{x:.2f}" for x in loads[-1]) if loads else "?"
-    lines = ["# LoRA training throughput: pytrain vs HF transformers + PEFT (CPU)", "",
+    bf16 = any(r.get(k) for r in rows for k in BF16_KEYS)
+    lines = ["# LoRA training throughput: pytrain vs HF transformers + PEFT"
+             + (", float32 and bfloat16" if bf16 else "") + " (CPU)", "",
              "Made by `python -m scripts.bench_train` (see its docstring for the exact step on "
              "each side). Tokens/s = tokens / median wall time of one optimizer step (forward, "
              "masked CE, backward, grad norm + clipping, AdamW) after warm-up, over the *clean* "
@@ -86,8 +108,9 @@ def _header(rows: list[dict], a, loads: list, info: list[str] | None) -> list[st
     if hf:
         dts: dict[str, list] = {}
         for r in rows:
-            if r.get("hf"):
-                dts.setdefault(r["hf"].get("dtype", "float32"), []).append(r["name"])
+            for k in ("hf", *HF_OTHER.values()):
+                if r.get(k):
+                    dts.setdefault(r[k].get("dtype", "float32"), []).append(r["name"])
         dt = ("; ".join(f"{d} ({', '.join(dict.fromkeys(ns))})" for d, ns in dts.items())
               if len(dts) > 1 else next(iter(dts)))
         lines.append(f"- HF: torch {hf['torch']}, transformers {hf['transformers']}, peft "
@@ -179,7 +202,8 @@ def _phase_table(rows: list[dict], extra_steps: list) -> list[str]:
     steps = []
     for r in rows:
         steps += [(r["name"], r, r.get("pytrain"))] + [
-            (f"{r['name']} ({v})", r, r.get(k)) for k, v in VARIANTS.items()]
+            (f"{r['name']} ({v})", r, r.get(k)) for k, v in VARIANTS.items()] + [
+            (f"{r['name']} (bf16 compute)", r, r.get("pytrain_bf16"))]
     steps += [(x["name"], x, x.get("pytrain")) for x in extra_steps]
     for name, r, p in steps:
         if not p:
@@ -239,16 +263,21 @@ def _profile_section(rows: list[dict]) -> list[str]:
 def _details(rows: list[dict]) -> list[str]:
     lines = ["", "Details:", ""]
     for r in rows:
-        for side in ("pytrain", *VARIANTS, "hf"):
+        for side in ("pytrain", *VARIANTS, "pytrain_bf16", "hf", *HF_OTHER.values()):
             x = r.get(side)
             if not x:
                 continue
-            sname = f"pytrain {VARIANTS[side]}" if side in VARIANTS else side
+            sname = (f"pytrain {VARIANTS[side]}" if side in VARIANTS else "pytrain bf16 compute"
+                     if side == "pytrain_bf16" else f"hf {x.get('dtype')}" if side in BF16_KEYS
+                     else side)
             own = (f"; {x['graph_nodes']} graph nodes; pad id {x['pad_id']}"
                    + (f"; backends {', '.join(x['backends'])}" if x.get("backends") else "")
-                   if side != "hf" else
+                   + (f"; {x['compute']}" if x.get("compute_type") == "bf16" else "")
+                   if not side.startswith("hf") else
                    (f"; LoRA weights {', '.join(x['lora_dtypes'])}" if x.get("lora_dtypes")
-                    else ""))
+                    else "")
+                   + (f"; kernels: {bc.kernel_summary(x['kernels'])}" if x.get("kernels")
+                      else ""))
             lines.append(
                 f"- {r['name']} {sname}, {r.get('threads')} threads: load {x['load_s']:.2f} s, "
                 f"warm-up {', '.join(f'{t:.3f}' for t in x['warmup_s'])} s, steps "
@@ -260,9 +289,97 @@ def _details(rows: list[dict]) -> list[str]:
     return lines
 
 
+# --------------------------------------------------------------------------------------------
+# the bf16 comparison (--bf16): pytrain f32 / bf16 against HF + PEFT float32 / bfloat16
+# --------------------------------------------------------------------------------------------
+
+def references(r: dict) -> dict[str, dict]:
+    """A row's HF + PEFT results by dtype ("float32", "bfloat16")."""
+    out: dict[str, dict] = {}
+    for k in ("hf", *HF_OTHER.values()):
+        if r.get(k):
+            out.setdefault(r[k].get("dtype", "float32"), r[k])
+    return out
+
+
+def bf16_ratios(r: dict) -> dict:
+    """The four sides of a row (pytrain f32 / bf16, HF float32 / bfloat16), the faster HF
+    reference's dtype, and pytrain's ratios against each reference (None where a side is
+    missing)."""
+    refs = references(r)
+    sides = {"pytrain f32": r.get("pytrain"), "pytrain bf16": r.get("pytrain_bf16"),
+             "HF f32": refs.get("float32"), "HF bf16": refs.get("bfloat16")}
+    tps = {k: v["tokens_per_s"] if v else None for k, v in sides.items()}
+    ref = {k: tps[k] for k in ("HF f32", "HF bf16") if tps[k]}
+    faster = max(ref, key=ref.get) if ref else None
+    ratio = lambda p, h: tps[p] / tps[h] if tps[p] and h and tps[h] else None  # noqa: E731
+    return dict(sides=sides, faster=faster, f32=ratio("pytrain f32", "HF f32"),
+                bf16=ratio("pytrain bf16", "HF bf16"), f32_fast=ratio("pytrain f32", faster),
+                bf16_fast=ratio("pytrain bf16", faster))
+
+
+def bf16_ratio_lines(r: dict) -> list[str]:
+    """The bf16 comparison's ratios of a row, for the benchmark's progress output."""
+    if not any(r.get(k) for k in BF16_KEYS):
+        return []
+    x = bf16_ratios(r)
+    names = dict(f32="pytrain f32 / HF f32", bf16="pytrain bf16 / HF bf16",
+                 f32_fast=f"pytrain f32 / {x['faster']} (faster)",
+                 bf16_fast=f"pytrain bf16 / {x['faster']} (faster)")
+    return [f"{v} = {x[k]:.2f}" for k, v in names.items() if x[k]]
+
+
+def _ratio(v: float | None) -> str:
+    return f"**{v:.2f}**" if v else "-"
+
+
+def _bf16_cells(r: dict) -> list[str]:
+    x = bf16_ratios(r)
+    sides = list(x["sides"].values())
+    four = lambda f, sep=" / ": sep.join(f(y) if y else "-" for y in sides)  # noqa: E731
+    p16, h32, h16 = sides[1], sides[2], sides[3]
+    kern = [f"pytrain: {p16.get('bf16_kernel') or '?'}" if p16 else "pytrain: -",
+            f"HF bf16: {bc.kernel_summary(h16.get('kernels')) if h16 else '-'}",
+            f"HF f32: {bc.kernel_summary(h32.get('kernels')) if h32 else '-'}"]
+    return [r["name"], str(r.get("threads", "?")), four(lambda y: f"{y['tokens_per_s']:.1f}"),
+            four(lambda y: f"{y['n_clean']}/{len(y['times'])}", ", "), _ratio(x["f32"]),
+            _ratio(x["bf16"]), x["faster"] or "-", _ratio(x["f32_fast"]), _ratio(x["bf16_fast"]), four(lambda y: f"{y['peak_rss'] / 2**30:.2f}"),
+            four(lambda y: f"{y['first_loss']:.5f}"), "; ".join(kern)]
+
+
+def bf16_section(rows: list[dict]) -> list[str]:
+    """The compact table of the bf16 comparison (bench_results/train-bf16.md), for the rows
+    that ran it; nothing for results without it."""
+    rows = [r for r in rows if any(r.get(k) for k in BF16_KEYS)]
+    if not rows:
+        return []
+    lines = ["", "## float32 and bfloat16: pytrain against both HF + PEFT references", "",
+             "pytrain f32 = the default run (below); pytrain bf16 = the same step with "
+             "`compute_type=\"bf16\"`: the frozen weight matrices loaded as BF16 and multiplied "
+             "(forward MUL_MAT, backward OUT_PROD) by oneDNN's bf16 matmul in ggml-blas, the "
+             "other operand rounded to bf16 there; LoRA, the rest of the graph and AdamW in "
+             "float32. HF f32 / HF bf16 = HF + PEFT with the model loaded in torch.float32 / "
+             "torch.bfloat16 (PEFT's LoRA weights: see Details). The faster HF reference is the "
+             "one with more tokens/s in that row. Kernels: pytrain's bf16 matmul "
+             "(`pytrain.ggml.bf16_kernel()`); HF's from one extra, untimed step after the timed "
+             "ones, under oneDNN verbose (matmul / inner_product implementations x executions) "
+             "and torch.profiler (calls of the aten matmul ops: torch's float32 products go to "
+             "its CPU BLAS, not oneDNN).", "",
+             "| model | threads | tokens/s pytrain f32 / pytrain bf16 / HF f32 / HF bf16 | "
+             "clean/timed steps (same order) | pytrain f32 / HF f32 | pytrain bf16 / HF bf16 | "
+             "faster HF | pytrain f32 / faster HF | pytrain bf16 / faster HF | peak RSS (GiB) pytrain f32 / pytrain bf16 / HF f32 "
+             "/ HF bf16 | first-step loss pytrain f32 / pytrain bf16 / HF f32 / HF bf16 | "
+             "kernels |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += ["| " + " | ".join(_bf16_cells(r)) + " |" for r in rows]
+    computes = dict.fromkeys(r["pytrain_bf16"]["compute"] for r in rows
+                             if (r.get("pytrain_bf16") or {}).get("compute"))
+    lines += [""] + [f"- pytrain bf16: {c}" for c in computes]
+    return lines
+
+
 def report(rows: list[dict], a, loads: list, info: list[str] | None = None,
            extra_steps: list | None = None) -> str:
-    lines = (_header(rows, a, loads, info) + _main_table(rows)
+    lines = (_header(rows, a, loads, info) + bf16_section(rows) + _main_table(rows)
              + _phase_table(rows, extra_steps or []) + _profile_section(rows) + _details(rows))
     if a.notes:
         lines += ["", "Notes:", ""] + [f"- {n}" for n in a.notes]

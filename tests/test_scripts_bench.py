@@ -11,6 +11,7 @@ timed: the figures are the benchmarks' job.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -63,6 +64,45 @@ def test_bench_train_one_step_each_side(toy, ref_python):
         assert len(r["times"]) >= 1
     assert p["lora_params"] == h["lora_params"], (p["lora_params"], h["lora_params"])
     assert p["lora_names"] == h["lora_names"] == 8      # q/k/v/o of the 2 attention layers
+
+
+def test_bench_train_bf16_rows_and_their_report(toy, ref_python, tmp_path):
+    """python -m scripts.bench_train --bf16 on (forced: a CPU without bf16 units runs it too,
+    emulated): the row has all four sides, pytrain's bf16 side loaded its matrices as BF16 and
+    names its oneDNN kernel, HF's bf16 side ran in bfloat16 with its kernels caught, the
+    report opens with the float32 / bfloat16 table, and --report-from renders the json the same."""
+    out = tmp_path / "train-bf16.md"
+    run_script("scripts.bench_train", "--models", "toy", "--threads", "1", "--blas-off", "",
+               "--steps", "1", "--warmup", "1", "--no-profile", "--bf16", "on", "--quiet-wait",
+               "0", "--cache", str(toy["dir"].parent), "--ref-python", ref_python,
+               "--out", str(out))
+    (row,) = json.loads(out.with_suffix(".json").read_text())["rows"]
+    p, p16, h, h16 = (row[k] for k in ("pytrain", "pytrain_bf16", "hf", "hf_bf16"))
+    if os.environ.get("PYTRAIN_BLAS", "1") in ("", "0"):
+        assert p16 is None        # bf16 compute needs ggml-blas: refused, the row shows "-"
+    else:
+        assert p16["compute_type"] == "bf16" and p16["bf16_kernel"], p16.get("compute")
+        assert p16["compute"].startswith("compute bf16") and p16["bf16_kernel"] in p16["compute"]
+        assert "F32->BF16" in p16["weight_types"] and "F32->BF16" not in p["weight_types"]
+        assert p16["tokens"] == p["tokens"] == 32 and 0 < p16["first_loss"] < 100
+    assert (h["dtype"], h16["dtype"]) == ("float32", "bfloat16")
+    for x in (h, h16):
+        assert sum(x["kernels"]["aten"].values()) > 0, x["kernels"]   # the products were seen
+    text = out.read_text()
+    assert "float32 and bfloat16" in text.splitlines()[0]
+    assert "- CPU bf16 units (avx512_bf16 / amx_bf16 in /proc/cpuinfo): " in text
+    section = text.split("## float32 and bfloat16", 1)[1].split("| model | threads | batch |")[0]
+    cells = [c.strip() for c in next(ln for ln in section.splitlines()
+                                     if ln.startswith("| toy | 1 |")).strip("|").split("|")]
+    assert len(cells) == 12 and cells[6] in ("HF f32", "HF bf16"), cells
+    assert "HF bf16: oneDNN" in cells[11] and "aten::mm" in cells[11], cells[11]
+    if p16:
+        assert "-" not in cells[2].split(" / ") and cells[5] != "-", cells
+        assert f"pytrain: {p16['bf16_kernel']}" in cells[11]
+    again = tmp_path / "again.md"
+    run_script("scripts.bench_train", "--report-from", str(out.with_suffix(".json")),
+               "--out", str(again))
+    assert again.read_text() == text
 
 
 def test_bench_train_report_renders_the_committed_results(tmp_path):
