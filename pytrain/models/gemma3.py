@@ -124,8 +124,8 @@ class Gemma3Graph(llama.LlamaGraph):
     def attn_scale(self) -> float:
         return self.c.attn_scale
 
-    def activation(self, ctx, gate):
-        return gelu_tanh(ctx, gate)
+    def gated(self, ctx, gate, up):
+        return lib.ggml_mul(ctx, gelu_tanh(ctx, gate), up)
 
     def layer(self, ctx, il: int, x, inp: GraphInputs, B: int, T: int, lora,
               cache=None, n_past: int = 0, stores: list | None = None):
