@@ -68,10 +68,12 @@ def _blas_info() -> str:
         return "BLAS backend: unknown (no build_info.json)"
     if not info.get("blas"):
         return "BLAS backend: none in this build (pytrain = ggml's CPU backend alone)"
+    dnnl = (f"; BF16 weights (compute_type bf16) through {info['onednn']}'s bf16 matmul, "
+            f"MUL_MAT and OUT_PROD (patch 0018)" if info.get("onednn") else "")
     return (f"BLAS backend: ggml-blas on {info['blas']} (contiguous F32 MUL_MATs with every "
             "dimension >= 32, and contiguous matrix OUT_PRODs with a weight of any type, "
-            "converted to F32 in slabs; ggml-cpu the rest), listed before the CPU backend; "
-            "\"BLAS off\" = the same build with PYTRAIN_BLAS=0 (CPU backend alone)")
+            f"converted to F32 in slabs{dnnl}; ggml-cpu the rest), listed before the CPU "
+            "backend; \"BLAS off\" = the same build with PYTRAIN_BLAS=0 (CPU backend alone)")
 
 
 def _ms(s: float) -> str:
