@@ -15,13 +15,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import pytrain
 from pytrain import ggml
 from pytrain.ggml import ffi, lib
-from pytrain.models import lora, precision
-from pytrain.models.lora_targets import select_targets
-from pytrain.train import loss as L
+from pytrain.models import precision
 from pytrain.train.graphs import GradGraph
+from tests.test_recompute import adapted, packed_batch
 
 FIX = Path(__file__).resolve().parent / "fixtures" / "qwen35"
 F32, BF16 = lib.GGML_TYPE_F32, lib.GGML_TYPE_BF16
@@ -122,35 +120,25 @@ def test_bf16_out_prod_over_a_long_contraction_in_slabs():
     np.testing.assert_array_equal(got.reshape(m, n), want.astype(np.float32))
 
 
-def adapted(path, compute_type):
-    m = pytrain.load_model(path, device="cpu", threads=2, compute_type=compute_type)
-    ad = lora.create(m.runtime, m.config, select_targets(m.config), rank=4, alpha=8, seed=0)
-    rng = np.random.default_rng(0)
-    vals = ad.get()
-    for key in vals:                  # B != 0 so that A gets a gradient too
-        if key.endswith("lora_b"):
-            vals[key] = rng.normal(0, 0.05, vals[key].shape).astype(np.float32)
-    ad.set(vals)
-    return m, ad
-
-
-def step(path, compute_type, tokens, seg, tgt) -> tuple[dict, dict]:
-    m, ad = adapted(path, compute_type)
+def step(path, compute_type, tokens, seg, tgt) -> tuple[dict, dict, int]:
+    """(GradGraph.run's loss and LoRA gradients, each weight's loaded type, the layers)."""
+    m, ad = adapted(path, compute_type=compute_type)
     try:
         g = GradGraph(m, ad, B=tokens.shape[0], T=tokens.shape[1])
         try:
-            return g.run(tokens, seg, tgt), {r.name: r.loaded_type for r in m.weights.report.values()}
+            types = {r.name: r.loaded_type for r in m.weights.report.values()}
+            return g.run(tokens, seg, tgt), types, m.config.n_layer
         finally:
             g.close()
     finally:
         m.close()
 
 
-def depth(config) -> int:
+def depth(n_layer: int) -> int:
     """bf16 roundings on the longest path from the input to the loss: each block rounds the
     input of its mixer's projections and of the mixer's output projection, and the FFN's two
     (four products, each with its weight rounded too: 2 roundings), and the head one more."""
-    return 2 * (4 * config.n_layer + 1)
+    return 2 * (4 * n_layer + 1)
 
 
 @pytest.mark.parametrize("fixture", ["gqa-f32.gguf", "gqa-bf16.gguf"])
@@ -159,20 +147,13 @@ def test_bf16_step_is_the_f32_step_within_bf16_rounding(fixture):
     gradient within twice that depth (the backward's OUT_PRODs round the gradient once per
     product on the way back) in norm.  Padding, a packed row and masked prompt tokens are in
     the batch, so the masked loss's bookkeeping is the same in both."""
-    rng = np.random.default_rng(0)
-    B, T = 3, 40
-    tokens = rng.integers(0, 480, (B, T))
-    seg = np.zeros((B, T), np.int64)
-    seg[1, 30:] = -1
-    seg[2, 20:] = 1
-    tgt = L.shift_targets(tokens, rng.random((B, T)) < 0.6, seg)
-    f32, types32 = step(FIX / fixture, "f32", tokens, seg, tgt)
-    b16, types16 = step(FIX / fixture, "bf16", tokens, seg, tgt)
+    tokens, seg, tgt = packed_batch()
+    f32, types32, n_layer = step(FIX / fixture, "f32", tokens, seg, tgt)
+    b16, types16, _ = step(FIX / fixture, "bf16", tokens, seg, tgt)
     assert "BF16" not in types32.values()              # the f32 path loads no BF16 weight
     assert {types16[n] for n in types16 if n.endswith("attn_q.weight")} == {"BF16"}
     assert b16["n_valid"] == f32["n_valid"] > 0
-    cfg = pytrain.load_model(FIX / fixture, device="cpu").config
-    d = depth(cfg)
+    d = depth(n_layer)
     assert abs(b16["loss"] - f32["loss"]) <= d * U_BF16 * abs(f32["loss"]), (b16["loss"], f32["loss"])
     assert b16["loss"] != f32["loss"]                    # bf16 did round something
     for name, g in f32["grads"].items():

@@ -22,8 +22,10 @@ ONE_CHUNK = R.HEAD_CHUNK_BYTES          # the default: the fixtures' targets fit
 pytestmark = pytest.mark.slow   # training steps three ways at several shapes: tens of seconds
 
 
-def adapted(path):
-    m = pytrain.load_model(path, device="cpu", threads=2)
+def adapted(path, **load):
+    """The model at ``path`` (``load``: more ``load_model`` arguments) with a rank-4 adapter
+    whose B is not zero."""
+    m = pytrain.load_model(path, device="cpu", threads=2, **load)
     ad = lora.create(m.runtime, m.config, select_targets(m.config), rank=4, alpha=8, seed=0)
     rng = np.random.default_rng(0)
     vals = ad.get()
