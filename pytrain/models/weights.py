@@ -24,8 +24,8 @@ the depthwise conv kernel) feed ``MUL``/``ADD``, which want F32 everywhere.  Hen
 ``bf16``   CPU training at bf16 precision (``train.compute_type = "bf16"``): F32, F16 and BF16
            matrices become BF16 (F32 and F16 rounded to nearest even, as torch's
            ``.to(torch.bfloat16)`` rounds them), which ggml-blas multiplies with oneDNN's bf16
-           matmul, forward and backward (patch 0018); quantized matrices and the element-wise
-           tensors load as under ``auto``.
+           matmul, forward and backward (patch 0018); quantized matrices keep their type (no
+           measured ``dequantize`` choice applies) and the element-wise tensors load as F32.
 ``keep``   the file's types untouched: inference only, training graphs may not run.
 
 ``dequantize`` (a file type -> F32 or F16) refines ``auto`` for the matrices of those types:
