@@ -73,8 +73,13 @@ def _train(args: argparse.Namespace) -> int:
     print(f"plot:     {res.out_dir / 'loss.png'}")
     if res.final_eval:
         e = res.final_eval
-        print(f"validation: loss {e['loss']:.4f}  accuracy {e['accuracy']:.3f}  "
-              f"perplexity {e['perplexity']:.2f}  over {e['n_valid']} target tokens")
+        if "rewards/accuracies" in e:
+            print(f"validation: loss {e['loss']:.4f}  reward accuracy "
+                  f"{e['rewards/accuracies']:.3f}  margin {e['rewards/margins']:.4f}  over "
+                  f"{e['pairs']} pairs")
+        else:
+            print(f"validation: loss {e['loss']:.4f}  accuracy {e['accuracy']:.3f}  "
+                  f"perplexity {e['perplexity']:.2f}  over {e['n_valid']} target tokens")
     return 0
 
 

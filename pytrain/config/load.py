@@ -220,6 +220,20 @@ def _resolve(cfg: Config, origin, where: "_Where", base: Path, partial: bool) ->
     if d.mask is not None and d.format != "auto" and d.mask not in MASKS_FOR_FORMAT[d.format]:
         raise err("data", "mask", f"{d.mask!r} does not apply to format {d.format!r} (valid: "
                                   f"{', '.join(MASKS_FOR_FORMAT[d.format])})")
+    t = cfg.train
+    if t.objective != "sft":
+        if d.packing:
+            raise err("data", "packing", f"train.objective = {t.objective!r} batches whole "
+                                         f"pairs, one sequence a row: set data.packing = false")
+        if t.recompute == "layers":
+            raise err("train", "recompute", f"train.objective = {t.objective!r} runs one "
+                                            f"graph a step; layer-wise recompute has no "
+                                            f"per-sequence loss yet: set auto or off")
+        if t.loss_bug_repro:
+            raise err("train", "loss_bug_repro", "the bug reproduction is SFT's only")
+        if d.format not in ("auto",):
+            raise err("data", "format", "preference records have their own format (prompt, "
+                                        "chosen, rejected): leave data.format = auto")
     if cfg.lora.targets is not None:     # names are checked against the model when it loads
         targets = list(dict.fromkeys(t.strip().removesuffix(".weight") for t in cfg.lora.targets))
         if not targets or "" in targets:

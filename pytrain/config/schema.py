@@ -180,6 +180,18 @@ class TrainConfig:
                                     "may plan a step for; unset: what the device has free "
                                     "(on CPU the least of available memory and the "
                                     "container's cgroup limit)", check=_positive)
+    objective: str = _opt("sft", "what the run trains: sft (the masked cross-entropy of the "
+                          "targets), dpo or orpo (preference pairs: {\"prompt\", \"chosen\", "
+                          "\"rejected\"} records, TRL's formats; only completion tokens count)",
+                          choices=("sft", "dpo", "orpo"))
+    beta: float = _opt(0.1, "dpo: the KL strength beta of TRL's DPOTrainer; orpo: the weight "
+                       "lambda of the odds-ratio term (TRL's ORPOConfig.beta)", check=_positive)
+    loss_type: str = _opt("sigmoid", "dpo: TRL's loss_type: sigmoid (DPO), ipo (on "
+                          "length-normalised log-ratios), hinge, or robust (with "
+                          "label_smoothing)", choices=("sigmoid", "ipo", "hinge", "robust"))
+    label_smoothing: float = _opt(0.0, "dpo robust: the assumed fraction of flipped "
+                                  "preference labels, in [0, 0.5)",
+                                  check=lambda v: None if 0.0 <= v < 0.5 else "must be in [0, 0.5)")
     loss_bug_repro: bool = _opt(False, "reproduces the unfixed masking bug for the regression "
                                 "experiments ONLY: pad labels trained, division by all rows, "
                                 "prompt not masked; never for real training")

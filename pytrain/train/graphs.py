@@ -39,13 +39,19 @@ def pad_batch(B: int, T: int, tokens: np.ndarray, seg: np.ndarray, targets: np.n
 class GradGraph:
     def __init__(self, model: Model, adapter: LoraAdapter, B: int, T: int,
                  opt_state: OptimizerState | None = None, keep_logit_grad: bool = False,
-                 rows: int | None = None, measure_only: bool = False):
+                 rows: int | None = None, measure_only: bool = False,
+                 rows_per_seq: int | None = None):
         """``rows``: run the LM head and the loss on that many positions, the micro-batch's
         targets (loss.select_rows), instead of all B·T; None: on all of them (needed by the
         bug reproduction, which trains every row, and by ``keep_logit_grad``).
+        ``rows_per_seq``: the loss per sequence (``loss.SequenceCE``, preference training):
+        each of the B rows' targets in a block of that many head rows.
         ``measure_only``: a graph only measured (``pytrain plan``), never run: its persistent
         inputs are not allocated (``Runtime.alloc``)."""
         assert rows is None or not keep_logit_grad, "logit gradients are kept for all rows only"
+        self.rows_per_seq = rows_per_seq
+        if rows_per_seq is not None:
+            rows = B * rows_per_seq
         self.rows, self.measure_only = rows, measure_only
         self.model, self.adapter = model, adapter
         self.B, self.T = B, model.arch.padded_length(T)
@@ -65,9 +71,8 @@ class GradGraph:
         self.ctx = ggml.Context(n_tensors=size * 2, graph_size=size * 2, grads=True)
         c = self.ctx.ptr
         self.fwd = model.graph.build(c, B, self.T, adapter.hook, rows=rows)
-        V = model.config.n_vocab
-        self.ce = loss_mod.build(model.runtime, c, self.fwd.logits, V, rows or self.T * B,
-                                 measure_only)
+        self.ce = _loss(model, c, self.fwd.logits, rows or self.T * B, self.rows_per_seq,
+                        measure_only)
         gf = ggml.new_graph(self.ctx, size * 2, grads=True)
         lib.ggml_build_forward_expand(gf, self.ce.loss)
         # d(loss)/d(loss) = 1 lives in its own small static buffer
@@ -107,6 +112,25 @@ class GradGraph:
         rt.compute(self.graph)
         return float(ggml.to_numpy(self.ce.loss).reshape(-1)[0]), n_valid
 
+    def accumulate_sequences(self, tokens: np.ndarray, seg: np.ndarray, targets: np.ndarray,
+                             weights: np.ndarray) -> np.ndarray:
+        """Forward + backward of sum_b weights[b] * CE_b (``rows_per_seq`` graphs), adding the
+        gradients into the accumulators; returns each row's summed target log-probability."""
+        tok, sg, tg = pad_batch(self.B, self.T, tokens, seg, targets, self.model.pad_id)
+        w = np.zeros(self.B, np.float32)
+        w[:len(weights)] = weights
+        self._run_sequences(tok, sg, tg, w)
+        return self.ce.log_probs()[:tokens.shape[0]]
+
+    def _run_sequences(self, tok, sg, tg, weights) -> None:
+        rt = self.model.runtime
+        rt.alloc_graph(self.graph, self.ctx)
+        self.model.arch.set_inputs(self.fwd.inputs, self.model.input_values(tok, sg))
+        sel, tg = loss_mod.select_sequence_rows(tg, self.rows_per_seq)
+        ggml.from_numpy(self.fwd.inputs.rows, sel)
+        self.ce.prepare_sequences(tg, self.model.tokenizer.pad_id, weights)
+        rt.compute(self.graph)
+
     def run(self, tokens: np.ndarray, seg: np.ndarray, targets: np.ndarray,
             n_valid_step: int | None = None, buggy: bool = False) -> dict:
         """Loss and fresh gradients of one micro-batch (zeroes the accumulators first)."""
@@ -137,9 +161,15 @@ class GradGraph:
 class EvalGraph:
     """Forward + masked CE (sum form) + argmax, for validation metrics."""
 
-    def __init__(self, model: Model, adapter: LoraAdapter | None, B: int, T: int, rows: int):
-        """``rows``: the LM head and loss run on that many positions (the targets)."""
+    def __init__(self, model: Model, adapter: LoraAdapter | None, B: int, T: int, rows: int,
+                 rows_per_seq: int | None = None):
+        """``rows``: the LM head and loss run on that many positions (the targets).
+        ``rows_per_seq``: per-sequence log-probabilities instead (``loss.SequenceCE``; rows is
+        then B x rows_per_seq)."""
         self.model = model
+        self.rows_per_seq = rows_per_seq
+        if rows_per_seq is not None:
+            rows = B * rows_per_seq
         self.B, self.T, self.rows = B, T, rows
         self.ce = None
         size = model.graph_budget(T)
@@ -154,12 +184,16 @@ class EvalGraph:
         model, B, T, rows = self.model, self.B, self.T, self.rows
         c = self.ctx.ptr
         self.fwd = model.graph.build(c, B, T, adapter.hook if adapter else None, rows=rows)
-        self.ce = loss_mod.build(model.runtime, c, self.fwd.logits, model.config.n_vocab, rows)
+        self.ce = _loss(model, c, self.fwd.logits, rows, self.rows_per_seq)
+        self.graph = ggml.new_graph(self.ctx, size)
+        if self.rows_per_seq is not None:
+            for t in self.ce.seq_ce:
+                lib.ggml_build_forward_expand(self.graph, t)
+            return
         self.pred = lib.ggml_argmax(c, lib.ggml_reshape_2d(c, self.fwd.logits,
                                                            model.config.n_vocab, rows))
         for t in (self.ce.loss, self.pred):
             lib.ggml_set_output(t)
-        self.graph = ggml.new_graph(self.ctx, size)
         lib.ggml_build_forward_expand(self.graph, self.ce.loss)
         lib.ggml_build_forward_expand(self.graph, self.pred)
 
@@ -179,8 +213,30 @@ class EvalGraph:
         ok = tg >= 0
         return mean * n, int((pred[ok] == tg[ok]).sum())
 
+    def sequence_logps(self, tokens, seg, targets) -> np.ndarray:
+        """Each row's summed target log-probability (float64 [rows of ``tokens``])."""
+        tok, sg, tg = pad_batch(self.B, self.T, tokens, seg, targets, self.model.pad_id)
+        rt = self.model.runtime
+        rt.alloc_graph(self.graph, self.ctx)
+        self.model.arch.set_inputs(self.fwd.inputs, self.model.input_values(tok, sg))
+        sel, tg = loss_mod.select_sequence_rows(tg, self.rows_per_seq)
+        ggml.from_numpy(self.fwd.inputs.rows, sel)
+        self.ce.prepare_sequences(tg, self.model.tokenizer.pad_id)
+        rt.compute(self.graph)
+        return self.ce.log_probs()[:tokens.shape[0]]
+
     def close(self) -> None:
         self.model.runtime.forget_graph()
         if self.ce is not None:
             self.ce.close()
         self.ctx.close()
+
+
+def _loss(model: Model, ctx, logits, rows: int, rows_per_seq: int | None,
+          measure_only: bool = False):
+    """The masked CE over ``rows`` head rows, per sequence when ``rows_per_seq`` is set."""
+    V = model.config.n_vocab
+    if rows_per_seq is None:
+        return loss_mod.build(model.runtime, ctx, logits, V, rows, measure_only)
+    return loss_mod.SequenceCE(model.runtime, ctx, logits, V, rows // rows_per_seq,
+                               rows_per_seq, measure_only)

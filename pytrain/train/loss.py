@@ -108,8 +108,7 @@ class MaskedCE:
             lib.ggml_set_input(t)
         logits = lib.ggml_reshape_2d(ctx, logits, n_vocab, n_rows)
         masked = lib.ggml_mul(ctx, logits, self.inputs.row_mask)  # zero rows: zero gradient
-        ce = lib.ggml_cross_entropy_loss(ctx, masked, self.inputs.labels)   # Σ / n_rows
-        self.loss = lib.ggml_mul(ctx, ce, self.inputs.loss_scale)
+        self.loss = self._reduce(ctx, masked)
         # the flat one-positions live in a buffer of their own: only the label graph reads them
         self._index_ctx = ggml.Context(n_tensors=1)
         self.label_index = lib.ggml_new_tensor_1d(self._index_ctx.ptr, lib.GGML_TYPE_I64, n_rows)
@@ -120,6 +119,11 @@ class MaskedCE:
         self.label_graph = ggml.new_graph_for(ctx, ones)
         self._label_views = [lib.ggml_graph_node(self.label_graph, i)
                              for i in range(lib.ggml_graph_n_nodes(self.label_graph))]
+
+    def _reduce(self, ctx, masked):
+        """The loss the backward starts from: the CE of every row, scaled at run time."""
+        ce = lib.ggml_cross_entropy_loss(ctx, masked, self.inputs.labels)   # Σ / n_rows
+        return lib.ggml_mul(ctx, ce, self.inputs.loss_scale)
 
     def set_targets(self, targets: np.ndarray, buggy: bool = False) -> None:
         """Upload what the labels are built from, O(N): flat one-positions and the row mask
@@ -182,6 +186,75 @@ class MaskedCE:
             self.runtime.free(self._index_buf)
             self._index_buf = None
         self._index_ctx.close()
+
+
+def select_sequence_rows(targets: np.ndarray, rows_per_seq: int
+                         ) -> tuple[np.ndarray, np.ndarray]:
+    """Like ``select_rows``, but row b's targets in block b of ``rows_per_seq`` rows (flat
+    index t + T·b), each block padded with IGNORE rows pointing at the row's position 0."""
+    B, T = targets.shape
+    rows = np.zeros((B, rows_per_seq), np.int32)
+    sel = np.full((B, rows_per_seq), IGNORE, np.int64)
+    for b in range(B):
+        idx = np.nonzero(targets[b] >= 0)[0]
+        if idx.size > rows_per_seq:
+            raise ValueError(f"{idx.size} targets do not fit a block of {rows_per_seq} rows")
+        rows[b] = b * T
+        rows[b, :idx.size] = b * T + idx
+        sel[b, :idx.size] = targets[b, idx]
+    return rows.reshape(-1), sel.reshape(-1)
+
+
+class SequenceCE(MaskedCE):
+    """The masked CE per sequence: the rows come in ``n_seqs`` blocks of ``rows_per_seq``
+    (``select_sequence_rows``), block b's CE is -(its summed target log-probabilities) /
+    rows_per_seq, an output, and the loss is sum_b CE_b * weight_b with the weights a run-time
+    input.  Why: a preference loss is a function of per-sequence log-probabilities, so its
+    gradient is the per-sequence gradients weighted by its derivatives (train/preference.py).
+    The blocks are views of one logits tensor, whose view gradients add in place (patch
+    0010), so the backward costs what the single CE's does."""
+
+    def __init__(self, runtime, ctx, logits, n_vocab: int, n_seqs: int, rows_per_seq: int,
+                 measure_only: bool = False):
+        self.n_seqs, self.rows_per_seq = n_seqs, rows_per_seq
+        super().__init__(runtime, ctx, logits, n_vocab, n_seqs * rows_per_seq, measure_only)
+
+    def _reduce(self, ctx, masked):
+        f32, V, R = lib.GGML_TYPE_F32, self.n_vocab, self.rows_per_seq
+        self.weights = lib.ggml_new_tensor_1d(ctx, f32, self.n_seqs)
+        lib.ggml_set_input(self.weights)
+        labels, nb1 = self.inputs.labels, masked.nb[1]
+        self.seq_ce, loss = [], None
+        for b in range(self.n_seqs):
+            x = lib.ggml_view_2d(ctx, masked, V, R, nb1, b * R * nb1)
+            y = lib.ggml_view_2d(ctx, labels, V, R, labels.nb[1], b * R * labels.nb[1])
+            ce = lib.ggml_cross_entropy_loss(ctx, x, y)                   # [1]
+            lib.ggml_set_output(ce)
+            self.seq_ce.append(ce)
+            term = lib.ggml_mul(ctx, ce, lib.ggml_view_1d(ctx, self.weights, 1, 4 * b))
+            loss = term if loss is None else lib.ggml_add(ctx, loss, term)
+        return loss
+
+    def prepare_sequences(self, targets: np.ndarray, pad_id: int | None,
+                          weights: np.ndarray | None = None) -> None:
+        """Labels for block-laid ``targets`` (checked as ``check_labels`` does) and the
+        per-sequence weights of the loss (None: a forward-only graph, which has no loss)."""
+        self.set_targets(targets)
+        self.build_labels()
+        flat = targets.reshape(-1)
+        if pad_id is not None and lib.ggml_backend_buft_is_host(
+                lib.ggml_backend_buffer_get_type(self.inputs.labels.buffer)):
+            col = read_column(self.inputs.labels, pad_id)
+            if np.any((col != 0) & (flat < 0)):
+                raise LabelIntegrityError("a label row carries the pad token without being a "
+                                          "target: a bug in pytrain; the step was not computed")
+        if weights is not None:
+            ggml.from_numpy(self.weights, np.asarray(weights, np.float32))
+
+    def log_probs(self) -> np.ndarray:
+        """Each sequence's summed target log-probability (float64 [n_seqs]) after a compute."""
+        ce = np.array([float(ggml.to_numpy(t).reshape(-1)[0]) for t in self.seq_ce])
+        return -ce * self.rows_per_seq
 
 
 def build(runtime, ctx, logits, n_vocab: int, n_rows: int, measure_only: bool = False

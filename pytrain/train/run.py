@@ -31,11 +31,13 @@ from pytrain.models import lora as lora_mod
 from pytrain.formats.adapter_gguf import write_lora_gguf
 from pytrain.config import Config
 from pytrain.data import DataSplits, load_data, make_batches
+from pytrain.data.preference import load_pair_data, make_pair_batches
 from pytrain.models.lora_targets import LoraTargetError, select_targets
 from pytrain.models.model import Model, load_model
 from pytrain.models.precision import ComputeTypeError
 from pytrain.train.optimizer import AdamWSettings, schedule
 from pytrain.train.planning import context_warning
+from pytrain.train.preference import PreferenceSettings, PreferenceTrainer
 from pytrain.train.trainer import NonFiniteLoss, Trainer
 from pytrain.train.type_choice import for_training
 
@@ -119,16 +121,26 @@ class Session:
     def seed(self) -> int:
         return self.cfg.data.shuffle_seed          # resolved by the config (train.seed if unset)
 
+    @property
+    def preference(self) -> bool:
+        """DPO or ORPO: the splits hold pairs, the batches are PairBatches."""
+        return self.cfg.train.objective != "sft"
+
     def epoch_steps(self, epoch: int) -> list[list]:
         """The optimizer steps of ``epoch``: its batch order (seeded by the epoch) in groups of
         ``grad_accum`` x ranks micro-batches (every rank builds the same list; each takes its
         share of a step, ``Loop.run``)."""
         if epoch not in self._epochs:
             t, d = self.cfg.train, self.cfg.data
-            b = make_batches(self.splits.train, t.batch_size, d.packing, self.seed + epoch,
-                             max_seq_len=d.max_seq_len, pad_id=self.model.pad_id)
+            if self.preference:
+                b = make_pair_batches(self.splits.train, t.batch_size, self.seed + epoch,
+                                      pad_id=self.model.pad_id)
+            else:
+                b = make_batches(self.splits.train, t.batch_size, d.packing, self.seed + epoch,
+                                 max_seq_len=d.max_seq_len, pad_id=self.model.pad_id)
             if epoch == 0:
-                self.splits.train_stats.record_batches(b)
+                self.splits.train_stats.record_batches(
+                    [x.batch for x in b] if self.preference else b)
                 self.stats["train"] = self.splits.train_stats.to_dict()
             # one epoch held at a time
             self._epochs = {epoch: step_batches(b, t.grad_accum * self.world.size)}
@@ -154,8 +166,10 @@ class Session:
         if self._examples_digest is None:
             h = hashlib.sha256()
             for e in self.splits.train:
-                h.update(e.tokens.tobytes())
-                h.update(e.train_mask.tobytes())
+                parts = ((e.prompt, e.chosen, e.rejected) if self.preference
+                         else (e.tokens, e.train_mask))
+                for a in parts:
+                    h.update(a.tobytes())
             self._examples_digest = h.hexdigest()
         c = self.cfg
         return {"training examples": self._examples_digest,
@@ -164,7 +178,8 @@ class Session:
                 "data.packing": c.data.packing, "data.max_seq_len": c.data.max_seq_len,
                 "batch order seed": self.seed, "lora.rank": c.lora.rank,
                 "lora.alpha": c.lora.alpha, "adapted tensors": sorted(self.adapter.names),
-                "train.loss_bug_repro": c.train.loss_bug_repro}
+                "train.loss_bug_repro": c.train.loss_bug_repro,
+                **({"train.objective": c.train.objective} if self.preference else {})}
 
     def close(self) -> None:
         self.trainer.close()
@@ -206,7 +221,9 @@ def open_session(cfg: Config, out: Path, log: Callable[[str], None],
         too_long = context_warning(model.config, cfg.data.max_seq_len)
         if too_long:
             log(too_long)
-        splits = load_data(cfg.data, model.tokenizer)
+        t = cfg.train
+        preference = t.objective != "sft"
+        splits = (load_pair_data if preference else load_data)(cfg.data, model.tokenizer)
         log(splits.train_stats.summary())
         try:
             names = select_targets(model.config, cfg.lora.targets, cfg.lora.skip_ssm)
@@ -216,18 +233,26 @@ def open_session(cfg: Config, out: Path, log: Callable[[str], None],
             model.runtime, model.config, names, cfg.lora.rank, cfg.lora.alpha,
             seed=cfg.lora.seed,                   # resolved by the config (train.seed if unset)
             init=cfg.lora.init)
-        t = cfg.train
         hp = AdamWSettings(lr=t.lr, beta1=t.adam_beta1, beta2=t.adam_beta2, eps=t.adam_eps,
                    weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm)
-        trainer = Trainer(model, adapter, hp, buggy_loss=t.loss_bug_repro, recompute=t.recompute,
-                          memory_bytes=int(t.memory_gib * 2**30) if t.memory_gib else None,
-                          world=w)
+        if preference:
+            trainer = PreferenceTrainer(model, adapter, hp, PreferenceSettings(
+                t.objective, t.beta, t.loss_type, t.label_smoothing), world=w)
+        else:
+            trainer = Trainer(model, adapter, hp, buggy_loss=t.loss_bug_repro,
+                              recompute=t.recompute,
+                              memory_bytes=int(t.memory_gib * 2**30) if t.memory_gib else None,
+                              world=w)
     except BaseException:
         model.close()
         raise
-    valid = (make_batches(splits.valid, t.batch_size, cfg.data.packing, 0, shuffle=False,
-                          max_seq_len=cfg.data.max_seq_len, pad_id=model.pad_id)
-             if splits.valid else [])
+    if not splits.valid:
+        valid = []
+    elif preference:
+        valid = make_pair_batches(splits.valid, t.batch_size, shuffle=False, pad_id=model.pad_id)
+    else:
+        valid = make_batches(splits.valid, t.batch_size, cfg.data.packing, 0, shuffle=False,
+                             max_seq_len=cfg.data.max_seq_len, pad_id=model.pad_id)
     stats = {"train": splits.train_stats.to_dict(),
              "valid": splits.valid_stats.to_dict() if splits.valid_stats else None}
     return Session(cfg, out, model, splits, adapter, trainer, stats, valid, log, w)
@@ -359,9 +384,14 @@ class Loop:
             return None
         ev = s.trainer.evaluate(s.valid_batches)
         self.record({"step": self.step, "split": "valid", **ev, "drift": s.adapter.drift()})
-        msg = (f"step {self.step}: validation loss {ev['loss']:.4f}  accuracy "
-               f"{ev['accuracy']:.3f}  perplexity {ev['perplexity']:.2f}  "
-               f"({ev['n_valid']} targets)")
+        if s.preference:
+            msg = (f"step {self.step}: validation loss {ev['loss']:.4f}  reward accuracy "
+                   f"{ev['rewards/accuracies']:.3f}  margin {ev['rewards/margins']:.4f}  "
+                   f"({ev['pairs']} pairs)")
+        else:
+            msg = (f"step {self.step}: validation loss {ev['loss']:.4f}  accuracy "
+                   f"{ev['accuracy']:.3f}  perplexity {ev['perplexity']:.2f}  "
+                   f"({ev['n_valid']} targets)")
         self.say(msg)
         self.last_eval = ev
         return ev
@@ -379,9 +409,11 @@ class Loop:
         if self.step % self.s.cfg.train.log_every and self.step != self.total:
             return
         el = time.perf_counter() - self.t_start
+        pref = (f"  margin {r.extra['rewards/margins']:.4f}  reward accuracy "
+                f"{r.extra['rewards/accuracies']:.3f}" if r.extra else "")
         self.say(f"step {self.step}/{self.total}: loss {sum(self.recent) / len(self.recent):.4f}"
-                 f" (mean of {len(self.recent)})  lr {lr:.2e}  grad norm {r.grad_norm:.3g}  "
-                 f"{self.tokens_seen / el:.0f} tokens/s")
+                 f" (mean of {len(self.recent)}){pref}  lr {lr:.2e}  grad norm "
+                 f"{r.grad_norm:.3g}  {self.tokens_seen / el:.0f} tokens/s")
         self.recent.clear()
 
     def checkpoint(self) -> Path:
@@ -454,11 +486,13 @@ class Loop:
                      "lr": lr, "grad_norm": r.grad_norm, "clip": r.clip, "tokens": r.tokens,
                      "tokens_per_s": r.tokens / r.seconds if r.seconds > 0 else None,
                      **({"allreduce_s": r.allreduce_seconds} if w.size > 1 else {}),
-                     "drift": s.adapter.drift()})
+                     **(r.extra or {}), "drift": s.adapter.drift()})
         if self.bar is not None:
             el = time.perf_counter() - self.t_start
-            self.bar.set_postfix(loss=f"{r.loss:.4f}", tok_s=f"{self.tokens_seen / el:.0f}",
-                                 lr=f"{lr:.2e}")
+            pref = ({"margin": f"{r.extra['rewards/margins']:.3f}",
+                     "acc": f"{r.extra['rewards/accuracies']:.2f}"} if r.extra else {})
+            self.bar.set_postfix(loss=f"{r.loss:.4f}", **pref,
+                                 tok_s=f"{self.tokens_seen / el:.0f}", lr=f"{lr:.2e}")
             self.bar.update(1)
         self.log_steps(r, lr)
         if t.eval_every and self.step % t.eval_every == 0 and self.step < self.total:
@@ -620,6 +654,8 @@ def _train(s: Session, progress: bool, resume: str | bool | None, interrupt: Int
     if where is not None:
         loop.saved_step = step                 # that checkpoint exists: not written again
     try:
+        if s.preference:
+            s.trainer.load_or_compute_reference(s.out, s.splits, s.cfg.train.batch_size, s.log)
         if where is None:
             loop.validate()                    # the base model's metrics: the "before"
         interrupt.training()

@@ -36,6 +36,7 @@ class StepResult:
     tokens: int
     seconds: float
     allreduce_seconds: float = 0.0      # data-parallel: summing the step across ranks
+    extra: dict | None = None           # objective-specific metrics (preference rewards)
 
 
 class Trainer:

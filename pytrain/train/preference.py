@@ -1,0 +1,294 @@
+"""Preference training (DPO, ORPO): the step, the reference log-probabilities, validation.
+
+A step over micro-batches of pairs (``PairBatch``: chosen rows, then rejected rows):
+
+  1. the policy's per-sequence log-probabilities pi (a forward-only graph, ``EvalGraph`` with
+     ``rows_per_seq``): the sum of log p(target) over the completion targets of each row, the
+     same masked targets as SFT (prompt and padding are never targets);
+  2. on the host, in float64, the loss of every pair and its derivatives dL/dpi
+     (``preference_loss``), normalised by the step's totals summed over all ranks (pairs; and
+     chosen completion targets for ORPO's NLL), so that gradient accumulation and data-parallel
+     ranks give the gradient of one big batch;
+  3. one forward + backward of sum_s w_s * CE_s (``GradGraph`` with ``rows_per_seq``),
+     CE_s = -pi_s / R, w_s = -R * dL/dpi_s: its gradient is sum_s dL/dpi_s * grad(pi_s), the
+     preference loss's gradient.
+
+The reference is the base model (the adapter off, as TRL's reference for a PEFT model): its
+log-probabilities are computed once per pair before training (TRL's
+``precompute_ref_log_probs``), in a fixed order independent of the run's batch order, and
+cached in the run folder, so a resumed run uses the very same numbers.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from pytrain.data.preference import PairBatch, make_pair_batches
+from pytrain.formats import atomic
+from pytrain.train import loss as loss_mod
+from pytrain.train import preference_loss as pl
+from pytrain.train.graphs import EvalGraph, GradGraph, bucket_length
+from pytrain.train.trainer import NonFiniteLoss, StepResult, Trainer
+
+REFERENCE_FILE = "reference_logps.npz"
+
+
+@dataclass
+class PreferenceSettings:
+    """TRL's names: ``beta`` (DPO's beta, ORPO's lambda), ``loss_type``, ``label_smoothing``."""
+
+    objective: str = "dpo"
+    beta: float = 0.1
+    loss_type: str = "sigmoid"
+    label_smoothing: float = 0.0
+
+
+def pair_digest(pairs: Sequence) -> str:
+    """What the reference log-probabilities were computed for (the pairs' tokens)."""
+    h = hashlib.sha256()
+    for p in pairs:
+        for a in (p.prompt, p.chosen, p.rejected):
+            h.update(np.int64(a.size).tobytes())
+            h.update(a.tobytes())
+    return h.hexdigest()
+
+
+class _Sums:
+    """Per-step (or per-validation) sums over pairs, all-reduced in one message."""
+
+    KEYS = ("loss", "nll", "reward_chosen", "reward_rejected", "margin", "correct", "pairs",
+            "chosen_targets", "tokens")
+
+    def __init__(self):
+        self.v = dict.fromkeys(self.KEYS, 0.0)
+
+    def add(self, t: pl.PairTerms, nll: float, chosen_targets: int, tokens: int) -> None:
+        v = self.v
+        v["loss"] += float(t.loss.sum())
+        v["nll"] += nll
+        v["reward_chosen"] += float(t.reward_chosen.sum())
+        v["reward_rejected"] += float(t.reward_rejected.sum())
+        v["margin"] += float((t.reward_chosen - t.reward_rejected).sum())
+        v["correct"] += float((t.reward_chosen > t.reward_rejected).sum())
+        v["pairs"] += t.loss.size
+        v["chosen_targets"] += chosen_targets
+        v["tokens"] += tokens
+
+    def reduce(self, world) -> dict:
+        if world.size > 1:
+            s = world.allreduce_sum(np.array([self.v[k] for k in self.KEYS], np.float64))
+            self.v = dict(zip(self.KEYS, map(float, s)))
+        return self.v
+
+
+def metrics(v: dict, objective: str) -> dict:
+    """TRL's metric names (batch means over pairs) from the summed values."""
+    n = max(v["pairs"], 1.0)
+    out = {"rewards/chosen": v["reward_chosen"] / n, "rewards/rejected": v["reward_rejected"] / n,
+           "rewards/margins": v["margin"] / n, "rewards/accuracies": v["correct"] / n,
+           "pairs": int(v["pairs"])}
+    if objective == "orpo":
+        out["nll_loss"] = v["nll"] / max(v["chosen_targets"], 1.0)
+    return out
+
+
+class PreferenceTrainer(Trainer):
+    """``Trainer`` with the preference step, validation over pairs and the reference pass.
+    The one-graph step only: layer-wise recompute has no per-sequence loss yet."""
+
+    def __init__(self, model, adapter, hp, settings: PreferenceSettings, world=None,
+                 max_graphs: int = 12):
+        super().__init__(model, adapter, hp, recompute="off", world=world,
+                         max_graphs=max_graphs)
+        if settings.objective not in ("dpo", "orpo"):
+            raise ValueError(f"objective must be dpo or orpo, got {settings.objective!r}")
+        self.settings = settings
+        self.fwd_graphs: dict[tuple, EvalGraph] = {}
+        self.ref_graphs: dict[tuple, EvalGraph] = {}
+        self.reference: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+
+    # ---------------------------------------------------------------- graphs
+    def _shape(self, pb: PairBatch, targets: np.ndarray) -> tuple[int, int, int]:
+        B, T = pb.tokens.shape
+        T = bucket_length(self.model, T)
+        most = int((targets >= 0).sum(axis=1).max())
+        return B, T, loss_mod.rows_bucket(most, T)
+
+    def _cached(self, cache: dict, key: tuple, make):
+        if key not in cache:
+            if len(cache) >= self.max_graphs:
+                cache.pop(next(iter(cache))).close()
+            cache[key] = make()
+        return cache[key]
+
+    def sequence_logps(self, pb: PairBatch, targets: np.ndarray, reference: bool = False
+                       ) -> np.ndarray:
+        """Every row's summed completion log-probability under the policy (or the base)."""
+        B, T, R = self._shape(pb, targets)
+        cache, adapter = (self.ref_graphs, None) if reference else (self.fwd_graphs, self.adapter)
+        g = self._cached(cache, (B, T, R),
+                         lambda: EvalGraph(self.model, adapter, B, T, None, rows_per_seq=R))
+        b = pb.batch
+        return g.sequence_logps(b.tokens, b.seg, targets)
+
+    def _grad(self, pb: PairBatch, targets: np.ndarray) -> GradGraph:
+        B, T, R = self._shape(pb, targets)
+        return self._cached(self.graphs, (B, T, R), lambda: GradGraph(
+            self.model, self.adapter, B, T, opt_state=self.opt_state, rows_per_seq=R))
+
+    @staticmethod
+    def targets_of(pb: PairBatch) -> np.ndarray:
+        b = pb.batch
+        return loss_mod.shift_targets(b.tokens, b.train_mask, b.seg)
+
+    # ---------------------------------------------------------------- the reference
+    def compute_reference(self, name: str, pairs: Sequence, batch_size: int) -> None:
+        """The base model's log-probabilities of every pair of split ``name``, in a fixed
+        batching (sorted by length, no randomness), shared out over the ranks and summed
+        (each value comes from one rank, the others add exact zeros)."""
+        w = self.world
+        n = len(pairs)
+        ref = np.zeros(2 * n, np.float64)
+        batches = make_pair_batches(pairs, batch_size, shuffle=False, pad_id=self.model.pad_id)
+        for i, pb in enumerate(batches):
+            if i % w.size != w.rank:
+                continue
+            lp = self.sequence_logps(pb, self.targets_of(pb), reference=True)
+            k = pb.n_pairs
+            ref[pb.pairs], ref[n + pb.pairs] = lp[:k], lp[k:]
+        if w.size > 1:
+            ref = w.allreduce_sum(ref)
+        for g in self.ref_graphs.values():
+            g.close()
+        self.ref_graphs.clear()
+        self.reference[name] = (ref[:n], ref[n:])
+
+    def load_or_compute_reference(self, out: Path | None, splits, batch_size: int, log) -> None:
+        """The reference log-probabilities of the train and validation pairs: read from the
+        run folder's cache when it was made for these very pairs and this base model, else
+        computed (and cached by rank 0)."""
+        parts = {"train": splits.train, "valid": splits.valid}
+        digest = hashlib.sha256("".join(pair_digest(p) for p in parts.values()).encode()
+                                + self.model.path.encode()).hexdigest()
+        path = out / REFERENCE_FILE if out is not None else None
+
+        def cached():
+            if path is None or not path.exists():
+                return None
+            with np.load(path) as z:
+                if str(z["digest"]) != digest:
+                    return None
+                return {k: (z[f"{k}_chosen"], z[f"{k}_rejected"]) for k in parts}
+        w = self.world
+        found = w.bcast(cached() if w.is_main else None) if w.size > 1 else cached()
+        if found is not None:
+            self.reference.update(found)
+            log(f"reference log-probabilities: read from {path}")
+            return
+        t0 = time.perf_counter()
+        for k, pairs in parts.items():
+            if pairs:
+                self.compute_reference(k, pairs, batch_size)
+            else:
+                self.reference[k] = (np.zeros(0), np.zeros(0))
+        n = sum(len(p) for p in parts.values())
+        log(f"reference log-probabilities of {n} pairs (base model, adapter off): "
+            f"{time.perf_counter() - t0:.1f} s")
+        if path is not None and self.world.is_main:
+            import io
+            buf = io.BytesIO()
+            np.savez(buf, digest=np.array(digest),
+                     **{f"{k}_{s}": v for k, (c, r) in self.reference.items()
+                        for s, v in (("chosen", c), ("rejected", r))})
+            atomic.write_bytes(path, buf.getvalue())
+
+    # ---------------------------------------------------------------- the loss
+    def pair_terms(self, pb: PairBatch, lp: np.ndarray, split: str, targets: np.ndarray
+                   ) -> pl.PairTerms:
+        s, n = self.settings, pb.n_pairs
+        pc, pr = lp[:n], lp[n:]
+        if s.objective == "orpo":
+            cnt = (targets >= 0).sum(axis=1)
+            return pl.orpo_terms(s.beta, pc, pr, cnt[:n], cnt[n:])
+        ref_c, ref_r = self.reference[split]
+        lens = pb.batch.train_mask.sum(axis=1)            # TRL's completion_mask sums
+        return pl.dpo_terms(s.loss_type, s.beta, s.label_smoothing, pc, pr,
+                            ref_c[pb.pairs], ref_r[pb.pairs], lens[:n], lens[n:])
+
+    def accumulate(self, micro_batches: list) -> tuple[float, dict] | None:
+        """The step's loss and summed metrics, its gradient left in the accumulators (summed
+        over ranks); None when the whole step holds no pair."""
+        w, orpo = self.world, self.settings.objective == "orpo"
+        tgts = [self.targets_of(pb) for pb in micro_batches]
+        chosen_targets = [int((t[:pb.n_pairs] >= 0).sum()) for pb, t in zip(micro_batches, tgts)]
+        totals = np.array([sum(pb.n_pairs for pb in micro_batches), sum(chosen_targets)],
+                          np.float64)
+        n_pairs, n_chosen = map(float, w.allreduce_sum(totals) if w.size > 1 else totals)
+        if n_pairs == 0:
+            return None
+        self.opt_state.zero_grads()
+        sums = _Sums()
+        for pb, tg, nc in zip(micro_batches, tgts, chosen_targets):
+            lp = self.sequence_logps(pb, tg)
+            terms = self.pair_terms(pb, lp, "train", tg)
+            d = np.concatenate([terms.d_chosen, terms.d_rejected]) / n_pairs
+            nll = 0.0
+            if orpo:                  # the NLL of the chosen completions, a token mean
+                d[:pb.n_pairs] -= 1.0 / n_chosen
+                nll = -float(lp[:pb.n_pairs].sum())
+            g = self._grad(pb, tg)
+            g.accumulate_sequences(pb.batch.tokens, pb.batch.seg, tg, -g.rows_per_seq * d)
+            sums.add(terms, nll, nc, pb.n_tokens)
+        v = sums.reduce(w)
+        if w.size > 1:
+            self.opt_state.allreduce_grads(w)
+        return v["loss"] / n_pairs + (v["nll"] / n_chosen if orpo else 0.0), v
+
+    def step(self, micro_batches: list, lr: float) -> StepResult | None:
+        """One optimizer step over this rank's micro-batches of pairs (see the module
+        docstring); None when the whole step holds no pair."""
+        t0 = time.perf_counter()
+        done = self.accumulate(micro_batches)
+        if done is None:
+            return None
+        loss, v = done
+        if not math.isfinite(loss):
+            raise NonFiniteLoss(f"loss is {loss}")
+        norm = self.opt.grad_norm()
+        if not math.isfinite(norm):
+            raise NonFiniteLoss(f"gradient norm is {norm}")
+        with self.hold():
+            clip = self.opt.step(lr, norm)
+        r = StepResult(loss, int(v["pairs"]), norm, clip, lr, int(v["tokens"]),
+                       time.perf_counter() - t0)
+        r.extra = metrics(v, self.settings.objective)
+        return r
+
+    def evaluate(self, batches: list) -> dict:
+        """The loss and TRL's reward metrics over the validation pairs (this rank's share of
+        the batches, summed over ranks)."""
+        w, orpo = self.world, self.settings.objective == "orpo"
+        sums = _Sums()
+        for pb in batches[w.rank::w.size]:
+            tg = self.targets_of(pb)
+            lp = self.sequence_logps(pb, tg)
+            terms = self.pair_terms(pb, lp, "valid", tg)
+            sums.add(terms, -float(lp[:pb.n_pairs].sum()) if orpo else 0.0,
+                     int((tg[:pb.n_pairs] >= 0).sum()), pb.n_tokens)
+        v = sums.reduce(w)
+        n = max(v["pairs"], 1.0)
+        loss = v["loss"] / n + (v["nll"] / max(v["chosen_targets"], 1.0) if orpo else 0.0)
+        return {"loss": loss, **metrics(v, self.settings.objective)}
+
+    def close(self) -> None:
+        for cache in (self.fwd_graphs, self.ref_graphs):
+            for g in cache.values():
+                g.close()
+            cache.clear()
+        super().close()
