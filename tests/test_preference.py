@@ -1,0 +1,318 @@
+"""Preference training (DPO, ORPO): the pair data, the loss functions' derivatives, the
+per-sequence masked CE against the SFT path it generalises, accumulation, and whole runs.
+Parity with TRL itself is tests/test_preference_trl.py."""
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import pytrain
+from bounds import F32_SPREAD, f32_bound, ulps
+from pytrain.cli import main
+from pytrain.data.examples import DataError
+from pytrain.data.preference import load_pairs, make_pair_batches, pair_batch
+from pytrain.models import lora
+from pytrain.models.lora_targets import select_targets
+from pytrain.train import loss as L
+from pytrain.train import preference_loss as pl
+from pytrain.train.graphs import EvalGraph, GradGraph, bucket_length
+from pytrain.train.optimizer import AdamWSettings
+from pytrain.train.preference import PreferenceSettings, PreferenceTrainer
+from step_rounding import measure
+
+FIX = Path(__file__).resolve().parent / "fixtures" / "qwen35"
+ANIMALS = [("cow", "moo"), ("dog", "woof"), ("cat", "meow"), ("duck", "quack"), ("sheep", "baa"),
+           ("pig", "oink"), ("owl", "hoot"), ("frog", "ribbit")]
+
+
+def pair_records(n_turns: int = 1) -> list[dict]:
+    """Conversational pairs: the right animal sound chosen, another animal's rejected; every
+    third prompt has an earlier exchange (a multi-turn prompt)."""
+    recs = []
+    for i, (a, s) in enumerate(ANIMALS):
+        wrong = ANIMALS[(i + 3) % len(ANIMALS)][1]
+        prompt = [{"role": "user", "content": f"What does the {a} say?"}]
+        if i % 3 == 0:
+            prompt = [{"role": "user", "content": "Hi."},
+                      {"role": "assistant", "content": "Hello! Ask me about animals."}] + prompt
+        recs.append({"prompt": prompt,
+                     "chosen": [{"role": "assistant", "content": f"The {a} says {s}."}],
+                     "rejected": [{"role": "assistant",
+                                   "content": f"The {a} says {wrong}" + "!" * (i % 3)}]})
+    return recs
+
+
+def write_jsonl(path: Path, recs) -> Path:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in recs))
+    return path
+
+
+@pytest.fixture(scope="module")
+def model():
+    m = pytrain.load_model(FIX / "gqa-f32.gguf", device="cpu", threads=2)
+    yield m
+    m.close()
+
+
+@pytest.fixture(scope="module")
+def pairs(model, tmp_path_factory):
+    path = write_jsonl(tmp_path_factory.mktemp("pairs") / "p.jsonl", pair_records())
+    return load_pairs(path, model.tokenizer)[0]
+
+
+def adapted(model, seed: int = 3):
+    """An adapter with non-zero A and B (the policy differs from the base model)."""
+    names = select_targets(model.config)
+    ad = lora.create(model.runtime, model.config, names, rank=4, alpha=8.0, seed=0)
+    rng = np.random.default_rng(seed)
+    ad.set({k: (rng.standard_normal(v.shape) * (0.2 if k.endswith("lora_b") else 0.1)
+                ).astype(np.float32) for k, v in ad.get().items()})
+    return ad
+
+
+# --------------------------------------------------------------------------- the losses
+
+def _numeric(f, x, h=1e-6):
+    return (f(x + h) - f(x - h)) / (2 * h)
+
+
+@pytest.mark.parametrize("objective,loss_type", [("dpo", "sigmoid"), ("dpo", "ipo"),
+                                                 ("dpo", "hinge"), ("dpo", "robust"),
+                                                 ("orpo", None)])
+def test_loss_derivatives_are_the_loss_functions_own(objective, loss_type):
+    """d loss / d pi from the closed forms against central differences of the loss itself
+    (float64; the step is 1e-6, so the truncation error is ~1e-12 x the third derivative)."""
+    rng = np.random.default_rng(0)
+    n = 6
+    pc, pr = -rng.uniform(2, 30, n), -rng.uniform(2, 30, n)
+    rc, rr = pc + rng.normal(0, 1, n), pr + rng.normal(0, 1, n)
+    lc, lr = rng.integers(3, 12, n), rng.integers(3, 12, n)
+
+    def terms(pc_, pr_):
+        if objective == "orpo":
+            return pl.orpo_terms(0.1, pc_, pr_, lc, lr)
+        return pl.dpo_terms(loss_type, 0.1, 0.2, pc_, pr_, rc, rr, lc, lr)
+    t = terms(pc, pr)
+    if loss_type == "hinge":
+        assert ((1 - 0.1 * ((pc - rc) - (pr - rr))) > 0.01).all()     # away from the kink
+    for i in range(n):
+        e = np.eye(n)[i]
+        dc = _numeric(lambda h: terms(pc + h * e, pr).loss[i], 0.0)
+        dr = _numeric(lambda h: terms(pc, pr + h * e).loss[i], 0.0)
+        assert abs(dc - t.d_chosen[i]) <= 1e-7 * max(1.0, abs(dc)), (i, dc, t.d_chosen[i])
+        assert abs(dr - t.d_rejected[i]) <= 1e-7 * max(1.0, abs(dr)), (i, dr, t.d_rejected[i])
+
+
+def test_dpo_sigmoid_at_the_reference_is_log2_and_no_reward():
+    t = pl.dpo_terms("sigmoid", 0.1, 0.0, [-3.0], [-5.0], [-3.0], [-5.0], [4], [4])
+    assert t.loss[0] == pytest.approx(np.log(2.0), rel=1e-15)
+    assert t.reward_chosen[0] == t.reward_rejected[0] == 0.0
+
+
+# --------------------------------------------------------------------------- data
+
+def test_standard_records_get_eos_and_a_masked_prompt(model, tmp_path):
+    tok = model.tokenizer
+    eos = tok.id_to_token(tok.eos_id)
+    path = write_jsonl(tmp_path / "s.jsonl", [
+        {"prompt": "The cow says", "chosen": " moo", "rejected": " woof" + eos}])
+    (p,), stats = load_pairs(path, tok)
+    assert p.chosen[-1] == p.rejected[-1] == tok.eos_id
+    assert list(p.rejected).count(tok.eos_id) == 1          # not appended twice
+    assert list(p.prompt) + list(p.chosen) == tok.encode("The cow says moo" + eos,
+                                                         add_special=True)
+    b = pair_batch([p], [0], model.pad_id).batch
+    tg = L.shift_targets(b.tokens, b.train_mask, b.seg)
+    # exactly the completion tokens are targets, each predicted from the token before it
+    for row, comp in ((0, p.chosen), (1, p.rejected)):
+        got = tg[row][tg[row] >= 0]
+        np.testing.assert_array_equal(got, comp)
+    assert stats.examples == 1 and stats.target_tokens == len(p.chosen) + len(p.rejected)
+
+
+def test_conversational_records_render_prompt_with_the_generation_prompt(model, tmp_path):
+    from pytrain.data.chat_template import render
+    tok = model.tokenizer
+    rec = pair_records()[0]
+    (p,), _ = load_pairs(write_jsonl(tmp_path / "c.jsonl", [rec]), tok)
+    kw = tok.special_tokens_map()
+    prompt_text = render(tok.chat_template, rec["prompt"], True, **kw)
+    full = tok.encode(render(tok.chat_template, rec["prompt"] + rec["chosen"], False, **kw))
+    assert list(p.prompt) + list(p.chosen) == full
+    assert tok.decode(list(p.prompt)) == prompt_text[:len(tok.decode(list(p.prompt)))]
+    assert "The cow says moo." in tok.decode(list(p.chosen))
+    assert "Hello! Ask me about animals." in tok.decode(list(p.prompt))     # multi-turn
+    implicit = {"chosen": rec["prompt"] + rec["chosen"],
+                "rejected": rec["prompt"] + rec["rejected"]}
+    (q,), _ = load_pairs(write_jsonl(tmp_path / "i.jsonl", [implicit]), tok)
+    for a, b in ((p.prompt, q.prompt), (p.chosen, q.chosen), (p.rejected, q.rejected)):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("record,says", [
+    ({"prompt": "a", "chosen": "b"}, "missing 'rejected'"),
+    ({"chosen": "b", "rejected": "c"}, "missing \"prompt\""),
+    ({"prompt": "a", "chosen": "same", "rejected": "same"}, "\"chosen\" equals \"rejected\""),
+    ({"prompt": "a", "chosen": ["x"], "rejected": "c"}, "all be strings"),
+    ("{not json", "malformed JSON"),
+])
+def test_bad_records_name_file_and_line(model, tmp_path, record, says):
+    good = {"prompt": "The cow says", "chosen": " moo", "rejected": " woof"}
+    path = write_jsonl(tmp_path / "bad.jsonl", [good, record])
+    with pytest.raises(DataError) as e:
+        load_pairs(path, model.tokenizer)
+    assert f"{path}:2:" in str(e.value) and says in str(e.value), str(e.value)
+    pairs, stats = load_pairs(path, model.tokenizer, on_error="skip")
+    assert len(pairs) == 1 and sum(stats.skipped.values()) == 1
+
+
+def test_a_prompt_that_leaves_no_completion_is_skipped_and_counted(model, tmp_path):
+    long = {"prompt": "moo " * 40, "chosen": " yes", "rejected": " no"}
+    short = {"prompt": "The cow says", "chosen": " moo", "rejected": " woof"}
+    path = write_jsonl(tmp_path / "t.jsonl", [short, long])
+    pairs, stats = load_pairs(path, model.tokenizer, max_seq_len=16)
+    assert len(pairs) == 1 and stats.skipped == {"no_targets": 1}
+    assert f"{path}:2: the prompt leaves no completion token" in stats.skip_messages[
+        "no_targets"][0]
+    pairs, stats = load_pairs(path, model.tokenizer, max_seq_len=16, truncation="drop")
+    assert stats.skipped == {"too_long": 1}
+
+
+def test_pairs_are_never_split_across_micro_batches(pairs, model):
+    batches = make_pair_batches(pairs, 3, seed=5, pad_id=model.pad_id)
+    seen = []
+    for pb in batches:
+        n = pb.n_pairs
+        assert pb.tokens.shape[0] == 2 * n
+        for j, i in enumerate(pb.pairs):
+            p = pairs[i]
+            row_c, row_r = pb.tokens[j], pb.tokens[n + j]
+            np.testing.assert_array_equal(row_c[:len(p.prompt) + len(p.chosen)],
+                                          np.concatenate([p.prompt, p.chosen]))
+            np.testing.assert_array_equal(row_r[:len(p.prompt) + len(p.rejected)],
+                                          np.concatenate([p.prompt, p.rejected]))
+        seen += list(pb.pairs)
+    assert sorted(seen) == list(range(len(pairs)))
+
+
+# --------------------------------------------------------------------------- the graph
+
+def test_sequence_log_probs_are_the_sft_paths_token_sums(model, pairs):
+    """SequenceCE's per-row sums against the SFT evaluation graph run on each row alone
+    (another head-row layout and batch shape: equal to float32 rounding of the sum)."""
+    ad = adapted(model)
+    pb = make_pair_batches(pairs, 4, shuffle=False, pad_id=model.pad_id)[1]
+    b = pb.batch
+    tg = L.shift_targets(b.tokens, b.train_mask, b.seg)
+    B, T = b.tokens.shape
+    T = bucket_length(model, T)
+    R = L.rows_bucket(int((tg >= 0).sum(1).max()), T)
+    g = EvalGraph(model, ad, B, T, None, rows_per_seq=R)
+    try:
+        got = g.sequence_logps(b.tokens, b.seg, tg)
+    finally:
+        g.close()
+    for row in range(B):
+        n = int((tg[row] >= 0).sum())
+        e = EvalGraph(model, ad, 1, T, L.rows_bucket(n, T))
+        try:
+            ce_sum, _ = e.run(b.tokens[row:row + 1], b.seg[row:row + 1], tg[row:row + 1])
+        finally:
+            e.close()
+        # each of n log-probabilities rounded (a few ulps of its size), then summed
+        assert abs(got[row] + ce_sum) <= F32_SPREAD * n * ulps(ce_sum / n, 8) + ulps(ce_sum), (
+            row, got[row], -ce_sum)
+
+
+
+def test_sequence_weights_of_minus_one_over_n_give_the_sft_gradient(model, pairs):
+    """With every sequence's weight dL/dpi = -1/N (N the batch's targets), the per-sequence
+    loss is SFT's token mean over the same rows: equal loss gradient, to the float32 rounding
+    of that step measured on the same batch (step_rounding.measure)."""
+    ad = adapted(model)
+    pb = make_pair_batches(pairs, 4, shuffle=False, pad_id=model.pad_id)[0]
+    b = pb.batch
+    tg = L.shift_targets(b.tokens, b.train_mask, b.seg)
+    B, T = b.tokens.shape
+    T = bucket_length(model, T)
+    N = int((tg >= 0).sum())
+    R = L.rows_bucket(int((tg >= 0).sum(1).max()), T)
+    g = GradGraph(model, ad, B, T, rows_per_seq=R)
+    try:
+        g.opt_state.zero_grads()
+        lp = g.accumulate_sequences(b.tokens, b.seg, tg, np.full(B, R / N))
+        grads = g.opt_state.grads()
+    finally:
+        g.close()
+    rounding = measure(model, ad, B, T, b.tokens, b.seg, tg)
+    want = rounding["ref"]
+    assert abs(-lp.sum() / N - want["loss"]) <= f32_bound(rounding["loss"], want["loss"])
+    for k, v in want["grads"].items():
+        err = float(np.abs(grads[k] - v).max())
+        bound = F32_SPREAD * max(rounding["grads"][k], ulps(v))
+        assert err <= bound, (k, err, bound)
+
+
+
+def trainer_for(model, objective="dpo", loss_type="sigmoid"):
+    ad = adapted(model)
+    tr = PreferenceTrainer(model, ad, AdamWSettings(lr=1e-3),
+                           PreferenceSettings(objective, 0.1, loss_type, 0.1))
+    return tr, ad
+
+
+def other_kernels(model):
+    """The same model with the BLAS backend toggled (the other F32 matmul kernels), as
+    step_rounding.measure loads it."""
+    import os
+    blas = os.environ.get("PYTRAIN_BLAS", "1") not in ("", "0")
+    old = os.environ.get("PYTRAIN_BLAS")
+    os.environ["PYTRAIN_BLAS"] = "0" if blas else "1"
+    try:
+        return pytrain.load_model(model.path, device="cpu", threads=model.runtime.threads)
+    finally:
+        if old is None:
+            del os.environ["PYTRAIN_BLAS"]
+        else:
+            os.environ["PYTRAIN_BLAS"] = old
+
+
+def preference_step(model, values, pairs, batches, objective):
+    """(loss, sums, gradients) of one preference step over ``batches`` (lists of pair
+    indices), the adapter set to ``values``."""
+    ad = adapted(model)
+    ad.set(values)
+    tr = PreferenceTrainer(model, ad, AdamWSettings(lr=1e-3),
+                           PreferenceSettings(objective, 0.1, "sigmoid", 0.0))
+    try:
+        tr.compute_reference("train", pairs, 4)
+        loss, v = tr.accumulate([pair_batch(pairs, i, model.pad_id) for i in batches])
+        return loss, v, tr.opt_state.grads()
+    finally:
+        tr.close()
+
+
+
+@pytest.mark.parametrize("objective", ["dpo", "orpo"])
+def test_accumulated_micro_batches_equal_one_batch(model, pairs, objective):
+    """A step over two micro-batches of 2 pairs and over one batch of the same 4 pairs: the
+    same loss, rewards and gradient, to the float32 rounding of that very step measured on
+    the same pairs (bounds.py): the one-batch step again with the pairs in reverse order and
+    the other matmul kernels."""
+    values = adapted(model).get()
+    loss1, v1, g1 = preference_step(model, values, pairs, [[0, 1, 2, 3]], objective)
+    loss2, v2, g2 = preference_step(model, values, pairs, [[0, 1], [2, 3]], objective)
+    other = other_kernels(model)
+    try:
+        loss_r, v_r, g_r = preference_step(other, values, pairs, [[3, 2, 1, 0]], objective)
+    finally:
+        other.close()
+    assert v1["pairs"] == v2["pairs"] == 4 and v1["correct"] == v2["correct"]
+    for key in ("reward_chosen", "reward_rejected"):
+        assert abs(v1[key] - v2[key]) <= f32_bound(abs(v1[key] - v_r[key]), v1[key]), key
+    assert abs(loss1 - loss2) <= f32_bound(abs(loss1 - loss_r), loss1), (loss1, loss2, loss_r)
+    for k, v in g1.items():
+        err = float(np.abs(g2[k] - v).max())
+        bound = F32_SPREAD * max(float(np.abs(g_r[k] - v).max()), ulps(v))
+        assert err <= bound, (k, err, bound)
