@@ -316,3 +316,133 @@ def test_accumulated_micro_batches_equal_one_batch(model, pairs, objective):
         err = float(np.abs(g2[k] - v).max())
         bound = F32_SPREAD * max(float(np.abs(g_r[k] - v).max()), ulps(v))
         assert err <= bound, (k, err, bound)
+
+
+# --------------------------------------------------------------------------- whole runs
+
+def write_pref_run(folder: Path, name: str = "run", **train) -> Path:
+    write_jsonl(folder / "train.jsonl", pair_records() * 4)
+    write_jsonl(folder / "valid.jsonl", pair_records())
+    t = {"objective": "dpo", "max_steps": 6, "batch_size": 2, "lr": 5e-3, "eval_every": 3,
+         "save_every": 0, **train}
+    cfg = folder / f"{name}.toml"
+    cfg.write_text(f'[model]\npath = "{FIX / "gqa-f32.gguf"}"\ndevice = "cpu"\nthreads = 1\n'
+                   f'[data]\ntrain = "train.jsonl"\nvalidation = "valid.jsonl"\n'
+                   f'[lora]\nrank = 4\nalpha = 8.0\n[train]\n'
+                   + "".join(f"{k} = {json.dumps(v)}\n" for k, v in t.items())
+                   + f'[output]\ndir = "{folder / name}"\nformats = ["gguf", "peft"]\n')
+    return cfg
+
+
+def metrics_of(out: Path) -> tuple[list[dict], list[dict]]:
+    recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    return ([r for r in recs if "loss" in r and r.get("split") != "valid"],
+            [r for r in recs if r.get("split") == "valid"])
+
+
+@pytest.mark.parametrize("objective", ["dpo", "orpo"])
+def test_a_preference_run_learns_the_preference_and_exports(tmp_path, capsys, objective):
+    cfg = write_pref_run(tmp_path, objective=objective, max_steps=12, batch_size=4,
+                         eval_every=6)
+    assert main(["train", str(cfg), "--no-progress"]) == 0
+    out = tmp_path / "run"
+    steps, valid = metrics_of(out)
+    assert len(steps) == 12 and [v["step"] for v in valid] == [0, 6, 12]
+    keys = {"rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies"}
+    assert all(keys <= set(r) for r in steps + valid)
+    assert valid[-1]["rewards/margins"] > valid[0]["rewards/margins"]
+    assert valid[-1]["rewards/accuracies"] > valid[0]["rewards/accuracies"]
+    assert valid[-1]["loss"] < valid[0]["loss"]
+    if objective == "dpo":       # the policy starts as the reference: no reward, loss log 2
+        assert valid[0]["rewards/margins"] == 0.0 and valid[0]["rewards/accuracies"] == 0.0
+        assert valid[0]["loss"] == pytest.approx(np.log(2.0), abs=1e-12)
+    else:
+        assert all("nll_loss" in r for r in steps + valid)
+    text = capsys.readouterr().out
+    assert "reward accuracy" in text and "reference log-probabilities of 40 pairs" in text
+    assert (out / "loss.png").stat().st_size > 0 and (out / "reference_logps.npz").exists()
+    from pytrain.formats.adapter_gguf import read_lora_gguf
+    from pytrain.formats.adapter_peft import read_peft_adapter
+    gguf = read_lora_gguf(out / "adapter.gguf")[2]
+    peft = read_peft_adapter(out / "peft", arch="qwen35")[0]
+    assert set(gguf) and set(peft)
+
+
+def interrupt_at(monkeypatch, n: int):
+    """SIGINT to this process during the n-th preference step."""
+    import os
+    import signal
+    real, calls = PreferenceTrainer.step, []
+
+    def step(self, micro, lr):
+        calls.append(1)
+        if len(calls) == n:
+            os.kill(os.getpid(), signal.SIGINT)
+        return real(self, micro, lr)
+    monkeypatch.setattr(PreferenceTrainer, "step", step)
+    return real
+
+
+@pytest.mark.parametrize("objective", ["dpo", "orpo"])
+def test_interrupted_and_resumed_equals_uninterrupted(tmp_path, monkeypatch, capsys, objective):
+    """Bound: zero (as tests/test_train_run.py's resume test says why): the resumed run reads
+    the reference log-probabilities back from the run folder and repeats the same float32
+    operations, across an epoch boundary (4 steps an epoch)."""
+    from pytrain.formats.adapter_gguf import read_lora_gguf
+    cfg = write_pref_run(tmp_path, objective=objective, max_steps=6, batch_size=8,
+                         eval_every=0, schedule="cosine", warmup=1)
+    assert main(["train", str(cfg), "--no-progress"]) == 0
+    straight = read_lora_gguf(tmp_path / "run" / "adapter.gguf")[2]
+    other = f"output.dir={tmp_path / 'again'}"
+    real = interrupt_at(monkeypatch, 3)
+    assert main(["train", str(cfg), "--no-progress", "--set", other]) == 130
+    assert "interrupted by SIGINT after step 3" in capsys.readouterr().err
+    monkeypatch.setattr(PreferenceTrainer, "step", real)
+    assert main(["train", str(cfg), "--no-progress", "--set", other, "--resume"]) == 0
+    assert "reference log-probabilities: read from" in capsys.readouterr().out
+    resumed = read_lora_gguf(tmp_path / "again" / "adapter.gguf")[2]
+    assert sorted(resumed) == sorted(straight)
+    for k, v in straight.items():
+        np.testing.assert_array_equal(resumed[k], v, err_msg=k)
+    steps, _ = metrics_of(tmp_path / "again")
+    assert [r["step"] for r in steps] == list(range(1, 7))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("objective", ["dpo", "orpo"])
+def test_two_ranks_equal_one_process_accumulating_two(tmp_path, objective):
+    """`mpiexec -n 2` with grad_accum 1 against one process with grad_accum 2: every step's
+    loss, rewards and gradient norm, the validations and the adapter, bit for bit (the same
+    micro-batches; each step's sums add the same two parts)."""
+    import test_distributed as td
+    from pytrain.formats.adapter_gguf import read_lora_gguf
+    if not td.MPIEXEC.exists():
+        pytest.fail(f"{td.MPIEXEC} missing: `make build` installs the mpi extra")
+    one = write_pref_run(tmp_path, "one", objective=objective, grad_accum=2, eval_every=3)
+    two = write_pref_run(tmp_path, "two", objective=objective, grad_accum=1, eval_every=3)
+    td.run(tmp_path, 1, one)
+    td.run(tmp_path, 2, two)
+    s1, v1 = metrics_of(tmp_path / "one")
+    s2, v2 = metrics_of(tmp_path / "two")
+    keys = ("loss", "grad_norm", "n_valid", "rewards/margins", "rewards/accuracies")
+    assert len(s1) == len(s2) == 6
+    for a, b in zip(s1 + v1, s2 + v2):
+        assert [a.get(k) for k in keys] == [b.get(k) for k in keys], (a, b)
+    a1 = read_lora_gguf(tmp_path / "one" / "adapter.gguf")[2]
+    a2 = read_lora_gguf(tmp_path / "two" / "adapter.gguf")[2]
+    for k, v in a1.items():
+        np.testing.assert_array_equal(a2[k], v, err_msg=k)
+
+
+@pytest.mark.parametrize("key,value,says", [
+    ("data.packing", "true", "batches whole pairs"),
+    ("train.recompute", "layers", "no per-sequence loss"),
+    ("train.label_smoothing", "0.5", "must be in [0, 0.5)"),
+    ("train.loss_type", "kto", "one of"),
+])
+def test_preference_settings_that_cannot_work_are_config_errors(tmp_path, capsys, key, value,
+                                                               says):
+    cfg = write_pref_run(tmp_path)
+    assert main(["train", str(cfg), "--no-progress", "--set", f"{key}={value}"]) == 1
+    err = capsys.readouterr().err
+    assert key in err and says in err, err

@@ -60,31 +60,32 @@ def pair_digest(pairs: Sequence) -> str:
 
 
 class _Sums:
-    """Per-step (or per-validation) sums over pairs, all-reduced in one message."""
+    """Per-step (or per-validation) sums over pairs.  Each micro-batch's values are a row of
+    their own, at the micro-batch's place in the whole step (rank + ranks x i for this rank's
+    i-th), summed in that order after one all-reduce (each row comes from one rank, the
+    others add exact zeros): so ranks and accumulation give the same float64 sums."""
 
     KEYS = ("loss", "nll", "reward_chosen", "reward_rejected", "margin", "correct", "pairs",
             "chosen_targets", "tokens")
 
-    def __init__(self):
-        self.v = dict.fromkeys(self.KEYS, 0.0)
+    def __init__(self, world, n_batches: int):
+        """``n_batches``: the most micro-batches any rank has."""
+        self.world = world
+        self.rows = np.zeros((n_batches * world.size, len(self.KEYS)), np.float64)
 
-    def add(self, t: pl.PairTerms, nll: float, chosen_targets: int, tokens: int) -> None:
-        v = self.v
-        v["loss"] += float(t.loss.sum())
-        v["nll"] += nll
-        v["reward_chosen"] += float(t.reward_chosen.sum())
-        v["reward_rejected"] += float(t.reward_rejected.sum())
-        v["margin"] += float((t.reward_chosen - t.reward_rejected).sum())
-        v["correct"] += float((t.reward_chosen > t.reward_rejected).sum())
-        v["pairs"] += t.loss.size
-        v["chosen_targets"] += chosen_targets
-        v["tokens"] += tokens
+    def add(self, i: int, t: pl.PairTerms, nll: float, chosen_targets: int, tokens: int) -> None:
+        """The values of this rank's ``i``-th micro-batch."""
+        self.rows[self.world.rank + self.world.size * i] = (
+            t.loss.sum(), nll, t.reward_chosen.sum(), t.reward_rejected.sum(),
+            (t.reward_chosen - t.reward_rejected).sum(),
+            (t.reward_chosen > t.reward_rejected).sum(), t.loss.size, chosen_targets, tokens)
 
-    def reduce(self, world) -> dict:
-        if world.size > 1:
-            s = world.allreduce_sum(np.array([self.v[k] for k in self.KEYS], np.float64))
-            self.v = dict(zip(self.KEYS, map(float, s)))
-        return self.v
+    def reduce(self) -> dict:
+        rows = self.world.allreduce_sum(self.rows) if self.world.size > 1 else self.rows
+        total = np.zeros(len(self.KEYS), np.float64)
+        for r in rows:                 # in the step's order, whatever the ranks
+            total += r
+        return dict(zip(self.KEYS, map(float, total)))
 
 
 def metrics(v: dict, objective: str) -> dict:
@@ -227,14 +228,15 @@ class PreferenceTrainer(Trainer):
         w, orpo = self.world, self.settings.objective == "orpo"
         tgts = [self.targets_of(pb) for pb in micro_batches]
         chosen_targets = [int((t[:pb.n_pairs] >= 0).sum()) for pb, t in zip(micro_batches, tgts)]
-        totals = np.array([sum(pb.n_pairs for pb in micro_batches), sum(chosen_targets)],
-                          np.float64)
-        n_pairs, n_chosen = map(float, w.allreduce_sum(totals) if w.size > 1 else totals)
+        totals = np.array([sum(pb.n_pairs for pb in micro_batches), sum(chosen_targets),
+                           len(micro_batches)], np.float64)
+        n_pairs, n_chosen, n_micro = map(float, w.allreduce_sum(totals) if w.size > 1
+                                         else totals)
         if n_pairs == 0:
             return None
         self.opt_state.zero_grads()
-        sums = _Sums()
-        for pb, tg, nc in zip(micro_batches, tgts, chosen_targets):
+        sums = _Sums(w, -(-int(n_micro) // w.size))
+        for i, (pb, tg, nc) in enumerate(zip(micro_batches, tgts, chosen_targets)):
             lp = self.sequence_logps(pb, tg)
             terms = self.pair_terms(pb, lp, "train", tg)
             d = np.concatenate([terms.d_chosen, terms.d_rejected]) / n_pairs
@@ -244,8 +246,8 @@ class PreferenceTrainer(Trainer):
                 nll = -float(lp[:pb.n_pairs].sum())
             g = self._grad(pb, tg)
             g.accumulate_sequences(pb.batch.tokens, pb.batch.seg, tg, -g.rows_per_seq * d)
-            sums.add(terms, nll, nc, pb.n_tokens)
-        v = sums.reduce(w)
+            sums.add(i, terms, nll, nc, pb.n_tokens)
+        v = sums.reduce()
         if w.size > 1:
             self.opt_state.allreduce_grads(w)
         return v["loss"] / n_pairs + (v["nll"] / n_chosen if orpo else 0.0), v
@@ -274,14 +276,15 @@ class PreferenceTrainer(Trainer):
         """The loss and TRL's reward metrics over the validation pairs (this rank's share of
         the batches, summed over ranks)."""
         w, orpo = self.world, self.settings.objective == "orpo"
-        sums = _Sums()
-        for pb in batches[w.rank::w.size]:
+        mine = batches[w.rank::w.size]
+        sums = _Sums(w, -(-len(batches) // w.size))
+        for i, pb in enumerate(mine):
             tg = self.targets_of(pb)
             lp = self.sequence_logps(pb, tg)
             terms = self.pair_terms(pb, lp, "valid", tg)
-            sums.add(terms, -float(lp[:pb.n_pairs].sum()) if orpo else 0.0,
+            sums.add(i, terms, -float(lp[:pb.n_pairs].sum()) if orpo else 0.0,
                      int((tg[:pb.n_pairs] >= 0).sum()), pb.n_tokens)
-        v = sums.reduce(w)
+        v = sums.reduce()
         n = max(v["pairs"], 1.0)
         loss = v["loss"] / n + (v["nll"] / max(v["chosen_targets"], 1.0) if orpo else 0.0)
         return {"loss": loss, **metrics(v, self.settings.objective)}
