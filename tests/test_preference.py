@@ -446,3 +446,18 @@ def test_preference_settings_that_cannot_work_are_config_errors(tmp_path, capsys
     assert main(["train", str(cfg), "--no-progress", "--set", f"{key}={value}"]) == 1
     err = capsys.readouterr().err
     assert key in err and says in err, err
+
+
+def test_plan_counts_both_sequences_and_the_reference_pass(tmp_path, capsys):
+    """`pytrain plan` of a DPO run: the step's graph is measured for 2 x batch_size sequences
+    (a bigger buffer than SFT's batch_size at the same length), and the plan says so."""
+    cfg = write_pref_run(tmp_path, batch_size=2)
+    set_len = ["--set", "data.max_seq_len=64", "--json"]
+    assert main(["plan", str(cfg), *set_len]) == 0
+    dpo = json.loads(capsys.readouterr().out)
+    assert main(["plan", str(cfg), *set_len, "--set", "train.objective=sft"]) == 0
+    sft = json.loads(capsys.readouterr().out)
+    assert dpo["batch"][0] == 2 * sft["batch"][0] == 4
+    assert dpo["one_graph"] > sft["one_graph"]
+    assert any("chosen and rejected" in n and "reference" in n for n in dpo["notes"])
+    assert not dpo["layers"] and "objective" in dpo["reason"]

@@ -50,7 +50,7 @@ def render(plan) -> list[str]:
                      f"loss on chunks of {lw['head_chunk_rows']} rows)")
     else:
         lines.append("compute buffer, layer-wise: not possible (adapted tensors outside the "
-                     "blocks)")
+                     "blocks, or a preference objective)")
     lines += ["", f"recompute: {'layers' if plan.layers else 'off'} ({plan.reason})",
               f"device memory: {size(plan.free_bytes)} free of {size(plan.total_bytes)}; "
               f"available to the run: {size(plan.available_bytes)}" if plan.free_bytes is not None

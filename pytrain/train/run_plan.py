@@ -95,6 +95,17 @@ def _weight_groups(files: dict[str, tuple[str, str, int]], model: Model) -> list
     return sorted(groups.values(), key=lambda g: -g["loaded_bytes"])
 
 
+def preference_step_buffer(model: Model, adapter, opt_state, B: int, T: int) -> int:
+    """Compute buffer of a preference step (train/preference.py): its forward-and-backward
+    graph of B sequences with every position a target, per-sequence loss; the policy's
+    forward-only pass and the reference pass before training need less (no backward)."""
+    g = GradGraph(model, adapter, B, T, opt_state=opt_state, rows_per_seq=T, measure_only=True)
+    try:
+        return compute_bytes(model.runtime, g.graph)
+    finally:
+        g.close()
+
+
 def step_buffers(model: Model, adapter, opt_state, B: int, T: int, n_targets: int | None = None
                  ) -> tuple[int, dict | None]:
     """Compute buffer of the one-graph step with the head and loss on the rows of
@@ -180,7 +191,12 @@ def plan_run(cfg) -> RunPlan:
         ad = lora.create(model.runtime, model.config, names, cfg.lora.rank, cfg.lora.alpha)
         opt_state = OptimizerState(model.runtime, ad.params())
         B, T = cfg.train.batch_size, bucket_length(model, cfg.data.max_seq_len)
-        one, lw = step_buffers(model, ad, opt_state, B, T)
+        preference = t.objective != "sft"
+        if preference:                  # chosen and rejected: two sequences a pair
+            B *= 2
+            one, lw = preference_step_buffer(model, ad, opt_state, B, T), None
+        else:
+            one, lw = step_buffers(model, ad, opt_state, B, T)
         adapter = sum(int(lib.ggml_nbytes(p)) for p in ad.params())
         weights = model.weights.loaded_bytes
     finally:
@@ -188,10 +204,20 @@ def plan_run(cfg) -> RunPlan:
     state = 3 * adapter                  # gradient accumulator + m + v, each a copy of A/B
     layers, why = _decide(t.recompute, one, lw, budget - weights - (0 if t.memory_gib else state),
                           source)
+    if preference:
+        layers, why = False, (f"train.objective = \"{t.objective}\": one graph a step (no "
+                              f"layer-wise preference step yet)")
     step = lw["largest"] + lw["persistent"] if layers and lw else one
     need = weights + adapter + state + step
     notes = ["plus a few small graphs (optimizer, labels) and, on a GPU, the CUDA context and "
              "the pool's slack"]
+    if preference:
+        notes.append(f"{t.objective}: a micro-batch is train.batch_size pairs, {B} sequences "
+                     f"(chosen and rejected); a step runs a forward-only pass for the policy's "
+                     f"log-probabilities, then forward + backward"
+                     + ("; the reference (base model) log-probabilities are computed once "
+                        "before training by forward-only passes and cached in the run folder"
+                        if t.objective == "dpo" else ""))
     if label and ggml.is_lavapipe(label.partition(": ")[2]):
         notes.append("lavapipe (Mesa's Vulkan driver) runs on the CPU: its memory is the "
                      "system's")
