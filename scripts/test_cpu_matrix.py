@@ -51,7 +51,7 @@ SENSITIVE = [
     "tests/test_blas_out_prod.py", "tests/test_out_prod_zero_rows.py",
     "tests/test_acc_in_place.py", "tests/test_optimizer.py", "tests/test_buffer_types.py",
     "tests/test_family_parity.py", "tests/test_gemma3_270m.py", "tests/test_distributed.py",
-    "tests/test_compute_bf16.py",
+    "tests/test_compute_bf16.py", "tests/test_preference.py", "tests/test_preference_trl.py",
 ]
 
 
