@@ -203,7 +203,7 @@ class Llama(Fixture):
         import datasets
         import numpy as np
         import torch
-        from peft import LoraConfig
+        from peft import LoraConfig, get_peft_model
         self.out = FIXTURES / "llama"
         self.tmp = tmp
         self.gold = np.load(self.out / f"{self.model}.npz")
@@ -225,6 +225,14 @@ class Llama(Fixture):
         self.vocab = base.config.vocab_size
         self.hf_dir = tmp / self.model
         ref.save_hf_checkpoint(base, mlf.TOKENIZER, self.hf_dir)   # the converter's --base
+        # make_llama_fixtures' values, by PEFT module name (those of peft_gqa.npz: checked)
+        probe = self.adapted(get_peft_model(base, copy.deepcopy(self.lcfg)))
+        v = mlf.lora_values(probe)
+        self.values = {n: (v[n + ".lora_A.weight"], v[n + ".lora_B.weight"]) for n in probe}
+        peft = np.load(self.out / f"peft_{self.model}.npz")
+        for n, (a, b) in self.values.items():
+            g, a2, b2 = self.layout(n, a, b)
+            assert np.array_equal(peft[g + ".lora_a"], a2) and np.array_equal(peft[g + ".lora_b"], b2), g
 
     def build(self, dtype):
         import numpy as np
@@ -233,7 +241,9 @@ class Llama(Fixture):
         if dtype == torch.float32:      # the model the committed fixtures were made from
             committed = json.loads(str(self.gold["config_json"]))
             mine = json.loads(json.dumps(model.config.to_dict(), sort_keys=True))
-            for k in ("architectures", "dtype"):
+            # save_pretrained fills in the first two; the committed json has bos None, this
+            # build LlamaConfig's default 1 (no forward reads it): the log-probs below decide
+            for k in ("architectures", "dtype", "bos_token_id"):
                 committed.pop(k, None), mine.pop(k, None)
             assert mine == committed, "llama gqa config differs from the committed gqa.npz"
             for i in (2, 4):
@@ -282,6 +292,17 @@ class Llama(Fixture):
 
 
 # --------------------------------------------------------------------------- TRL runs
+
+@contextlib.contextmanager
+def default_dtype(dtype):
+    import torch
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
 
 def set_lora(adapted: dict, values: dict, dtype) -> None:
     import torch
@@ -460,6 +481,8 @@ def run_dtype(fx: Fixture, dtype, tmp: Path, examples=None) -> dict:
 
     with contextlib.ExitStack() as stack:
         seen = [stack.enter_context(c) for c in (fx.float64() + [ref.true_float64(ck)] if f64 else [])]
+        if f64:     # integer counts TRL turns into floats (IPO's lengths, token accuracy): float64 too
+            stack.enter_context(default_dtype(torch.float64))
         logps = {}
         for loss, tr in trainers.items():
             adapted = fx.adapted(tr.model)

@@ -27,6 +27,11 @@ U32 = 2.0 ** -24               # float32 unit roundoff
 U_BF16 = 2.0 ** -8             # bf16's spacing relative to a value: 2^-9 rounding, twice
 pytestmark = pytest.mark.skipif(os.environ.get("PYTRAIN_BLAS", "1") in ("", "0"),
                                 reason="PYTRAIN_BLAS=0: bf16 compute needs the BLAS backend")
+# oneDNN 3.2 has no bf16 matmul on a CPU without AVX-512 (test_a_cpu_without_onednn_bf16_...
+# checks what such a CPU does instead: BF16 weights on ggml-cpu, train.compute_type refused)
+needs_onednn_bf16 = pytest.mark.skipif(
+    not ggml.bf16_kernel(), reason="this CPU has no oneDNN bf16 matmul (AVX2 only)")
+AVX512_CORE = {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
 
 
 def bf16(x: np.ndarray) -> np.ndarray:
@@ -72,6 +77,7 @@ def assert_bf16_product(got, w, x, contract_w_rows: bool):
     assert np.any(np.abs(got - unrounded) > bound), "the F32 operand was not rounded to bf16"
 
 
+@needs_onednn_bf16
 @pytest.mark.parametrize("m, k, n, batch", [(40, 96, 72, 1), (33, 64, 45, 3), (64, 200, 32, 2)])
 def test_bf16_weight_mul_mat_on_blas(m, k, n, batch):
     """The forward: y = x W^T for x of any batch shape (the weight broadcast over it)."""
@@ -84,6 +90,7 @@ def test_bf16_weight_mul_mat_on_blas(m, k, n, batch):
                         contract_w_rows=False)
 
 
+@needs_onednn_bf16
 @pytest.mark.parametrize("transposed", [True, False])
 @pytest.mark.parametrize("m, k, n", [(40, 96, 72), (7, 300, 45)])
 def test_bf16_weight_out_prod_on_blas(transposed, m, k, n):
@@ -102,6 +109,7 @@ def test_bf16_weight_out_prod_on_blas(transposed, m, k, n):
     assert_bf16_product(got.reshape(m, n), w, g, contract_w_rows=True)
 
 
+@needs_onednn_bf16
 def test_bf16_out_prod_over_a_long_contraction_in_slabs():
     """A contraction longer than one 64 MiB bf16 slab of the gradient (the LM head's backward
     runs over the vocabulary): the slabs' products add up in f32 (a "sum" post-op).  Small
@@ -141,6 +149,7 @@ def depth(n_layer: int) -> int:
     return 2 * (4 * n_layer + 1)
 
 
+@needs_onednn_bf16
 @pytest.mark.parametrize("fixture", ["gqa-f32.gguf", "gqa-bf16.gguf"])
 def test_bf16_step_is_the_f32_step_within_bf16_rounding(fixture):
     """A step's loss within depth x 2^-8 of the f32 step's (relative), and every LoRA
@@ -181,11 +190,42 @@ def test_compute_type_checks():
         precision.check("bf16", "cuda", blas=False)
     with pytest.raises(precision.ComputeTypeError, match="BLAS backend with oneDNN"):
         precision.check("bf16", "cpu", blas=False)
+    if not ggml.bf16_kernel():
+        with pytest.raises(precision.ComputeTypeError, match="needs a CPU with AVX-512"):
+            precision.check("bf16", "cpu", blas=True)
+        return
     line = precision.check("bf16", "cpu", blas=True)
     assert ggml.bf16_kernel() in line and ggml.bf16_kernel()
     assert ("WARNING" in line) == (not precision.cpu_bf16_units())
 
 
+def cpu_flags() -> set[str]:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def test_a_cpu_without_onednn_bf16_keeps_bf16_weights_on_ggml_cpu():
+    """oneDNN's bf16 matmul exists wherever the CPU has AVX-512 (its emulation needs
+    avx512_core at least); where the probe finds none, ggml-blas does not claim BF16 weights
+    (a BF16 product runs on ggml-cpu, no abort) and a bf16 run is refused by name."""
+    if AVX512_CORE <= cpu_flags():
+        assert ggml.bf16_kernel(), "an AVX-512 CPU without oneDNN's bf16 matmul"
+    if ggml.bf16_kernel():
+        return
+    rng = np.random.default_rng(0)
+    w = rng.normal(size=(24, 64)).astype(np.float32)
+    x = rng.normal(size=(1, 8, 64)).astype(np.float32)
+    got, backend = run_op(lib.ggml_mul_mat, w, x, [64, 8, 1])
+    assert backend == "CPU"
+    want = x.reshape(8, 64).astype(np.float64) @ bf16(w).astype(np.float64).T
+    # ggml-cpu rounds x to bf16 as well: each product off by 2^-9 of itself, at most
+    bound = U_BF16 * (np.abs(x.reshape(8, 64)) @ np.abs(bf16(w)).T) + 64 * U32
+    assert np.all(np.abs(got.reshape(8, 24) - want) <= bound)
+
+
+@needs_onednn_bf16
 def test_plan_and_run_say_what_they_compute_with(capsys, tmp_path):
     """`pytrain plan` prints the compute line and loads the matrices as BF16; `pytrain train`
     logs it, trains, and writes an adapter; a type_policy or device that contradicts bf16 is

@@ -52,8 +52,11 @@ def bf16_line(info: dict) -> str:
     from pytrain import ggml
     from pytrain.models.precision import cpu_bf16_units
     kernel = ggml.bf16_kernel()
-    if not (info.get("onednn") and kernel):
+    if not info.get("onednn"):
         return "bf16 compute: unavailable (no oneDNN in the BLAS backend of this build)"
+    if not kernel:
+        return (f"bf16 compute: unavailable on this CPU ({info['onednn']} has no bf16 matmul "
+                f"without AVX-512 or AMX)")
     units = cpu_bf16_units()
     return (f"bf16 compute: {info['onednn']}, kernel {kernel}; this CPU's bf16 units: "
             f"{' '.join(units) if units else 'none (bf16 would be slower than f32 here)'}")

@@ -77,6 +77,10 @@ def check(compute_type: str, device: str, blas: bool) -> str:
                                f"model.device = \"cpu\", or leave train.compute_type at f32 on "
                                f"a GPU)")
     kernel = ggml.bf16_kernel() if blas else ""
+    if not kernel and blas and ggml.build_info().get("onednn"):
+        raise ComputeTypeError("bf16 needs a CPU with AVX-512 (avx512_bf16 or AMX for speed): "
+                               "oneDNN 3.2 has no bf16 matmul for this one (AVX2 only); leave "
+                               "train.compute_type at f32")
     if not kernel:
         raise ComputeTypeError("bf16 needs ggml's BLAS backend with oneDNN (patch 0018), "
                                "which this build or this run lacks (PYTRAIN_BLAS=0?); "
