@@ -607,7 +607,7 @@ def golden(fx: Fixture, r32: dict, r64: dict) -> dict:
     return res
 
 
-def make(fx: Fixture, tmp: Path) -> Path:
+def make(fx: Fixture, tmp: Path, out_dir: Path | None = None) -> Path:
     import numpy as np
     import torch
     r32 = run_dtype(fx, torch.float32, tmp)
@@ -620,7 +620,9 @@ def make(fx: Fixture, tmp: Path) -> Path:
     r64 = run_dtype(fx, torch.float64, tmp, examples=r32["examples"])
     res = golden(fx, r32, r64)
     assert int(res["input_ids"].max()) < fx.vocab, (int(res["input_ids"].max()), fx.vocab)
-    path = fx.out / "pref_golden.npz"
+    folder = fx.out if out_dir is None else out_dir / fx.out.name
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "pref_golden.npz"
     np.savez_compressed(path, **res)
     size = path.stat().st_size
     assert size < 1_000_000, size
@@ -631,6 +633,8 @@ def make(fx: Fixture, tmp: Path) -> Path:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", choices=["qwen35", "llama"], default=None)
+    ap.add_argument("--out", type=Path, default=None,
+                    help="write OUT/{qwen35,llama}/pref_golden.npz instead of the fixtures")
     a = ap.parse_args()
     ref.fix_hash_seed(__spec__.name)
     import datasets
@@ -644,9 +648,9 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="pref-golden-") as tmp:
         tmp = Path(tmp)
         if a.only in (None, "qwen35"):
-            make(Qwen35(), tmp)
+            make(Qwen35(), tmp, a.out)
         if a.only in (None, "llama"):
-            make(Llama(tmp), tmp)
+            make(Llama(tmp), tmp, a.out)
     print(f"done in {time.time() - t0:.1f} s")
     return 0
 

@@ -149,10 +149,15 @@ def test_loss_and_rewards_match_trl(results, loss, ref, measured):
             "rewards_accuracies": r["sums"]["correct"] / n}
     for key, v in mine.items():
         want = float(g[f"{loss}.{key}{s64}"])
-        if key == "rewards_accuracies":
-            assert v == want, (key, v, want)
+        if key == "rewards_accuracies":             # a count of pairs, TRL's in float32
+            assert round(want * n) == r["sums"]["correct"], (key, v, want)
             continue
-        bk = bound(g, f"{loss}.{key}", f"{loss}.{key}64", ref)
+        # a reward is beta x (a log-probability difference) averaged: its rounding is beta x
+        # that of the log-probabilities it is made of, as TRL float32 rounds them (for ORPO,
+        # divided by the length: smaller), unless the reward's own is larger
+        bk = max(bound(g, f"{loss}.{key}", f"{loss}.{key}64", ref),
+                 0.1 * (bound(g, "policy_logps", "policy_logps64", ref)
+                        + bound(g, "ref_logps", "ref_logps64", ref)))
         assert abs(v - want) <= bk, (key, v, want, bk)
 
 

@@ -57,6 +57,7 @@ GENERATORS = {
                       "--sums", "2", "--check-demo", "--demo-steps", "1", "--work", "OUT/work",
                       "--out", "OUT"],
     "chat_template": ["scripts.make_chat_template_golden", "--out", "OUT/golden.json"],
+    "pref_golden": ["scripts.make_pref_golden", "--out", "OUT"],
 }
 
 
@@ -135,6 +136,31 @@ def test_make_peft_golden_reproduces_its_file(generated):
         assert np.abs(new[k] - old[k]).max() <= f32_bound(e32, exact), k
         e64 = F32_SPREAD * max(e32, 8 * 2.0 ** -24 * float(np.abs(exact).max())) * 2.0 ** -29
         assert np.abs(new[k + "64"] - old[k + "64"]).max() <= e64, (k, e64)
+
+
+def test_make_pref_golden_reproduces_its_files(generated):
+    """scripts/make_pref_golden.py: TRL's tokenization, batch and LoRA values exactly, its
+    losses, metrics, log-probabilities and gradients to rounding (module docstring), for both
+    fixtures."""
+    folder, log = generated("pref_golden")
+    for fam in ("qwen35", "llama"):
+        new = np.load(folder / fam / "pref_golden.npz")
+        old = np.load(FIX / fam / "pref_golden.npz")
+        assert sorted(new.files) == sorted(old.files), fam
+        for k in old.files:
+            if k.endswith("64") or k == "orpo.loss_trl_full_nll":
+                continue
+            if (k + "64") not in old.files and not k.endswith(".grad"):
+                assert np.array_equal(new[k], old[k]), (fam, k)      # inputs: exactly
+                continue
+            exact_key = k + "64"
+            exact = new[exact_key]
+            e32 = float(np.abs(new[k] - exact).max())
+            assert np.abs(new[k] - old[k]).max() <= f32_bound(e32, exact), (fam, k)
+            e64 = F32_SPREAD * max(e32, 8 * 2.0 ** -24 * float(np.abs(exact).max())) * 2.0 ** -29
+            if exact.dtype == np.float64:
+                assert np.abs(new[exact_key] - old[exact_key]).max() <= max(
+                    e64, ULP32 * float(np.abs(exact).max())), (fam, exact_key)
 
 
 def gguf_tensor_bytes(path: Path) -> dict:
