@@ -13,6 +13,8 @@ TRL's reward metrics and every LoRA gradient.
 Bounds (tests/bounds.py): the golden holds TRL float32's own rounding on this very input (its
 distance to the float64 run); pytrain's float32 may be ``F32_SPREAD`` times as far from the
 exact answer, and one more such rounding from TRL float32 (as tests/test_peft_parity.py).
+For the gradients, pytrain's own float32 rounding on the same input is measured too (the
+pairs reversed, the other matmul kernels) and the larger of the two calibrates the bound.
 """
 from pathlib import Path
 
@@ -65,25 +67,40 @@ def adapter_of(model, g: dict):
     return ad, names
 
 
-@pytest.fixture(scope="module")
-def results(family):
-    """pytrain's reference log-probabilities and, per loss, its loss, sums and gradients."""
-    fam, g, model = family
-    pairs = golden_pairs(g)
+def run_losses(model, g: dict, pairs: list, order: list[int]) -> dict:
+    """Per loss: pytrain's loss, summed metrics, gradients and log-probabilities, the pairs in
+    ``order`` in one micro-batch."""
     ad, names = adapter_of(model, g)
-    out = {"pairs": pairs, "names": names}
+    out = {"names": names}
     for name, (objective, loss_type, smoothing) in LOSSES.items():
         tr = PreferenceTrainer(model, ad, AdamWSettings(lr=1e-3),
                                PreferenceSettings(objective, 0.1, loss_type, smoothing))
         try:
             tr.compute_reference("train", pairs, len(pairs))
-            pb = pair_batch(pairs, list(range(len(pairs))), model.pad_id)
+            pb = pair_batch(pairs, order, model.pad_id)
             loss, v = tr.accumulate([pb])
             out[name] = {"loss": loss, "sums": v, "grads": tr.opt_state.grads(),
                          "ref": np.concatenate(tr.reference["train"]),
                          "policy": tr.sequence_logps(pb, tr.targets_of(pb))}
         finally:
             tr.close()
+    return out
+
+
+@pytest.fixture(scope="module")
+def results(family):
+    """pytrain's results on the golden pairs; and, to measure pytrain's own float32 rounding
+    on this input (tests/bounds.py, as tests/step_rounding.py does for SFT), the same with
+    the pairs in reverse order on the other F32 matmul kernels (``own``)."""
+    from test_preference import other_kernels
+    fam, g, model = family
+    pairs = golden_pairs(g)
+    out = run_losses(model, g, pairs, list(range(len(pairs))))
+    other = other_kernels(model)
+    try:
+        out["own"] = run_losses(other, g, pairs, list(range(len(pairs)))[::-1])
+    finally:
+        other.close()
     return fam, g, out
 
 
@@ -178,8 +195,12 @@ def test_lora_gradients_match_trl(results, loss, ref, measured):
             scale = np.abs(exact).max()
             assert scale > 0, key
             trl = np.abs(np.asarray(g[key + ".grad"], np.float64) - exact).max() / scale
+            own = np.abs(out["own"][loss]["grads"][n + s] - got).max() / scale
             err = np.abs(got - want).max() / scale
-            b = SPREAD[ref] * max(trl, ulps(exact) / scale)
+            # the larger of TRL float32's and pytrain float32's own rounding on this input:
+            # pytrain's chunked DeltaNet rounds otherwise than torch's loop, most visibly in
+            # the layer-1 gradients, which cross DeltaNet layer 2 on 124-token rows
+            b = SPREAD[ref] * max(trl, own, ulps(exact) / scale)
             worst = max(worst, (err / b, key))
             assert err <= b, (key, err, b)
     measured(f"{fam} {loss} LoRA gradients vs TRL {ref}: worst error / bound ({worst[1]})",
