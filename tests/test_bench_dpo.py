@@ -27,7 +27,6 @@ import sys
 import pytest
 
 from scripts import bench_common as bc
-from tests import reference_env
 
 pytestmark = pytest.mark.slow
 
@@ -37,17 +36,8 @@ PAIRS, PROMPT, COMPLETION, SHORT = 2, 128, 128, 5
 SIDES = ("pytrain", "trl", "trl_pre")
 
 
-@pytest.fixture(scope="module")
-def ref_python() -> str:
-    return reference_env.require()
-
-
-@pytest.fixture(scope="module")
-def toy(ref_python, tmp_path_factory) -> dict:
-    """The toy benchmark model (HF checkpoint + F32 GGUF), made as the benchmarks make theirs."""
-    d = bc.ensure_model("toy", tmp_path_factory.mktemp("bench"), ref_python, "bench_train")
-    assert d is not None, "bench_common.ensure_model('toy') failed (its output is above)"
-    return dict(dir=d)
+# the toy model and the reference interpreter, as the SFT benchmark's smoke test makes them
+from test_scripts_bench import ref_python, toy  # noqa: E402,F401  (pytest fixtures)
 
 
 def run_script(*argv: str, timeout: float = 900) -> str:
