@@ -13,7 +13,7 @@ VULKAN ?= 0
 REFENV ?= .refenv
 REF_PY := $(REFENV)/bin/python
 
-.PHONY: all build vulkan-tools llama-cpp cuda-check real-model refenv test test-cpu-matrix demo demo-real experiments gpu-carry doctor clean distclean
+.PHONY: all build vulkan-tools llama-cpp cuda-check real-model refenv test test-cpu-matrix demo demo-real demo-dpo experiments gpu-carry doctor clean distclean
 
 all: build
 
@@ -91,6 +91,12 @@ demo: build
 MODEL ?= smollm2
 demo-real: build llama-cpp real-model
 	$(PY) -m scripts.demo_real --model $(MODEL)
+
+# preference training (DPO) of the same real model, SmolLM2-135M-Instruct: generated pairs
+# prefer a fixed answer format, measured before and after in pytrain and in llama.cpp with
+# --lora (bench_results/demo_dpo.md; about TIME minutes on 2 cores)
+demo-dpo: build llama-cpp real-model
+	$(PY) -m scripts.demo_dpo
 
 # the masking experiments (README "Masking experiments"): runs in experiments/, tables, plots
 # and JSON copied to experiments_results/

@@ -2,15 +2,20 @@
 llama.cpp itself.
 
 The model is SmolLM2-135M-Instruct (scripts/fetch_model.py, as `make demo-real`).  The
-behaviour taught is a fixed answer format the base model never uses: a short question
-(arithmetic, a unit conversion, or a look-up in a small table given in the question) answered
-with exactly one line ``ANSWER: <x>``.  Each preference pair has the same correct content
-twice: chosen ``ANSWER: 42``, rejected a sentence ("The sum of 17 and 25 is 42."), so what the
-pairs prefer is the format alone, and a regex on greedy generations measures it.  Steps:
+behaviour taught is following an answer format the base model ignores: a short question
+(arithmetic, a unit conversion, or a look-up in a small table given in the question) that asks
+to be answered as ``ANSWER: <answer>``, answered with exactly that one line.  The base model
+answers in a sentence (0 of the 40 held-out prompts in the format).  Each preference pair has
+the same correct content twice: chosen ``ANSWER: 42``, rejected a sentence ("The sum of 17 and
+25 is 42."), so what the pairs prefer is the format alone, and a regex on greedy generations
+measures it.  (Without the request in the prompt the chosen answer is ~17 nats less likely
+than the rejected one under the base model, not ~4, and DPO alone, with no SFT first, only
+taught the model to avoid the rejected answers: empty answers, "ANSWER" then <|im_end|>.)
+Steps:
 
-1. generate the pairs (fixed seeds, nothing written per record; runs/demo-dpo/data/): training
-   pairs, held-out validation pairs and held-out generation prompts, whose facts (numbers,
-   tables) are in no training pair;
+1. generate the pairs (fixed seeds, nothing written per record; runs/demo-dpo/data/): 256
+   training pairs, 48 held-out validation pairs and 40 held-out generation prompts, whose facts
+   (numbers, tables) and so prompts are in no training pair nor in each other;
 2. greedy answers of the base model (pytrain, the GGUF's Q4_1 weights) on the held-out prompts;
 3. `pytrain train config/demo-dpo.toml` (train.objective = "dpo"; LoRA r 8 on q/k/v/o): the
    held-out reward accuracy and margin of the validation pairs before (step 0) and after;
@@ -32,6 +37,7 @@ import datetime as dt
 import json
 import random
 import re
+import shlex
 import subprocess
 import sys
 import time
@@ -47,8 +53,9 @@ from scripts.demo_real import llama_answers, llama_generate, prompt_ids, pytrain
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "config" / "demo-dpo.toml"
-# the behaviour: the whole answer is one line "ANSWER: <x>"
-BEHAVIOUR = re.compile(r"ANSWER: (\S[^\n]*)")
+# the behaviour: the whole answer is one line "ANSWER: <x>", x one word or number (no space:
+# the shape of every chosen answer; "ANSWER: ANSWER: ANSWER: ..." is not it)
+BEHAVIOUR = re.compile(r"ANSWER: (\S+)")
 
 # ------------------------------------------------------------------------------------ the data
 SYLLABLES = ["ka", "lo", "mi", "ra", "ven", "to", "su", "nel", "bri", "da", "zor", "fi", "mo",
@@ -120,6 +127,10 @@ def lookup(rng: random.Random) -> tuple[tuple, str, str, list[str]]:
 
 
 FAMILIES = [arithmetic, conversion, lookup]
+# the format asked for after each question: the base model reads it and answers in a sentence
+# anyway (0 of the 40 held-out prompts at baseline)
+INSTRUCTIONS = ["Reply with one line: ANSWER: <answer>.", "Answer in the format ANSWER: <answer>.",
+                "Give only ANSWER: <answer>."]
 
 
 def pairs(rng: random.Random, n: int, taken: set) -> list[dict]:
@@ -132,6 +143,7 @@ def pairs(rng: random.Random, n: int, taken: set) -> list[dict]:
         if key in taken or q in taken:
             continue
         taken.update((key, q))
+        q += " " + rng.choice(INSTRUCTIONS)
         out.append({"prompt": [{"role": "user", "content": q}],
                     "chosen": [{"role": "assistant", "content": f"ANSWER: {x}"}],
                     "rejected": [{"role": "assistant", "content": rng.choice(says)}],
@@ -156,12 +168,17 @@ def write_data(folder: Path, n_train: int, n_valid: int, n_prompts: int) -> dict
 
 # ------------------------------------------------------------------------------- the measures
 def behaviour(text: str) -> bool:
-    """The whole answer is one line ``ANSWER: <x>``."""
+    """The whole answer is one line ``ANSWER: <x>``, ``x`` without a space."""
     return BEHAVIOUR.fullmatch(text.strip()) is not None
 
 
 def correct(text: str, want: str) -> bool:
     return text.strip() == f"ANSWER: {want}"
+
+
+def mentions(text: str, want: str) -> bool:
+    """The right answer is somewhere in ``text`` (whatever the format)."""
+    return re.search(rf"(?<![\w-]){re.escape(want)}(?!\w)", text) is not None
 
 
 def valid_records(metrics: Path) -> list[dict]:
@@ -183,7 +200,7 @@ def main() -> int:
     from pytrain.cli import _load_adapter
     from pytrain.train import run
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--pairs", type=int, default=480, help="training pairs (480)")
+    ap.add_argument("--pairs", type=int, default=256, help="training pairs (256)")
     ap.add_argument("--valid", type=int, default=48, help="held-out validation pairs (48)")
     ap.add_argument("--prompts", type=int, default=40, help="held-out generation prompts (40)")
     ap.add_argument("--steps", type=int, help="train.max_steps (default: the config's)")
@@ -256,13 +273,8 @@ def record(a, cfg, gguf: Path, n_layer: int, tok, data: dict, answers: dict, res
         "date": f"{dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC",
         "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
                                  capture_output=True, text=True).stdout.strip(),
-        "command": "python -m scripts.demo_dpo" + "".join(
-            f" {f} {v}" for f, v in (("--results", a.results), ("--pairs", a.pairs),
-                                      ("--valid", a.valid), ("--prompts", a.prompts),
-                                      ("--steps", a.steps), ("--out", a.out))
-            if v is not None and not (f, v) in (("--pairs", 480), ("--valid", 48),
-                                                ("--prompts", 40)))
-        + "".join(f" --set {s}" for s in a.set),
+        "command": " ".join(["python -m scripts.demo_dpo"]
+                            + [shlex.quote(x) for x in sys.argv[1:]]),
         "cpu": next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo")
                      if ln.startswith("model name")), ""),
         "model": gguf.name, "n_layer": n_layer,
@@ -275,9 +287,14 @@ def record(a, cfg, gguf: Path, n_layer: int, tok, data: dict, answers: dict, res
                             for x in cfg.lora.targets),
         "rank": cfg.lora.rank, "alpha": cfg.lora.alpha,
         "valid_before": pick(before), "valid_after": pick(after),
-        **base_preference(res.out_dir),
+        **(pref := base_preference(res.out_dir)),
+        # the mean over the validation pairs of log p(chosen) - log p(rejected) under the
+        # trained policy: the reward margin is beta times its change from the reference's
+        "policy_logp_gap": pref["base_logp_gap"] + after["rewards/margins"] / t.beta,
         **{f"behaviour_{k}": sum(map(behaviour, v)) for k, v in texts.items()},
         **{f"correct_{k}": sum(correct(x, w) for x, w in zip(v, want)) for k, v in texts.items()},
+        **{f"mentions_{k}": sum(mentions(x, w) for x, w in zip(v, want))
+           for k, v in texts.items()},
         "same_tokens_llama_lora": sum(x == y for x, y in zip(answers["adapted"],
                                                                 answers["llama_lora"])),
         "seconds": seconds,
@@ -294,17 +311,18 @@ def markdown(r: dict) -> str:
     lines = [
         "# demo-dpo: SmolLM2-135M-Instruct learns an answer format from preference pairs (DPO)",
         "",
-        f"Made by `{r['command']}` (`make demo-dpo`) at commit {r['commit']}, {r['date']}, on "
+        f"Made by `{r['command']}` at commit {r['commit']}, {r['date']}, on "
         f"{r['threads']} threads of an {r['cpu']}.  Task: short questions (arithmetic, unit "
-        f"conversions, a look-up in a small table in the question), generated from fixed "
-        f"seeds; each pair has the same correct content twice, chosen exactly `ANSWER: <x>`, "
-        f"rejected a sentence, so the preference is the format.  {r['train_pairs']} training "
+        f"conversions, a look-up in a small table in the question) that ask for the answer as "
+        f"`ANSWER: <answer>`, generated from fixed seeds; each pair has the same correct "
+        f"content twice, chosen exactly `ANSWER: <x>`, rejected a sentence, so the preference "
+        f"is the format.  {r['train_pairs']} training "
         f"pairs; {r['valid_pairs']} held-out validation pairs and {n} held-out generation "
         f"prompts, none of their facts in training.  DPO ({r['loss_type']}, beta "
         f"{r['beta']:g}), LoRA r {r['rank']} alpha {r['alpha']:g} on {r['targets']} of the "
         f"{r['n_layer']} layers, {r['steps']} steps of {r['batch_size']} pairs, lr "
         f"{r['lr']:g} {r['schedule']}.  Behaviour: the whole greedy answer (at most 24 tokens) "
-        f"is one line `ANSWER: <x>`.",
+        f"is one line `ANSWER: <x>`, x one word or number (as every chosen answer).",
         "",
         "| | before (base model) | after (DPO adapter) |",
         "|---|---|---|",
@@ -319,13 +337,20 @@ def markdown(r: dict) -> str:
         f"| `ANSWER: <the right x>`, pytrain | {rate('correct_base')} | "
         f"{rate('correct_adapted')} |",
         f"| `ANSWER: <the right x>`, llama.cpp | - | {rate('correct_llama_lora')} |",
+        f"| the right x anywhere in the answer, pytrain | {rate('mentions_base')} | "
+        f"{rate('mentions_adapted')} |",
         "",
         f"llama.cpp's answers with the adapter are pytrain's token for token on "
         f"{r['same_tokens_llama_lora']}/{n} prompts.  The step-0 rewards are 0 by definition "
         f"(the policy is the reference), so the accuracy before is 0; the base model itself "
         f"gives the chosen answer the higher log-probability on "
-        f"{r['base_prefers_chosen']:.0%} of the validation pairs (mean log-probability gap "
-        f"chosen - rejected {r['base_logp_gap']:.2f}).  Wall time: base answers "
+        f"{r['base_prefers_chosen']:.0%} of the validation pairs, and the mean log-probability "
+        f"gap log p(chosen) - log p(rejected) goes from {r['base_logp_gap']:.2f} nats (base) "
+        f"to {r['policy_logp_gap']:.2f} (adapted: the base's plus the margin / beta).  "
+        f"The pairs prefer a format, not content (both answers of a pair hold the same "
+        f"content): the base model has the right answer somewhere in "
+        f"{r['mentions_base']}/{n} answers, the adapted one in {r['mentions_adapted']}/{n}.  "
+        f"Wall time: base answers "
         f"{s['base_answers']:.0f} s, training (reference log-probabilities included) "
         f"{s['train']:.0f} s, adapted answers {s['adapted_answers']:.0f} s, llama.cpp "
         f"{s['llama_answers']:.0f} s, whole demo {s['total']:.0f} s.",
