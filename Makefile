@@ -94,7 +94,7 @@ demo-real: build llama-cpp real-model
 
 # preference training (DPO) of the same real model, SmolLM2-135M-Instruct: generated pairs
 # prefer a fixed answer format, measured before and after in pytrain and in llama.cpp with
-# --lora (bench_results/demo_dpo.md; about TIME minutes on 2 cores)
+# --lora (bench_results/demo_dpo.md; about 8 minutes on 2 cores)
 demo-dpo: build llama-cpp real-model
 	$(PY) -m scripts.demo_dpo
 

@@ -8,9 +8,11 @@ to be answered as ``ANSWER: <answer>``, answered with exactly that one line.  Th
 answers in a sentence (0 of the 40 held-out prompts in the format).  Each preference pair has
 the same correct content twice: chosen ``ANSWER: 42``, rejected a sentence ("The sum of 17 and
 25 is 42."), so what the pairs prefer is the format alone, and a regex on greedy generations
-measures it.  (Without the request in the prompt the chosen answer is ~17 nats less likely
-than the rejected one under the base model, not ~4, and DPO alone, with no SFT first, only
-taught the model to avoid the rejected answers: empty answers, "ANSWER" then <|im_end|>.)
+measures it.  (Without the request in the prompt the base model finds the chosen answer
+17.9 nats less likely than the rejected one, mean over the validation pairs, instead of 6.1,
+and DPO alone, with no SFT first, only taught it to avoid the rejected answers: empty answers,
+"ANSWER" then <|im_end|>.)  The content is no part of the preference, and DPO does not keep
+it: the base model is right in 4 of the 40 answers (in a sentence), the adapted one in 2.
 Steps:
 
 1. generate the pairs (fixed seeds, nothing written per record; runs/demo-dpo/data/): 256
@@ -20,8 +22,8 @@ Steps:
 3. `pytrain train config/demo-dpo.toml` (train.objective = "dpo"; LoRA r 8 on q/k/v/o): the
    held-out reward accuracy and margin of the validation pairs before (step 0) and after;
 4. greedy answers with the adapter (pytrain's Model.generate, as `pytrain generate --adapter`);
-5. llama.cpp on the same prompt tokens with ``--lora adapter.gguf`` (scripts/llama_generate,
-   greedy), and how many of its answers are pytrain's token for token;
+5. llama.cpp on the same prompt tokens (scripts/llama_generate, greedy), without and with
+   ``--lora adapter.gguf``, and how many of its answers are pytrain's token for token;
 6. a table written to bench_results/demo_dpo.md and .json (with --results) and printed.
 
 The pieces are scripts/demo_real.py's: the model, the prompt tokens, both generators.
@@ -56,6 +58,8 @@ CONFIG = ROOT / "config" / "demo-dpo.toml"
 # the behaviour: the whole answer is one line "ANSWER: <x>", x one word or number (no space:
 # the shape of every chosen answer; "ANSWER: ANSWER: ANSWER: ..." is not it)
 BEHAVIOUR = re.compile(r"ANSWER: (\S+)")
+# what run.train says once it has computed the reference log-probabilities
+REFERENCE_SECONDS = re.compile(r"reference log-probabilities of \d+ pairs .*: ([\d.]+) s")
 
 # ------------------------------------------------------------------------------------ the data
 SYLLABLES = ["ka", "lo", "mi", "ra", "ven", "to", "su", "nel", "bri", "da", "zor", "fi", "mo",
@@ -235,9 +239,19 @@ def main() -> int:
     answers["base"], seconds["base_answers"] = timed(pytrain_answers, model, prompts)
     # the demo's own folder: an earlier demo run there is replaced (the cached reference
     # log-probabilities are kept and reused when the pairs are the same)
-    res, seconds["train"] = timed(lambda: run.train(cfg, progress=False, overwrite=True))
+    said: list[str] = []
+
+    def log(*args, **kw):
+        print(*args, **kw, flush=True)
+        said.append(" ".join(map(str, args)))
+    res, seconds["train"] = timed(lambda: run.train(cfg, progress=False, log=log,
+                                                    overwrite=True))
+    ref = next((m for m in map(REFERENCE_SECONDS.search, said) if m), None)
+    seconds["reference"] = float(ref.group(1)) if ref else 0.0     # 0: read from the cache
     ad = _load_adapter(model, res.adapter)
     answers["adapted"], seconds["adapted_answers"] = timed(pytrain_answers, model, prompts, ad.hook)
+    answers["llama_base"], seconds["llama_base_answers"] = timed(
+        llama_answers, exe, gguf, None, prompts, out, eog)
     answers["llama_lora"], seconds["llama_answers"] = timed(
         llama_answers, exe, gguf, res.adapter, prompts, out, eog)
     n_layer = model.config.n_layer
@@ -297,6 +311,8 @@ def record(a, cfg, gguf: Path, n_layer: int, tok, data: dict, answers: dict, res
            for k, v in texts.items()},
         "same_tokens_llama_lora": sum(x == y for x, y in zip(answers["adapted"],
                                                                 answers["llama_lora"])),
+        "same_tokens_llama_base": sum(x == y for x, y in zip(answers["base"],
+                                                                answers["llama_base"])),
         "seconds": seconds,
         "examples": [{"prompt": r["prompt"][0]["content"], "want": f"ANSWER: {r['answer']}",
                       "base": b, "adapted": x, "llama_lora": y}
@@ -332,16 +348,22 @@ def markdown(r: dict) -> str:
         f"| held-out DPO loss | {b['loss']:.4f} | {e['loss']:.4f} |",
         f"| behaviour rate, pytrain greedy | {rate('behaviour_base')} | "
         f"{rate('behaviour_adapted')} |",
-        f"| behaviour rate, llama.cpp greedy (`--lora adapter.gguf` after) | - | "
-        f"{rate('behaviour_llama_lora')} |",
+        f"| behaviour rate, llama.cpp greedy (after: `--lora adapter.gguf`) | "
+        f"{rate('behaviour_llama_base')} | {rate('behaviour_llama_lora')} |",
         f"| `ANSWER: <the right x>`, pytrain | {rate('correct_base')} | "
         f"{rate('correct_adapted')} |",
-        f"| `ANSWER: <the right x>`, llama.cpp | - | {rate('correct_llama_lora')} |",
+        f"| `ANSWER: <the right x>`, llama.cpp | {rate('correct_llama_base')} | "
+        f"{rate('correct_llama_lora')} |",
         f"| the right x anywhere in the answer, pytrain | {rate('mentions_base')} | "
         f"{rate('mentions_adapted')} |",
+        f"| the right x anywhere in the answer, llama.cpp | {rate('mentions_llama_base')} | "
+        f"{rate('mentions_llama_lora')} |",
         "",
-        f"llama.cpp's answers with the adapter are pytrain's token for token on "
-        f"{r['same_tokens_llama_lora']}/{n} prompts.  The step-0 rewards are 0 by definition "
+        f"llama.cpp's greedy answers are pytrain's token for token on "
+        f"{r['same_tokens_llama_base']}/{n} prompts with the base model and "
+        f"{r['same_tokens_llama_lora']}/{n} with the adapter (Q4_1 weights: the two "
+        f"round some activations differently, and greedy decoding amplifies a near tie).  "
+        f"The step-0 rewards are 0 by definition "
         f"(the policy is the reference), so the accuracy before is 0; the base model itself "
         f"gives the chosen answer the higher log-probability on "
         f"{r['base_prefers_chosen']:.0%} of the validation pairs, and the mean log-probability "
@@ -351,9 +373,11 @@ def markdown(r: dict) -> str:
         f"content): the base model has the right answer somewhere in "
         f"{r['mentions_base']}/{n} answers, the adapted one in {r['mentions_adapted']}/{n}.  "
         f"Wall time: base answers "
-        f"{s['base_answers']:.0f} s, training (reference log-probabilities included) "
-        f"{s['train']:.0f} s, adapted answers {s['adapted_answers']:.0f} s, llama.cpp "
-        f"{s['llama_answers']:.0f} s, whole demo {s['total']:.0f} s.",
+        f"{s['base_answers']:.0f} s, training {s['train']:.0f} s (of which the reference "
+        f"log-probabilities of the training and validation pairs {s['reference']:.0f} s), "
+        f"adapted answers {s['adapted_answers']:.0f} s, llama.cpp "
+        f"{s['llama_base_answers'] + s['llama_answers']:.0f} s, whole demo "
+        f"{s['total']:.0f} s.",
         "",
         "| prompt | want | base | adapted | llama.cpp --lora |", "|---|---|---|---|---|"]
     cell = lambda t: t.replace("|", "\\|").replace("\n", " ")

@@ -78,9 +78,11 @@ def test_demo_dpo_toy_size(tmp_path):
         assert 0.0 <= v["accuracy"] <= 1.0
     assert after["loss"] < before["loss"]      # two steps on pairs of one kind: it moves
     assert 0.0 <= j["base_prefers_chosen"] <= 1.0
-    for k in ("base", "adapted", "llama_lora"):
+    for k in ("base", "adapted", "llama_base", "llama_lora"):
         assert 0 <= j[f"correct_{k}"] <= j[f"behaviour_{k}"] <= 3
-    assert 0 <= j["same_tokens_llama_lora"] <= 3
+        assert j[f"correct_{k}"] <= j[f"mentions_{k}"] <= 3
+    assert 0 <= j["same_tokens_llama_lora"] <= 3 and 0 <= j["same_tokens_llama_base"] <= 3
+    assert 0 < j["seconds"]["reference"] < j["seconds"]["train"]
     assert len(j["examples"]) == 3 and j["seconds"]["total"] > 0
     md = (res / "demo_dpo.md").read_text()
     assert "| held-out reward accuracy (4 pairs) |" in md and "llama.cpp" in md
