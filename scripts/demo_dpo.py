@@ -51,7 +51,8 @@ from pytrain.config import load_config
 from pytrain.data.template_files import read_template
 from pytrain.models.model import load_model
 from scripts import fetch_model
-from scripts.demo_real import llama_answers, llama_generate, prompt_ids, pytrain_answers, timed
+from scripts.demo_real import (examples_table, llama_answers, llama_generate, prompt_ids,
+                               pytrain_answers, timed)
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "config" / "demo-dpo.toml"
@@ -378,11 +379,7 @@ def markdown(r: dict) -> str:
         f"adapted answers {s['adapted_answers']:.0f} s, llama.cpp "
         f"{s['llama_base_answers'] + s['llama_answers']:.0f} s, whole demo "
         f"{s['total']:.0f} s.",
-        "",
-        "| prompt | want | base | adapted | llama.cpp --lora |", "|---|---|---|---|---|"]
-    cell = lambda t: t.replace("|", "\\|").replace("\n", " ")
-    lines += [f"| {cell(x['prompt'])} | {x['want']} | {cell(x['base'])} | {cell(x['adapted'])} | "
-              f"{cell(x['llama_lora'])} |" for x in r["examples"]]
+        "", *examples_table(r["examples"])]
     return "\n".join(lines) + "\n"
 
 

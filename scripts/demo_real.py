@@ -278,11 +278,16 @@ def markdown(r: dict) -> str:
               f"{r['export_warns_erased']['f16']}); the table shows what survived.  Wall time: "
               f"base answers {s['base_answers']:.0f} s, training {s['train']:.0f} s, adapted answers "
               f"{s['adapted_answers']:.0f} s, whole demo {s['total']:.0f} s.", "",
-              "| prompt | want | base | adapted | llama.cpp --lora |", "|---|---|---|---|---|"]
-    cell = lambda t: t.replace("|", "\\|").replace("\n", " ")
-    lines += [f"| {cell(x['prompt'])} | {x['want']} | {cell(x['base'])} | {cell(x['adapted'])} | "
-              f"{cell(x['llama_lora'])} |" for x in r["examples"]]
+              *examples_table(r["examples"])]
     return "\n".join(lines) + "\n"
+
+
+def examples_table(examples: list[dict]) -> list[str]:
+    """The markdown table of example answers: prompt, wanted, base, adapted, llama.cpp."""
+    cell = lambda t: t.replace("|", "\\|").replace("\n", " ")
+    return (["| prompt | want | base | adapted | llama.cpp --lora |", "|---|---|---|---|---|"]
+            + [f"| {cell(x['prompt'])} | {x['want']} | {cell(x['base'])} | "
+               f"{cell(x['adapted'])} | {cell(x['llama_lora'])} |" for x in examples])
 
 
 if __name__ == "__main__":

@@ -116,20 +116,9 @@ class GradGraph:
                              weights: np.ndarray) -> np.ndarray:
         """Forward + backward of sum_b weights[b] * CE_b (``rows_per_seq`` graphs), adding the
         gradients into the accumulators; returns each row's summed target log-probability."""
-        tok, sg, tg = pad_batch(self.B, self.T, tokens, seg, targets, self.model.pad_id)
         w = np.zeros(self.B, np.float32)
         w[:len(weights)] = weights
-        self._run_sequences(tok, sg, tg, w)
-        return self.ce.log_probs()[:tokens.shape[0]]
-
-    def _run_sequences(self, tok, sg, tg, weights) -> None:
-        rt = self.model.runtime
-        rt.alloc_graph(self.graph, self.ctx)
-        self.model.arch.set_inputs(self.fwd.inputs, self.model.input_values(tok, sg))
-        sel, tg = loss_mod.select_sequence_rows(tg, self.rows_per_seq)
-        ggml.from_numpy(self.fwd.inputs.rows, sel)
-        self.ce.prepare_sequences(tg, self.model.tokenizer.pad_id, weights)
-        rt.compute(self.graph)
+        return _sequence_logps(self, tokens, seg, targets, w)
 
     def run(self, tokens: np.ndarray, seg: np.ndarray, targets: np.ndarray,
             n_valid_step: int | None = None, buggy: bool = False) -> dict:
@@ -215,21 +204,28 @@ class EvalGraph:
 
     def sequence_logps(self, tokens, seg, targets) -> np.ndarray:
         """Each row's summed target log-probability (float64 [rows of ``tokens``])."""
-        tok, sg, tg = pad_batch(self.B, self.T, tokens, seg, targets, self.model.pad_id)
-        rt = self.model.runtime
-        rt.alloc_graph(self.graph, self.ctx)
-        self.model.arch.set_inputs(self.fwd.inputs, self.model.input_values(tok, sg))
-        sel, tg = loss_mod.select_sequence_rows(tg, self.rows_per_seq)
-        ggml.from_numpy(self.fwd.inputs.rows, sel)
-        self.ce.prepare_sequences(tg, self.model.tokenizer.pad_id)
-        rt.compute(self.graph)
-        return self.ce.log_probs()[:tokens.shape[0]]
+        return _sequence_logps(self, tokens, seg, targets)
 
     def close(self) -> None:
         self.model.runtime.forget_graph()
         if self.ce is not None:
             self.ce.close()
         self.ctx.close()
+
+
+def _sequence_logps(g, tokens, seg, targets, weights=None) -> np.ndarray:
+    """Run graph ``g`` (a GradGraph or EvalGraph built with ``rows_per_seq``) on a batch,
+    each row's targets in its block of head rows; returns each row's summed target
+    log-probability.  ``weights``: the per-sequence loss weights (GradGraph only)."""
+    tok, sg, tg = pad_batch(g.B, g.T, tokens, seg, targets, g.model.pad_id)
+    rt = g.model.runtime
+    rt.alloc_graph(g.graph, g.ctx)
+    g.model.arch.set_inputs(g.fwd.inputs, g.model.input_values(tok, sg))
+    sel, tg = loss_mod.select_sequence_rows(tg, g.rows_per_seq)
+    ggml.from_numpy(g.fwd.inputs.rows, sel)
+    g.ce.prepare_sequences(tg, g.model.tokenizer.pad_id, weights)
+    rt.compute(g.graph)
+    return g.ce.log_probs()[:tokens.shape[0]]
 
 
 def _loss(model: Model, ctx, logits, rows: int, rows_per_seq: int | None,

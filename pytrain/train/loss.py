@@ -160,19 +160,24 @@ class MaskedCE:
             ggml.from_numpy(inp.loss_scale, np.array([1.0 / (n_valid_step or 1)], np.float32))
             return n
         real = flat >= 0
-        if pad_id is not None and lib.ggml_backend_buft_is_host(
-                lib.ggml_backend_buffer_get_type(inp.labels.buffer)):
-            col = read_column(inp.labels, pad_id)
-            stray = np.nonzero((col != 0) & ~real)[0]
-            if stray.size:
-                raise LabelIntegrityError(
-                    f"{stray.size} label rows (first: row {int(stray[0])}) carry the pad token "
-                    f"{pad_id} without being targets: the device-built labels disagree with the "
-                    f"targets, a bug in pytrain; the step was not computed")
+        self._check_pad_column(real, pad_id)
         n_valid = int(real.sum())
         step = n_valid if n_valid_step is None else n_valid_step
         ggml.from_numpy(inp.loss_scale, np.array([n / step if step > 0 else 0.0], np.float32))
         return n_valid
+
+    def _check_pad_column(self, real: np.ndarray, pad_id: int | None) -> None:
+        """``check_labels``' read of the built labels' pad-token column (host memory only)."""
+        labels = self.inputs.labels
+        if pad_id is None or not lib.ggml_backend_buft_is_host(
+                lib.ggml_backend_buffer_get_type(labels.buffer)):
+            return
+        stray = np.nonzero((read_column(labels, pad_id) != 0) & ~real)[0]
+        if stray.size:
+            raise LabelIntegrityError(
+                f"{stray.size} label rows (first: row {int(stray[0])}) carry the pad token "
+                f"{pad_id} without being targets: the device-built labels disagree with the "
+                f"targets, a bug in pytrain; the step was not computed")
 
     def prepare(self, targets: np.ndarray, pad_id: int | None, n_valid_step: int | None = None,
                 buggy: bool = False) -> int:
@@ -241,13 +246,7 @@ class SequenceCE(MaskedCE):
         per-sequence weights of the loss (None: a forward-only graph, which has no loss)."""
         self.set_targets(targets)
         self.build_labels()
-        flat = targets.reshape(-1)
-        if pad_id is not None and lib.ggml_backend_buft_is_host(
-                lib.ggml_backend_buffer_get_type(self.inputs.labels.buffer)):
-            col = read_column(self.inputs.labels, pad_id)
-            if np.any((col != 0) & (flat < 0)):
-                raise LabelIntegrityError("a label row carries the pad token without being a "
-                                          "target: a bug in pytrain; the step was not computed")
+        self._check_pad_column(targets.reshape(-1) >= 0, pad_id)
         if weights is not None:
             ggml.from_numpy(self.weights, np.asarray(weights, np.float32))
 

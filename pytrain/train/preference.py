@@ -21,7 +21,7 @@ cached in the run folder, so a resumed run uses the very same numbers.
 from __future__ import annotations
 
 import hashlib
-import math
+import io
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +34,7 @@ from pytrain.formats import atomic
 from pytrain.train import loss as loss_mod
 from pytrain.train import preference_loss as pl
 from pytrain.train.graphs import EvalGraph, GradGraph, bucket_length
-from pytrain.train.trainer import NonFiniteLoss, StepResult, Trainer
+from pytrain.train.trainer import StepResult, Trainer
 
 REFERENCE_FILE = "reference_logps.npz"
 
@@ -202,7 +202,6 @@ class PreferenceTrainer(Trainer):
         log(f"reference log-probabilities of {n} pairs (base model, adapter off): "
             f"{time.perf_counter() - t0:.1f} s")
         if path is not None and self.world.is_main:
-            import io
             buf = io.BytesIO()
             np.savez(buf, digest=np.array(digest),
                      **{f"{k}_{s}": v for k, (c, r) in self.reference.items()
@@ -260,13 +259,7 @@ class PreferenceTrainer(Trainer):
         if done is None:
             return None
         loss, v = done
-        if not math.isfinite(loss):
-            raise NonFiniteLoss(f"loss is {loss}")
-        norm = self.opt.grad_norm()
-        if not math.isfinite(norm):
-            raise NonFiniteLoss(f"gradient norm is {norm}")
-        with self.hold():
-            clip = self.opt.step(lr, norm)
+        norm, clip = self.update(loss, lr)
         r = StepResult(loss, int(v["pairs"]), norm, clip, lr, int(v["tokens"]),
                        time.perf_counter() - t0)
         r.extra = metrics(v, self.settings.objective)

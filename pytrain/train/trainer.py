@@ -149,15 +149,20 @@ class Trainer:
             total, tokens = float(sums[0]), int(sums[1])
             self.opt_state.allreduce_grads(w)    # before the NaN check, the norm and AdamW
             t_comm = time.perf_counter() - t1
-        if not math.isfinite(total):
-            raise NonFiniteLoss(f"loss is {total}")
+        norm, clip = self.update(total, lr)
+        return StepResult(total, n_step, norm, clip, lr, tokens, time.perf_counter() - t0,
+                          t_comm)
+
+    def update(self, loss: float, lr: float) -> tuple[float, float]:
+        """AdamW on the accumulated gradients, unless the step's loss or gradient norm is NaN
+        or inf (``NonFiniteLoss``: nothing changed); returns (gradient norm, clip factor)."""
+        if not math.isfinite(loss):
+            raise NonFiniteLoss(f"loss is {loss}")
         norm = self.opt.grad_norm()
         if not math.isfinite(norm):
             raise NonFiniteLoss(f"gradient norm is {norm}")
         with self.hold():
-            clip = self.opt.step(lr, norm)
-        return StepResult(total, n_step, norm, clip, lr, tokens, time.perf_counter() - t0,
-                          t_comm)
+            return norm, self.opt.step(lr, norm)
 
     def evaluate(self, batches: list) -> dict:
         """Loss, token accuracy and perplexity over valid targets only (``Evaluator``)."""
