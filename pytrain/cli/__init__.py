@@ -69,6 +69,11 @@ def _train(args: argparse.Namespace) -> int:
     if not w.is_main:
         return 0
     print(f"adapter:  {res.adapter}")
+    if res.best:
+        print(f"best:     {res.best['adapter']} (step {res.best['step']}, validation loss "
+              f"{res.best['loss']:.4f})")
+    if res.early_stop:
+        print(f"stopped:  {res.early_stop}")
     print(f"metrics:  {res.out_dir / 'metrics.jsonl'}")
     print(f"plot:     {res.out_dir / 'loss.png'}")
     if res.final_eval:

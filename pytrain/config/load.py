@@ -221,6 +221,9 @@ def _resolve(cfg: Config, origin, where: "_Where", base: Path, partial: bool) ->
         raise err("data", "mask", f"{d.mask!r} does not apply to format {d.format!r} (valid: "
                                   f"{', '.join(MASKS_FOR_FORMAT[d.format])})")
     t = cfg.train
+    if t.early_stopping_patience and not t.eval_every:
+        raise err("train", "early_stopping_patience", "early stopping counts validations "
+                                                      "during the run: set train.eval_every")
     if t.objective != "sft":
         if d.packing:
             raise err("data", "packing", f"train.objective = {t.objective!r} batches whole "

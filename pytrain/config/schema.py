@@ -157,6 +157,15 @@ class TrainConfig:
                            check=_non_negative)
     save_every: int = _opt(0, "checkpoint every N optimizer steps (0: only at the end)",
                            check=_non_negative)
+    early_stopping_patience: int = _opt(0, "stop the run after this many validations in a "
+                                        "row without a validation loss lower than the best by "
+                                        "more than early_stopping_min_delta, as transformers' "
+                                        "EarlyStoppingCallback (0: never; needs validation "
+                                        "data and eval_every)", check=_non_negative)
+    early_stopping_min_delta: float = _opt(0.0, "the least decrease of the validation loss "
+                                           "that counts as an improvement for early stopping "
+                                           "(EarlyStoppingCallback's early_stopping_threshold)",
+                                           check=_non_negative)
     log_every: int = _opt(10, "print a line every N optimizer steps: the mean training loss "
                           "of those steps, learning rate, gradient norm, tokens/s (every "
                           "step is in metrics.jsonl regardless)", check=_positive)

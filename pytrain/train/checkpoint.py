@@ -44,6 +44,9 @@ FORMAT = 4          # 4: saved (save order); 3: run_id, config.toml; 2: total_st
                     # resume_key; 1 to 3 still load
 
 
+BEST = "best.gguf"      # in a checkpoint: the best validation's adapter, when not its own
+
+
 class CheckpointError(PytrainError, RuntimeError):
     """A checkpoint that cannot be used; the message names it and says why."""
 
@@ -60,6 +63,7 @@ class TrainState:
     run_id: str | None = None        # the run the checkpoint belongs to (run_dir)
     format: int = FORMAT
     saved: int | None = None         # save order in its folder (set by ``save``)
+    best: dict | None = None         # the best validation and early-stopping count (train.best)
 
 
 def base_fingerprint(path: str | os.PathLike) -> dict:
@@ -73,11 +77,13 @@ def base_fingerprint(path: str | os.PathLike) -> dict:
 
 
 def save(folder: Path, step: int, adapter, moments: dict[str, np.ndarray], state: TrainState,
-         keep: int = 3, *, arch: str, config_toml: str | None = None) -> Path:
+         keep: int = 3, *, arch: str, config_toml: str | None = None,
+         best: dict[str, np.ndarray] | None = None) -> Path:
     """Write checkpoint ``step`` under ``folder`` atomically; keep the newest ``keep`` (0: all)
     of this run's (``state.run_id``) checkpoints, never another run's.  ``arch``: the base
     model's architecture, written into the adapter GGUF; ``config_toml``: the run's resolved
-    config, kept beside it."""
+    config, kept beside it; ``best``: the best validation's adapter when it is not this step's
+    (``best.gguf``), so that a resume from here restores the best of this timeline."""
     folder.mkdir(parents=True, exist_ok=True)
     recover(folder)
     state.saved = 1 + max((order(p)[0] for p in folder.glob("step-*")), default=0)
@@ -86,6 +92,8 @@ def save(folder: Path, step: int, adapter, moments: dict[str, np.ndarray], state
     tmp = Path(tempfile.mkdtemp(dir=folder, prefix=".tmp-"))
     try:
         write_lora_gguf(tmp / "adapter.gguf", arch, adapter.alpha, adapter.get())
+        if best is not None:
+            write_lora_gguf(tmp / BEST, arch, adapter.alpha, best)
         with open(tmp / "optimizer.npz", "wb") as f:
             np.savez(f, **moments)
             f.flush()
@@ -205,6 +213,20 @@ def load(path: Path, model_path: str) -> tuple[TrainState, dict, dict]:
             f"{now['size']} bytes, header {now['header_sha256'][:12]}); refusing to resume")
     _arch, _alpha, tensors, _meta = read_lora_gguf(path / "adapter.gguf")
     return state, tensors, _read_moments(path / "optimizer.npz", tensors)
+
+
+def load_best(path: Path, state: TrainState, tensors: dict) -> dict | None:
+    """The best validation's adapter as of checkpoint ``path`` (``tensors``: its own adapter,
+    the best when the best is its step), or None before any validation."""
+    if not state.best or state.best.get("step") is None:
+        return None
+    if state.best["step"] == state.step:
+        return tensors
+    try:
+        return read_lora_gguf(path / BEST)[2]
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path / BEST}: the best adapter (step {state.best['step']}) "
+                              f"is missing or unreadable ({e})") from None
 
 
 def _read_moments(npz: Path, tensors: dict) -> dict[str, np.ndarray]:

@@ -21,6 +21,7 @@ from pytrain import ggml
 from pytrain.errors import PytrainError
 from pytrain.formats import atomic
 from pytrain.train import checkpoint as ckpt
+from pytrain.train.best import Best
 from pytrain.train.distributed import (CollectiveError, RanksDisagree, World, agree,
                                        check_agreement, forget_messages, on_main,
                                        world as get_world)
@@ -63,6 +64,11 @@ class RunResult:
     adapter: Path
     steps: int
     final_eval: dict | None
+    best: dict | None = None          # {"step", "loss", "adapter"} of the best validation
+    early_stop: str | None = None     # why the run stopped early, if it did
+
+
+BEST_ADAPTER, BEST_PEFT = "adapter.best.gguf", "peft-best"
 
 
 def run_folder(cfg: Config) -> Path:
@@ -82,13 +88,15 @@ def output_dir(cfg: Config) -> Path:
     return out
 
 
-def save_adapter(model: Model, adapter, path: Path, formats=("gguf",)) -> Path:
+def save_adapter(model: Model, adapter, path: Path, formats=("gguf",), tensors=None,
+                 peft_dir: str = "peft") -> Path:
     """The adapter in each requested format: llama.cpp GGUF at ``path``, and a PEFT folder
-    (adapter_config.json + adapter_model.safetensors) beside it in ``peft/``."""
-    tensors = adapter.get()
+    (adapter_config.json + adapter_model.safetensors) beside it in ``peft_dir``.
+    ``tensors``: other values of the adapter's tensors (the best validation's)."""
+    tensors = adapter.get() if tensors is None else tensors
     if "peft" in formats:
         from pytrain.formats.adapter_peft import write_peft_adapter
-        write_peft_adapter(path.parent / "peft", tensors, adapter.alpha, adapter.rank,
+        write_peft_adapter(path.parent / peft_dir, tensors, adapter.alpha, adapter.rank,
                            base_model_name_or_path=Path(model.path).name,
                            model_config=model.config, arch=model.arch.name)
     return write_lora_gguf(path, model.arch.name, adapter.alpha, tensors,
@@ -225,6 +233,9 @@ def open_session(cfg: Config, out: Path, log: Callable[[str], None],
         preference = t.objective != "sft"
         splits = (load_pair_data if preference else load_data)(cfg.data, model.tokenizer)
         log(splits.train_stats.summary())
+        if t.early_stopping_patience and not splits.valid:
+            raise cfg.error("train", "early_stopping_patience", "early stopping needs "
+                            "validation examples: set data.validation or data.split")
         try:
             names = select_targets(model.config, cfg.lora.targets, cfg.lora.skip_ssm)
         except LoraTargetError as e:
@@ -281,8 +292,7 @@ def resume_from(s: Session, where: Path, total: int) -> ckpt.TrainState:
     """Load checkpoint ``where`` into the session; refuse one whose data position would mean
     other batches; drop metrics past its step."""
     # loaded and checked on rank 0, its verdict on every rank
-    state, tensors, moments = on_main(s.world, lambda: _check_resume_key(
-        s, where, ckpt.load(where, s.cfg.model.path)))
+    state, tensors, moments, best = on_main(s.world, lambda: _load_checkpoint(s, where))
     if state.total_steps is not None and state.total_steps != total:
         t = s.cfg.train
         before = schedule(t.schedule, state.step, state.total_steps, t.lr, t.warmup)
@@ -296,7 +306,13 @@ def resume_from(s: Session, where: Path, total: int) -> ckpt.TrainState:
     if s.world.is_main:
         cut_back(s, where, state.step)
     s.log(f"resuming from {where} at step {state.step}")
-    return state
+    return state, best
+
+
+def _load_checkpoint(s: Session, where: Path) -> tuple:
+    """(state, adapter tensors, moments, the best validation's adapter or None)."""
+    state, tensors, moments = _check_resume_key(s, where, ckpt.load(where, s.cfg.model.path))
+    return state, tensors, moments, ckpt.load_best(where, state, tensors)
 
 
 def cut_back(s: Session, where: Path, step: int) -> None:
@@ -370,6 +386,9 @@ class Loop:
         self.position = (0, 0)                   # (epoch, index) of the next step
         self.last_eval: dict | None = None
         self.tokens_seen = 0
+        self.best = Best()                       # the best validation (train.best)
+        self.best_tensors: dict | None = None    # its adapter
+        self.early_stop: str | None = None       # why the run stops early, once it does
         self.t_start = time.perf_counter()
         self.recent: list[float] = []          # losses since the last log line
 
@@ -383,7 +402,15 @@ class Loop:
         if not s.valid_batches:
             return None
         ev = s.trainer.evaluate(s.valid_batches)
-        self.record({"step": self.step, "split": "valid", **ev, "drift": s.adapter.drift()})
+        t = s.cfg.train
+        new_best = self.best.update(self.step, ev["loss"], t.early_stopping_min_delta)
+        if new_best:
+            self.keep_best(s.adapter.get())
+        self.record({"step": self.step, "split": "valid", **ev, "best_step": self.best.step,
+                     "best_loss": self.best.loss, "drift": s.adapter.drift()})
+        if self.best.exhausted(t.early_stopping_patience):
+            self.early_stop = self.best.why(t.early_stopping_patience,
+                                            t.early_stopping_min_delta)
         if s.preference:
             msg = (f"step {self.step}: validation loss {ev['loss']:.4f}  reward accuracy "
                    f"{ev['rewards/accuracies']:.3f}  margin {ev['rewards/margins']:.4f}  "
@@ -392,9 +419,18 @@ class Loop:
             msg = (f"step {self.step}: validation loss {ev['loss']:.4f}  accuracy "
                    f"{ev['accuracy']:.3f}  perplexity {ev['perplexity']:.2f}  "
                    f"({ev['n_valid']} targets)")
-        self.say(msg)
+        self.say(msg + ("  (best)" if new_best else ""))
         self.last_eval = ev
         return ev
+
+    def keep_best(self, tensors: dict) -> None:
+        """The best validation's adapter: held for the checkpoints, written (rank 0) as
+        adapter.best.gguf and, with the peft format, peft-best/ (each replaced atomically)."""
+        self.best_tensors = tensors
+        s = self.s
+        if self.main:
+            save_adapter(s.model, s.adapter, s.out / BEST_ADAPTER, s.cfg.output.formats,
+                         tensors, peft_dir=BEST_PEFT)
 
     def say(self, msg: str) -> None:
         """A line for the user, above the progress bar when there is one."""
@@ -438,10 +474,12 @@ class Loop:
         epoch, index = self.position
         state = ckpt.TrainState(self.step, epoch, index, s.trainer.opt.t, self.fingerprint,
                                 total_steps=self.total, resume_key=s.resume_key(),
-                                run_id=self.run_id)
+                                run_id=self.run_id, best=self.best.to_dict())
+        own = self.best.step in (None, self.step)        # the best is this step's adapter
         where = ckpt.save(self.ckpt_dir, self.step, s.adapter, s.trainer.opt_state.moments(),
                           state, keep=s.cfg.output.keep_checkpoints, arch=s.model.arch.name,
-                          config_toml=s.cfg.to_toml())
+                          config_toml=s.cfg.to_toml(),
+                          best=None if own else self.best_tensors)
         self.saved_step = self.step              # only once it is on disk
         if self.replaced is not None:
             drop_replaced(self.replaced, s.log)
@@ -458,7 +496,7 @@ class Loop:
         s, t, w = self.s, self.s.cfg.train, self.s.world
         self.position = start
         for epoch, index, micro in s.steps_from(*start):
-            if self.done(epoch):
+            if self.done(epoch) or self.early_stop:
                 return
             lr = schedule(t.schedule, self.step, self.total, t.lr, t.warmup)
             # this rank's share of the step (possibly none: it still joins the collectives)
@@ -475,6 +513,10 @@ class Loop:
                 by = interrupt.requested or "a signal to another rank"
                 raise Interrupted(f"interrupted by {by} after step {self.step}; "
                                   f"checkpoint {where} (resume with --resume)")
+            if self.early_stop:
+                self.record({"step": self.step, "early_stop": self.early_stop})
+                self.say(self.early_stop)
+                return
 
     def finished(self, r, epoch: int, lr: float) -> None:
         """A step done: its metrics, the progress line, validation and the periodic checkpoint
@@ -632,9 +674,11 @@ def _train(s: Session, progress: bool, resume: str | bool | None, interrupt: Int
     where = None
     if resume:       # checked against the checkpoint before anything of the run is rewritten
         where = on_main(s.world, lambda: find_checkpoint(s.out, resume, s.log))
+    best, best_tensors = Best(), None
     if where is not None:
-        state = resume_from(s, where, total)
+        state, best_tensors = resume_from(s, where, total)
         step, start, run_id = state.step, (state.epoch, state.position), state.run_id
+        best = Best.from_dict(state.best)
         if step >= total:
             s.log(f"the run is already at step {step} of {total}: nothing to train (raise "
                   f"train.max_steps or train.epochs to continue it)")
@@ -654,6 +698,8 @@ def _train(s: Session, progress: bool, resume: str | bool | None, interrupt: Int
     if where is not None:
         loop.saved_step = step                 # that checkpoint exists: not written again
     try:
+        if where is not None:
+            _resume_best(s, loop, best, best_tensors)
         if s.preference:
             s.trainer.load_or_compute_reference(s.out, s.splits, s.cfg.train.batch_size, s.log)
         if where is None:
@@ -661,8 +707,10 @@ def _train(s: Session, progress: bool, resume: str | bool | None, interrupt: Int
         interrupt.training()
         s.trainer.hold = interrupt.holding
         loop.run(start, interrupt)
-        if loop.step > step or where is None:  # a resumed run with nothing left to do
-            loop.validate()                    # writes nothing new
+        # a resumed run with nothing left to do writes nothing new; one stopped early has
+        # just been validated
+        if (loop.step > step or where is None) and not loop.early_stop:
+            loop.validate()
         if loop.saved_step != loop.step:
             loop.checkpoint()
         elif main and not loop.adapter_path.exists():
@@ -678,7 +726,25 @@ def _train(s: Session, progress: bool, resume: str | bool | None, interrupt: Int
         loop.close()
         raise
     loop.close()
-    return RunResult(s.out, loop.adapter_path, loop.step, loop.last_eval)
+    b = loop.best
+    return RunResult(s.out, loop.adapter_path, loop.step, loop.last_eval,
+                     best=None if b.step is None else {"step": b.step, "loss": b.loss,
+                                                       "adapter": s.out / BEST_ADAPTER},
+                     early_stop=loop.early_stop)
+
+
+def _resume_best(s: Session, loop: Loop, best: Best, tensors: dict | None) -> None:
+    """The checkpoint's best validation, its adapter written again (the files may hold a
+    later best of a timeline the resume abandons), and early stopping when it was due (like
+    TRL's callback state: a run that stopped early stays stopped unless the patience grows)."""
+    loop.best = best
+    if tensors is not None:
+        loop.keep_best(tensors)
+    t = s.cfg.train
+    if best.exhausted(t.early_stopping_patience):
+        loop.early_stop = best.why(t.early_stopping_patience, t.early_stopping_min_delta)
+        s.log(f"the run stopped early at step {loop.step}: {loop.early_stop}; nothing to "
+              f"train (raise train.early_stopping_patience to continue it)")
 
 
 def _stop_on_nan(s: Session, loop: Loop, e: NonFiniteLoss) -> None:
