@@ -26,7 +26,7 @@ $(VENV)/.deps: pyproject.toml
 # the same options, or it would record a build without the CUDA or Vulkan backend just built
 build: $(VENV)/.deps vulkan-tools
 	PYTRAIN_CUDA=$(CUDA) PYTRAIN_VULKAN=$(VULKAN) $(PY) native/build.py
-	PYTRAIN_CUDA=$(CUDA) PYTRAIN_VULKAN=$(VULKAN) $(PY) -m pip install -q --no-build-isolation -e '.[test,mpi]'
+	PYTRAIN_CUDA=$(CUDA) PYTRAIN_VULKAN=$(VULKAN) $(PY) -m pip install -q --no-build-isolation -e '.[test,mpi,tensorboard,datasets]'
 
 # ggml-vulkan's shader compiler, loader and headers and Mesa's lavapipe (a Vulkan driver on the
 # CPU, for the tests), each pinned, for VULKAN=1 or auto: installed with apt where this is root

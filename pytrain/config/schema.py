@@ -166,6 +166,20 @@ class TrainConfig:
                                            "that counts as an improvement for early stopping "
                                            "(EarlyStoppingCallback's early_stopping_threshold)",
                                            check=_non_negative)
+    sample_every: int = _opt(0, "greedy generations from a few fixed prompts every N "
+                             "optimizer steps, before the first and after the last, into "
+                             "samples.jsonl and under the progress bar (0: never)",
+                             check=_non_negative)
+    sample_prompts: list[str] | None = _opt(None, "the prompts of the samples: a user message "
+                                            "each (through the chat template when the "
+                                            "training data is chat records, else raw text); "
+                                            "unset: the prompts of the first sample_count "
+                                            "validation examples (training examples without "
+                                            "validation data)")
+    sample_count: int = _opt(3, "how many examples' prompts the samples take when "
+                             "sample_prompts is unset", check=_positive)
+    sample_max_tokens: int = _opt(48, "the longest sample completion, in tokens",
+                                  check=_positive)
     log_every: int = _opt(10, "print a line every N optimizer steps: the mean training loss "
                           "of those steps, learning rate, gradient norm, tokens/s (every "
                           "step is in metrics.jsonl regardless)", check=_positive)
@@ -217,6 +231,9 @@ class OutputConfig:
                               factory=lambda: ["gguf"])
     keep_checkpoints: int = _opt(3, "periodic checkpoints kept (0: keep all)",
                                  check=_non_negative)
+    tensorboard: bool = _opt(False, "also write TensorBoard event files into the run folder "
+                             "(scalars of the steps and validations, the samples as text); "
+                             "needs pip install 'pytrain[tensorboard]'")
 
 
 SECTIONS: dict[str, type] = {"model": ModelConfig, "data": DataConfig, "lora": LoraConfig,

@@ -21,7 +21,9 @@ from pytrain import ggml
 from pytrain.errors import PytrainError
 from pytrain.formats import atomic
 from pytrain.train import checkpoint as ckpt
+from pytrain.train import samples as samples_mod
 from pytrain.train.best import Best
+from pytrain.train.callbacks import Callback
 from pytrain.train.distributed import (CollectiveError, RanksDisagree, World, agree,
                                        check_agreement, forget_messages, on_main,
                                        world as get_world)
@@ -336,6 +338,10 @@ def cut_back(s: Session, where: Path, step: int) -> None:
               f"metrics were moved to {aside}")
     kept = [r for r in recs if r.get("step", 0) <= step]
     atomic.write_bytes(metrics, "".join(json.dumps(r) + "\n" for r in kept).encode())
+    sampled = s.out / samples_mod.SAMPLES_FILE
+    if sampled.exists():
+        kept = [r for r in read_metrics(sampled) if r.get("step", 0) <= step]
+        atomic.write_bytes(sampled, "".join(json.dumps(r) + "\n" for r in kept).encode())
 
 
 def _check_resume_key(s: Session, where: Path, loaded: tuple):
@@ -372,9 +378,9 @@ class Loop:
     """The step loop's state and the things it writes: metrics, checkpoints, validation."""
 
     def __init__(self, s: Session, total: int, step: int, bar, run_id: str | None,
-                 replaced: Path | None = None):
+                 replaced: Path | None = None, callbacks: list[Callback] = ()):
         """``replaced``: an earlier run moved aside by ``--overwrite``, deleted once this run
-        has a checkpoint."""
+        has a checkpoint.  ``callbacks``: told what the run records (rank 0)."""
         self.s, self.total, self.step, self.bar, self.run_id = s, total, step, bar, run_id
         self.replaced = replaced
         self.main = s.world.is_main                # one writer: rank 0
@@ -389,6 +395,11 @@ class Loop:
         self.best = Best()                       # the best validation (train.best)
         self.best_tensors: dict | None = None    # its adapter
         self.early_stop: str | None = None       # why the run stops early, once it does
+        self.callbacks = list(callbacks) if self.main else []
+        t = s.cfg.train
+        self.prompts = samples_mod.prompts_for(s.cfg, s.model, s.splits) \
+            if t.sample_every and self.main else []
+        self.sampled_step: int | None = None
         self.t_start = time.perf_counter()
         self.recent: list[float] = []          # losses since the last log line
 
@@ -396,6 +407,26 @@ class Loop:
         if self.metrics is not None:
             self.metrics.write(json.dumps(rec) + "\n")
             self.metrics.flush()
+        for cb in self.callbacks:
+            cb.on_record(rec)
+
+    def sample(self) -> None:
+        """Greedy generations of the sample prompts (rank 0), into samples.jsonl, above the
+        progress bar (the first one), and to the callbacks."""
+        if not self.prompts or self.sampled_step == self.step:
+            return
+        s = self.s
+        got = samples_mod.generate(s.model, s.adapter, self.prompts,
+                                   s.cfg.train.sample_max_tokens)
+        with open(s.out / samples_mod.SAMPLES_FILE, "a") as f:
+            for i, g in enumerate(got):
+                f.write(json.dumps({"step": self.step, "index": i, **g}) + "\n")
+        for cb in self.callbacks:
+            cb.on_samples(self.step, got)
+        first = got[0]["completion"].replace("\n", " ")
+        self.say(f"step {self.step}: sample 1/{len(got)}: "
+                 f"{first[:100] + ('…' if len(first) > 100 else '')}")
+        self.sampled_step = self.step
 
     def validate(self) -> dict | None:
         s = self.s
@@ -539,6 +570,8 @@ class Loop:
         self.log_steps(r, lr)
         if t.eval_every and self.step % t.eval_every == 0 and self.step < self.total:
             self.validate()
+        if t.sample_every and self.step % t.sample_every == 0 and self.step < self.total:
+            self.sample()
         if t.save_every and self.step % t.save_every == 0:
             self.checkpoint()
 
@@ -570,6 +603,12 @@ class Loop:
             except Exception as e:
                 self.s.log(f"warning: {png} not drawn: {e}")
             self.metrics = None
+        for cb in self.callbacks:
+            try:
+                cb.close()
+            except Exception as e:
+                self.s.log(f"warning: {type(cb).__name__} not closed: {e}")
+        self.callbacks = []
         if self.replaced is not None and self.main:
             self.s.log(f"--overwrite: this run stopped before its first checkpoint; the "
                        f"earlier run is kept in {self.replaced}")
@@ -646,6 +685,10 @@ def _claim_and_train(cfg: Config, w: World, log, progress: bool, resume, overwri
 
 
 def _refuse_unsupported(cfg: Config, resume, overwrite: bool) -> None:
+    if cfg.output.tensorboard:
+        from pytrain.train.tensorboard import available
+        if available() is not None:
+            raise cfg.error("output", "tensorboard", available())
     if cfg.lora.dropout > 0:
         raise RunError("lora.dropout > 0 is not supported yet (ggml has no random op to draw "
                        "dropout masks inside the graph); set lora.dropout = 0")
@@ -694,7 +737,11 @@ def _train(s: Session, progress: bool, resume: str | bool | None, interrupt: Int
     if progress and sys.stderr.isatty():     # a log file gets the periodic lines only
         from tqdm import tqdm
         bar = tqdm(total=total, initial=step, unit="step", dynamic_ncols=True, file=sys.stderr)
-    loop = Loop(s, total, step, bar, run_id, replaced)
+    callbacks = []
+    if main and s.cfg.output.tensorboard:
+        from pytrain.train.tensorboard import TensorBoard
+        callbacks.append(TensorBoard(s.out, resume_step=step + 1 if where else None))
+    loop = Loop(s, total, step, bar, run_id, replaced, callbacks)
     if where is not None:
         loop.saved_step = step                 # that checkpoint exists: not written again
     try:
@@ -704,6 +751,7 @@ def _train(s: Session, progress: bool, resume: str | bool | None, interrupt: Int
             s.trainer.load_or_compute_reference(s.out, s.splits, s.cfg.train.batch_size, s.log)
         if where is None:
             loop.validate()                    # the base model's metrics: the "before"
+            loop.sample()
         interrupt.training()
         s.trainer.hold = interrupt.holding
         loop.run(start, interrupt)
@@ -711,6 +759,8 @@ def _train(s: Session, progress: bool, resume: str | bool | None, interrupt: Int
         # just been validated
         if (loop.step > step or where is None) and not loop.early_stop:
             loop.validate()
+        if loop.step > step or where is None:
+            loop.sample()
         if loop.saved_step != loop.step:
             loop.checkpoint()
         elif main and not loop.adapter_path.exists():
