@@ -81,11 +81,15 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    """Training and validation data (JSONL) and how it becomes batches."""
+    """Training and validation data and how it becomes batches."""
 
-    train: str | None = _opt(None, "training JSONL file (required)", path=True)
-    validation: str | None = _opt(None, "validation JSONL file (unset or \"none\": no file)",
-                                  path=True)
+    train: str | None = _opt(None, "training data (required): a JSONL file, a Parquet file or "
+                             "folder of Parquet files, or a datasets.save_to_disk folder (the "
+                             "last two need pip install 'pytrain[datasets]'); rows in OpenAI "
+                             "messages, ShareGPT conversations, Alpaca instruction/input/output, "
+                             "prompt/completion or text columns", path=True)
+    validation: str | None = _opt(None, "validation data, as data.train (unset or \"none\": "
+                                  "none)", path=True)
     split: float = _opt(0.0, "fraction of the training examples held out for validation when "
                         "there is no validation file (0: none)", check=_unit_interval)
     format: str = _opt("auto", "record format: chat ({\"messages\": [...]}), completion "

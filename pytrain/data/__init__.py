@@ -1,4 +1,5 @@
-"""JSONL datasets to token examples with a per-token target mask, and examples to batches.
+"""Datasets (JSONL, Parquet, datasets folders: ``sources``) to token examples with a per-token
+target mask, and examples to batches.
 
 The loss (``pytrain.train.loss.shift_targets``) shifts targets itself, so this module only says, per
 token, "this token is a target" (``train_mask``) and, per batch position, which sample it

@@ -30,8 +30,8 @@ import numpy as np
 from pytrain.data.batches import pad_token_id
 from pytrain.data.chat_template import ChatTemplateError, TemplateSecurityError, render
 from pytrain.data.examples import Batch, DataError, DataStats
-from pytrain.data.records import (DataSplits, _check_chat, _iter_lines, _parse_record,
-                                  _RecordError, split_examples)
+from pytrain.data.records import DataSplits, _check_chat, _RecordError, split_examples
+from pytrain.data.sources import read_rows
 from pytrain.data.template_files import no_template_hint, read_template
 
 if TYPE_CHECKING:
@@ -179,11 +179,11 @@ def load_pairs(path: str | os.PathLike[str], tokenizer: "Tokenizer", *, max_seq_
     path = os.fspath(path)
     stats = DataStats(path=path, format="preference", mask="completion_only")
     pairs: list[Pair] = []
-    for line, raw in _iter_lines(path):
+    for row in read_rows(path):
         stats.records += 1
-        where = f"{path}:{line}"
+        where = row.where
         try:
-            obj = _parse_record(raw)
+            obj = row.record()
             kind = record_kind(obj)
             if kind == "conversational" and not (template or tokenizer.chat_template):
                 raise DataError(f"{where}: conversational preference records need a chat "

@@ -1,17 +1,18 @@
-"""JSONL records to examples: validation, encoding with the target mask, truncation, and the
-train/validation split (see the package docstring for what is skipped and why)."""
+"""Records to examples: validation, encoding with the target mask, truncation, and the
+train/validation split (see the package docstring for what is skipped and why; ``sources``
+for the files records come from)."""
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
 from pytrain.config import MASKS, MASKS_FOR_FORMAT, mask_for
 from pytrain.data.chat_template import ChatTemplateError, TemplateSecurityError, encode_chat
 from pytrain.data.examples import ROLES, DataError, DataStats, Example
+from pytrain.data.sources import RecordError as _RecordError, read_rows
 from pytrain.data.template_files import no_template_hint, read_template
 
 if TYPE_CHECKING:
@@ -25,23 +26,6 @@ def _detect(obj: dict[str, Any]) -> str | None:
     keys = (("chat", ("messages",)), ("completion", ("prompt", "completion")), ("text", ("text",)))
     found = [fmt for fmt, names in keys if any(k in obj for k in names)]
     return found[0] if len(found) == 1 else None
-
-
-def _iter_lines(path: str) -> Iterator[tuple[int, bytes]]:
-    try:
-        f = open(path, "rb")
-    except OSError as e:
-        raise DataError(f"{path}: cannot read dataset: {e.strerror or e}") from e
-    with f:
-        for n, line in enumerate(f, 1):
-            if line.strip():
-                yield n, line
-
-
-class _RecordError(Exception):
-    def __init__(self, reason: str, message: str) -> None:
-        super().__init__(message)
-        self.reason = reason
 
 
 def _check_content(content: Any, where: str) -> None:
@@ -169,9 +153,9 @@ def load_examples(path: str | os.PathLike[str], tokenizer: "Tokenizer", *, forma
     stats = DataStats(path=path)
     examples: list[Example] = []
     fmt = None if format == "auto" else format
-    fmt_line = None  # line that decided the format in auto mode
+    fmt_line = None  # the record (file:line) that decided the format in auto mode
 
-    def set_format(f: str, line: int | None) -> None:
+    def set_format(f: str, line: str | None) -> None:
         nonlocal fmt, fmt_line
         fmt, fmt_line = f, line
         m = mask_for(f, mask)
@@ -186,19 +170,20 @@ def load_examples(path: str | os.PathLike[str], tokenizer: "Tokenizer", *, forma
     if fmt is not None:
         set_format(fmt, None)
 
-    for line, raw in _iter_lines(path):
+    for row in read_rows(path):
         stats.records += 1
-        where = f"{path}:{line}"
+        where = row.where
         try:
-            obj = _parse_record(raw)
+            obj = row.record()
             kind = _detect(obj)
             if kind is None:
                 raise _RecordError("unrecognised_record", "record has none (or several) of the "
                                    "keys \"messages\", \"prompt\"/\"completion\", \"text\"")
             if fmt is None:
-                set_format(kind, line)
+                set_format(kind, where)
             elif kind != fmt:
-                why = f"line {fmt_line}" if fmt_line else "data.format"
+                why = fmt_line.rsplit(":", 1)[-1] if fmt_line else "data.format"
+                why = f"line {why}" if why.isdigit() else why
                 raise _RecordError("other_format", f"a {kind} record in a file of {fmt} records "
                                                    f"(decided by {why}); one file holds one format")
             ids, flags = encode_record(tokenizer, obj, fmt, stats.mask, template)
@@ -222,21 +207,6 @@ def load_examples(path: str | os.PathLike[str], tokenizer: "Tokenizer", *, forma
         raise DataError(f"{path}: no usable examples ({stats.records} records read"
                         + (f"; skipped: {skipped}" if skipped else "") + ")")
     return examples, stats
-
-
-def _parse_record(raw: bytes) -> dict[str, Any]:
-    """One line's JSON object, or a _RecordError saying what is wrong with it."""
-    try:
-        # without the line break: an error at the end of the line is in its last column,
-        # not in column 1 of a second line
-        obj = json.loads(raw.decode("utf-8").rstrip("\r\n"))
-    except UnicodeDecodeError as e:
-        raise _RecordError("malformed_json", f"not UTF-8 ({e.reason} at byte {e.start})")
-    except json.JSONDecodeError as e:
-        raise _RecordError("malformed_json", f"malformed JSON: {e.msg} (column {e.colno})")
-    if not isinstance(obj, dict):
-        raise _RecordError("not_an_object", f"expected a JSON object, got {type(obj).__name__}")
-    return obj
 
 
 def _example(obj: dict[str, Any], ids: list[int], flags: list[bool], fmt: str,
