@@ -46,7 +46,11 @@ Measured when made: PEFT float32 vs float64 loss -1.8e-6; gradients up to 4.6e-5
 tensor's max on layer 1 (whose gradients cross DeltaNet layer 2 and attention layer 3), 7e-6 on
 layer 3.  HF float32 logits of a padded row vs the row run alone: 1.8e-5 (float64: 3e-14).
 
-How (repo root):  /opt/refenv/bin/python -m scripts.make_peft_golden
+Variants (``--variant``): ``lora`` (the above, peft_grads.npz) and ``rslora`` (the same with
+PEFT's ``use_rslora=True``: scale alpha/sqrt(r) = 4 instead of alpha/r = 2; peft_rslora.npz),
+which pytrain's ``lora.use_rslora`` must match.
+
+How (repo root):  /opt/refenv/bin/python -m scripts.make_peft_golden [--variant rslora]
 Deterministic (fixed seeds, one thread; a rerun writes the same bytes); ~10 s on 2 cores.
 """
 from __future__ import annotations
@@ -118,13 +122,18 @@ def match_gguf_weights(model, gguf_path) -> None:
         assert err <= 1e-15 * max(1.0, np.abs(e).max()), (k, err)
 
 
-def wrap_peft(model, full):
+VARIANTS = {"lora": ({}, "peft_grads.npz", ALPHA / RANK),
+            "rslora": ({"use_rslora": True}, "peft_rslora.npz", ALPHA / RANK ** 0.5)}
+
+
+def wrap_peft(model, full, variant: str = "lora"):
     """PEFT LoRA on q/k/v/o of the full-attention layers; returns (peft model, {GGUF name: module})."""
     import torch
     from peft import LoraConfig, get_peft_model
+    extra, _, scaling = VARIANTS[variant]
     lcfg = LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0, bias="none",
                       target_modules=list(HF_TO_GGUF), layers_to_transform=full,
-                      layers_pattern="layers", init_lora_weights=True)
+                      layers_pattern="layers", init_lora_weights=True, **extra)
     pm = get_peft_model(model, lcfg)
     pm.eval()   # dropout is 0 anyway
     adapted = {}
@@ -136,7 +145,7 @@ def wrap_peft(model, full):
             adapted[f"blk.{layer}.{HF_TO_GGUF[parts[-1]]}.weight"] = mod
     assert len(adapted) == 4 * len(full), sorted(adapted)
     for mod in adapted.values():
-        assert mod.scaling["default"] == ALPHA / RANK
+        assert mod.scaling["default"] == scaling
     trainable = [n for n, p in pm.named_parameters() if p.requires_grad]
     assert all("lora_" in n for n in trainable) and len(trainable) == 2 * len(adapted), trainable
     return pm, adapted
@@ -318,8 +327,11 @@ def golden(batch: dict, values: dict, run32: tuple, run64: tuple) -> dict:
 def main() -> int:
     import argparse
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, default=FIX / "peft_grads.npz")
+    ap.add_argument("--variant", choices=sorted(VARIANTS), default="lora")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="default: tests/fixtures/qwen35/ and the variant's file name")
     a = ap.parse_args()
+    a.out = a.out or FIX / VARIANTS[a.variant][1]
     import numpy as np
     import torch
 
@@ -332,11 +344,11 @@ def main() -> int:
     check_rebuilt(model, gold)
     full = [i for i, t in enumerate(cfg.layer_types) if t == "full_attention"]
     assert full == [1, 3], full
-    pm, adapted = wrap_peft(model, full)
+    pm, adapted = wrap_peft(model, full, a.variant)
     values = lora_values(adapted)
     batch = padded_batch(gold["tokens"][4, :100], PAD_ID)   # the chat + English sequence
     run32 = run_peft(pm, adapted, values, batch, torch.float32)
-    pm64, adapted64 = wrap_peft(float64_model(gold), full)  # (PEFT initialises A, B in float32 first)
+    pm64, adapted64 = wrap_peft(float64_model(gold), full, a.variant)  # (A, B made float32 first)
     assert {p.dtype for p in pm64.parameters()} == {torch.float64}
     with true_float64() as seen:
         run64 = run_peft(pm64, adapted64, values, batch, torch.float64)

@@ -9,7 +9,7 @@ behind `tests/fixtures/qwen35/gqa-f32.gguf`, and stores the logits; tests/test_p
 What:
   * rebuild HF `gqa` exactly (scripts/make_peft_golden.py's `build_gqa`, checked against the
     committed gqa.npz to < 1e-6); its pytrain `Qwen35Config` comes from gqa-f32.gguf's metadata;
-  * two deterministic pytrain-style tensor sets (GGUF names, numpy rng, A ~ U(+-1/sqrt(n_in)),
+  * three deterministic pytrain-style tensor sets (GGUF names, numpy rng, A ~ U(+-1/sqrt(n_in)),
     B ~ N(0, 0.1)):
       - "all":    every target pytrain supports on every layer where it exists (attention
                   q/k/v/o on layers 1, 3; FFN gate/up/down on all; DeltaNet attn_qkv,
@@ -17,6 +17,9 @@ What:
                   -> written as short target_modules + layers_to_transform [0..3];
       - "sparse": an irregular set (attn_q + attn_v of layer 3, attn_output of 1, ssm_out and
                   ffn_down of 0, attn_qkv of 2), r=2, alpha=3.5 -> written as full module names;
+      - "rslora": the sparse modules with rsLoRA (``use_rslora``: scale alpha/sqrt(r)),
+                  r=4, alpha=8, written by ``write_peft_adapter(use_rslora=True)``; PEFT must
+                  scale it by 8/2 = 4 (llama.cpp's converter copies alpha and ignores the flag);
     gqa has 2 key / 4 value DeltaNet heads, so the converter's grouped -> tiled value-head
     re-ordering is exercised (attn_qkv's value rows, attn_gate/ssm_beta/ssm_alpha rows,
     ssm_out columns);
@@ -49,7 +52,7 @@ Output keys (tokens: gqa.npz's first 100 columns; per adapter set S in {all, spa
     also S/peft_saved_bf16/<file> (the PeftModel cast to bfloat16 first).
 
 How (repo root):
-    /opt/refenv/bin/python -m scripts.make_peft_logits_golden
+    /opt/refenv/bin/python -m scripts.make_peft_logits_golden [--sets rslora --merge]
 (refenv needs numpy and safetensors for pytrain.formats.adapter_peft; gguf is the pinned gguf-py.)
 Deterministic (fixed seeds, one thread, PYTHONHASHSEED=0 set by re-exec): a rerun writes the
 same bytes; ~20 s on 2 cores.
@@ -74,7 +77,15 @@ SEQS = [2, 4]
 SPARSE = ["blk.3.attn_q.weight", "blk.3.attn_v.weight", "blk.1.attn_output.weight",
           "blk.0.ssm_out.weight", "blk.0.ffn_down.weight", "blk.2.attn_qkv.weight"]
 SETS = {"all": dict(rank=4, alpha=8.0, seed=11, names=None),
-        "sparse": dict(rank=2, alpha=3.5, seed=12, names=SPARSE)}
+        "sparse": dict(rank=2, alpha=3.5, seed=12, names=SPARSE),
+        # rsLoRA (use_rslora: scale alpha/sqrt(r)) on the sparse modules
+        "rslora": dict(rank=4, alpha=8.0, seed=13, names=SPARSE, rslora=True)}
+
+
+def scaling(spec: dict) -> float:
+    """PEFT's scaling of a set: alpha/r, or alpha/sqrt(r) for rsLoRA."""
+    return spec["alpha"] / (spec["rank"] ** 0.5 if spec.get("rslora") else spec["rank"])
+
 
 def gguf_config() -> Qwen35Config:
     fields = qg.gguf_fields(GGUF)
@@ -152,12 +163,13 @@ def write_ours(tmp: Path, sname: str, spec: dict, cfg: Qwen35Config):
     import numpy as np
     tensors = make_tensors(cfg, spec["names"], spec["rank"], spec["seed"])
     folder = write_peft_adapter(tmp / sname, tensors, spec["alpha"], spec["rank"],
-                                metadata={"pytrain.fixture": sname}, model_config=cfg)
+                                metadata={"pytrain.fixture": sname}, model_config=cfg,
+                                use_rslora=spec.get("rslora", False))
     ours = json.loads((folder / "adapter_config.json").read_text())
     print(f"[{sname}] {len(tensors) // 2} modules; target_modules {ours['target_modules']}, "
           f"layers_to_transform {ours['layers_to_transform']}")
     back, alpha, rank, _ = read_peft_adapter(folder, cfg)
-    assert alpha == spec["alpha"] and rank == spec["rank"]
+    assert alpha / rank == scaling(spec) and rank == spec["rank"]    # a plain LoRA's alpha
     assert set(back) == set(tensors)
     assert all(np.array_equal(back[k], tensors[k]) for k in tensors)
     return tensors, folder, ours
@@ -171,7 +183,8 @@ def check_peft_config(tmp: Path, sname: str, spec: dict, ours: dict) -> Path:
     kw = {k: ours[k] for k in ("target_modules", "layers_to_transform", "layers_pattern")}
     ref_pm = get_peft_model(m0, LoraConfig(
         r=spec["rank"], lora_alpha=ours["lora_alpha"], lora_dropout=0.0, bias="none",
-        task_type="CAUSAL_LM", init_lora_weights=True, **kw))
+        task_type="CAUSAL_LM", init_lora_weights=True, use_rslora=spec.get("rslora", False),
+        **kw))
     folder = tmp / (sname + "-peft")
     ref_pm.save_pretrained(str(folder))
     theirs = json.loads((folder / "adapter_config.json").read_text())
@@ -206,7 +219,7 @@ def load_in_peft(folder: Path, tensors: dict, spec: dict):
                               st[key + ".lora_A.weight"]), name
         assert np.array_equal(mod.lora_B["default"].weight.detach().numpy(),
                               st[key + ".lora_B.weight"]), name
-        assert mod.scaling["default"] == spec["alpha"] / spec["rank"], name
+        assert mod.scaling["default"] == scaling(spec), name
     return pm
 
 
@@ -214,6 +227,8 @@ def check_llama_cpp(folder: Path, hf_dir: Path, out: Path, spec: dict, tensors: 
     """llama.cpp's converter turns the folder back into pytrain's tensors, bit for bit."""
     import numpy as np
     conv = convert_with_llama_cpp(folder, hf_dir, out)
+    # the converter copies lora_alpha and ignores use_rslora: its GGUF of an rsLoRA folder
+    # scales by alpha/r in llama.cpp (pytrain's own GGUF holds alpha·sqrt(r) instead)
     assert conv["alpha"] == spec["alpha"], conv["alpha"]
     assert set(conv["tensors"]) == set(tensors), sorted(set(conv["tensors"]) ^ set(tensors))
     for k, v in tensors.items():
@@ -274,6 +289,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=FIX / "peft_logits.npz")
     ap.add_argument("--sets", default=",".join(SETS), help="the tensor sets (comma-separated)")
+    ap.add_argument("--merge", action="store_true",
+                    help="keep the other sets' arrays already in --out (add or replace these)")
     a = ap.parse_args()
     import numpy as np
     import torch
@@ -297,6 +314,9 @@ def main() -> int:
                 continue
             res.update(adapter_set(tmp, hf_dir, sname, spec, cfg, gold, base_logits))
     path = a.out
+    if a.merge and path.exists():
+        with np.load(path) as old:
+            res = {**{k: old[k] for k in old.files}, **res}
     np.savez_compressed(path, **res)
     print(f"wrote {path} ({path.stat().st_size} bytes)")
     return 0

@@ -494,7 +494,6 @@ def edit_config(folder, **changes):
     (dict(peft_type="IA3"), "peft_type is 'IA3'"),
     (dict(fan_in_fan_out=True), "fan_in_fan_out"),
     (dict(bias="lora_only"), "bias is 'lora_only'"),
-    (dict(use_rslora=True), "use_rslora"),
     (dict(use_dora=True), "use_dora"),
     (dict(rank_pattern={"q_proj": 8}), "rank_pattern"),
     (dict(alpha_pattern={"q_proj": 8}), "alpha_pattern"),

@@ -48,9 +48,13 @@ RANK, ALPHA = 4, 8
 SPREAD = {"f64": F32_SPREAD, "f32": F32_SPREAD + 1}
 
 
-@pytest.fixture(scope="module")
-def golden():
-    return dict(np.load(FIX / "peft_grads.npz"))
+# the variants of make_peft_golden: plain LoRA, and rsLoRA (PEFT's use_rslora: alpha/sqrt(r))
+GOLDENS = {"lora": "peft_grads.npz", "rslora": "peft_rslora.npz"}
+
+
+@pytest.fixture(scope="module", params=sorted(GOLDENS))
+def golden(request):
+    return dict(np.load(FIX / GOLDENS[request.param]), variant=request.param)
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +69,8 @@ def result(request, golden, model):
     """pytrain's loss and LoRA gradients for the golden batch, with the graph exactly as wide
     as the batch (20) or padded further to one full DeltaNet chunk (64)."""
     names = select_targets(model.config)
-    ad = lora.create(model.runtime, model.config, names, rank=RANK, alpha=ALPHA, seed=0)
+    ad = lora.create(model.runtime, model.config, names, rank=RANK, alpha=ALPHA, seed=0,
+                     rslora=golden["variant"] == "rslora")
     ad.set({k: golden[k] for n in names for k in (n + ".lora_a", n + ".lora_b")})
     tokens, labels = golden["input_ids"], golden["labels"]
     seg = np.where(golden["attention_mask"] > 0, 0, -1)

@@ -47,6 +47,8 @@ def ref_python() -> str:
 # torch and runs one thread, so the machine's cores share them), and each test waits for its own.
 GENERATORS = {
     "peft_golden": ["scripts.make_peft_golden", "--out", "OUT/peft_grads.npz"],
+    "peft_rslora": ["scripts.make_peft_golden", "--variant", "rslora", "--out",
+                    "OUT/peft_rslora.npz"],
     "peft_logits": ["scripts.make_peft_logits_golden", "--sets", "sparse", "--out",
                     "OUT/peft_logits.npz"],
     "qwen35": ["scripts.make_qwen35_fixtures", "--models", "gqa", "--types", "f32", "--out",
@@ -116,14 +118,16 @@ def test_make_chat_template_golden_reproduces_its_file(generated):
     assert new == old
 
 
-def test_make_peft_golden_reproduces_its_file(generated):
-    """scripts/make_peft_golden.py: the rebuilt gqa model passes its own check against the
-    committed gqa.npz, PEFT's float32 and float64 gradients come out, and equal the
-    committed peft_grads.npz to rounding (module docstring)."""
-    folder, log = generated("peft_golden")
-    out = folder / "peft_grads.npz"
+@pytest.mark.parametrize("name, file", [("peft_golden", "peft_grads.npz"),
+                                        ("peft_rslora", "peft_rslora.npz")])
+def test_make_peft_golden_reproduces_its_file(generated, name, file):
+    """scripts/make_peft_golden.py (plain LoRA and --variant rslora): the rebuilt gqa model
+    passes its own check against the committed gqa.npz, PEFT's float32 and float64 gradients
+    come out, and equal the committed golden to rounding (module docstring)."""
+    folder, log = generated(name)
+    out = folder / file
     assert "rebuilt gqa vs committed golden" in log
-    new, old = np.load(out), np.load(FIX / "qwen35" / "peft_grads.npz")
+    new, old = np.load(out), np.load(FIX / "qwen35" / file)
     assert sorted(new.files) == sorted(old.files)
     grads = [k for k in old.files if k.endswith(".grad")]
     assert len(grads) == 16

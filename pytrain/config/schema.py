@@ -134,6 +134,9 @@ class LoraConfig:
     init: str = _opt("peft", "initialisation: peft (A Kaiming-uniform, B zero) or gaussian "
                      "(A ~ N(0, 1/rank), B zero); B = 0 so training starts at the base model",
                      choices=("peft", "gaussian"))
+    use_rslora: bool = _opt(False, "rank-stabilised LoRA (PEFT's use_rslora): scale alpha / "
+                            "sqrt(rank) instead of alpha / rank; the adapter GGUF holds "
+                            "alpha·sqrt(rank), so llama.cpp applies the same scale")
     seed: int | None = _opt(None, "seed of the adapter initialisation and dropout "
                             "(unset: train.seed)")
 

@@ -31,6 +31,7 @@ a bias, rsLoRA, DoRA and the other LoRA variants, ``rank_pattern`` / ``alpha_pat
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import warnings
@@ -427,7 +428,8 @@ def _read_safetensors(p: Path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
 def write_peft_adapter(folder: str | os.PathLike[str], tensors: Mapping[str, Any], alpha: float,
                        rank: int, base_model_name_or_path: str = "",
                        metadata: Mapping[str, Any] | None = None, *, model_config: Any = None,
-                       layers_prefix: str = DEFAULT_LAYERS_PREFIX, arch: str | None = None) -> Path:
+                       layers_prefix: str = DEFAULT_LAYERS_PREFIX, arch: str | None = None,
+                       use_rslora: bool = False) -> Path:
     """Write a PEFT LoRA adapter folder that ``PeftModel.from_pretrained(hf_model, folder)``
     loads; returns the folder.
 
@@ -466,6 +468,7 @@ def write_peft_adapter(folder: str | os.PathLike[str], tensors: Mapping[str, Any
         arrays[key + ".lora_B.weight"] = b
     config = peft_config_dict(sorted(pairs), alpha, rank, base_model_name_or_path, model_config,
                               layers_prefix, arch)
+    config["use_rslora"] = bool(use_rslora)
     blob = _safetensors_bytes(arrays, st_meta)
     text = json.dumps(config, indent=2, sort_keys=True) + "\n"
 
@@ -480,8 +483,7 @@ def write_peft_adapter(folder: str | os.PathLike[str], tensors: Mapping[str, Any
 # --------------------------------------------------------------------------- reading
 
 # config keys that change what a LoRA computes (value: what a plain LoRA has)
-_MUST_BE = {"fan_in_fan_out": False, "use_rslora": False, "use_dora": False, "lora_bias": False,
-            "use_qalora": False}
+_MUST_BE = {"fan_in_fan_out": False, "use_dora": False, "lora_bias": False, "use_qalora": False}
 _MUST_BE_EMPTY = ("rank_pattern", "alpha_pattern", "modules_to_save", "layer_replication",
                   "trainable_token_indices", "target_parameters", "alora_invocation_tokens",
                   "use_bdlora", "arrow_config", "kasa_config", "monteclora_config",
@@ -501,7 +503,6 @@ def _check_config(cfg: Any, p: Path) -> tuple[float, int]:
     for k, plain in _MUST_BE.items():
         if bool(cfg.get(k, plain)) != plain:
             what = {"fan_in_fan_out": "fan_in_fan_out (transposed, Conv1D-style weights)",
-                    "use_rslora": "use_rslora (scale alpha/sqrt(r), not alpha/r)",
                     "use_dora": "use_dora (DoRA magnitude vectors)",
                     "lora_bias": "lora_bias (a bias on lora_B)",
                     "use_qalora": "use_qalora"}[k]
@@ -512,12 +513,22 @@ def _check_config(cfg: Any, p: Path) -> tuple[float, int]:
                                    f"plain LoRA with one rank and one alpha)")
     if "r" not in cfg or "lora_alpha" not in cfg:
         raise PeftAdapterError(f"{p}: 'r' and 'lora_alpha' are required")
-    return _check_alpha(cfg["lora_alpha"], str(p)), _check_rank(cfg["r"], str(p))
+    alpha, rank = _check_alpha(cfg["lora_alpha"], str(p)), _check_rank(cfg["r"], str(p))
+    if cfg.get("use_rslora"):          # scale alpha/sqrt(r): a plain LoRA's alpha for it
+        alpha = plain_alpha(alpha, rank, True)
+    return alpha, rank
+
+
+def plain_alpha(alpha: float, rank: int, rslora: bool) -> float:
+    """The alpha that gives a plain LoRA (scale alpha/r, llama.cpp's) the scale of this one:
+    rsLoRA scales by alpha/sqrt(r), so alpha·sqrt(r)."""
+    return float(alpha) * math.sqrt(rank) if rslora else float(alpha)
 
 
 def read_peft_adapter(folder: str | os.PathLike[str], model_config: Any = None,
                       arch: str | None = None) -> tuple[dict[str, np.ndarray], float, int, dict[str, Any]]:
-    """``(tensors, alpha, rank, config)`` of a PEFT LoRA adapter folder.
+    """``(tensors, alpha, rank, config)`` of a PEFT LoRA adapter folder; ``alpha`` is a plain
+    LoRA's (scale alpha/r): an rsLoRA adapter's (``use_rslora``) is converted (``plain_alpha``).
 
     ``tensors`` are pytrain's GGUF-keyed float32 pairs (``blk.N.<t>.weight.lora_a`` A [r, n_in],
     ``.lora_b`` B [n_out, r]), ready for :meth:`pytrain.models.lora.LoraAdapter.set` or

@@ -28,10 +28,19 @@ class LoraAdapter:
     ctx: object = None
     buffer: object = None
     ranks: dict[str, int] = field(default_factory=dict)   # per pair, as llama.cpp reads them
+    rslora: bool = False                      # rank-stabilised: scale alpha/sqrt(r) (PEFT's)
 
     def scale_of(self, name: str) -> float:
-        """alpha / r of that pair: llama.cpp scales each pair by its own rank (A's rows)."""
-        return self.alpha / self.ranks.get(name, self.rank)
+        """alpha / r of that pair (llama.cpp scales each pair by its own rank, A's rows), or
+        alpha / sqrt(r) for rsLoRA, which keeps the update's size as r grows."""
+        r = self.ranks.get(name, self.rank)
+        return self.alpha / (math.sqrt(r) if self.rslora else r)
+
+    @property
+    def plain_alpha(self) -> float:
+        """The alpha of a plain LoRA with these scales (alpha·sqrt(r) for rsLoRA): what an
+        adapter GGUF holds, since llama.cpp always scales by alpha/r."""
+        return self.alpha * math.sqrt(self.rank) if self.rslora else self.alpha
 
     def params(self) -> list:
         return [t for n in self.names for t in (self.a[n], self.b[n])]
@@ -78,16 +87,19 @@ def product_sq_norm(a: np.ndarray, b: np.ndarray) -> float:
 
 
 def create(runtime: ggml.Runtime, config, names: list[str], rank: int | dict[str, int],
-           alpha: float, seed: int = 0, init: str = "peft") -> LoraAdapter:
+           alpha: float, seed: int = 0, init: str = "peft", rslora: bool = False) -> LoraAdapter:
     """Allocate A and B (F32, trainable) for each target on the runtime's primary backend.
     ``rank``: one for every target, or per target (an adapter file read for eval/generate).
-    ``init``: "peft" (A Kaiming-uniform) or "gaussian" (A ~ N(0, 1/r), PEFT's gaussian)."""
+    ``init``: "peft" (A Kaiming-uniform) or "gaussian" (A ~ N(0, 1/r), PEFT's gaussian).
+    ``rslora``: scale alpha/sqrt(r) (one rank for every target)."""
+    if rslora and isinstance(rank, dict):
+        raise ValueError("rsLoRA needs one rank for every target")
     if init not in ("peft", "gaussian"):
         raise ValueError(f"lora init must be 'peft' or 'gaussian', got {init!r}")
     shapes = lora_shapes(config, names, rank)
     ranks = {n: shapes[n][0][0] for n in names}
     ad = LoraAdapter(max(ranks.values(), default=0) if isinstance(rank, dict) else rank,
-                     float(alpha), list(names), ranks=ranks)
+                     float(alpha), list(names), ranks=ranks, rslora=rslora)
     ad.ctx = ggml.Context(n_tensors=2 * len(names))
     for n in names:
         (a_shape, b_shape) = shapes[n]

@@ -91,9 +91,10 @@ def save(folder: Path, step: int, adapter, moments: dict[str, np.ndarray], state
     aside = folder / f".replaced-{final.name}"
     tmp = Path(tempfile.mkdtemp(dir=folder, prefix=".tmp-"))
     try:
-        write_lora_gguf(tmp / "adapter.gguf", arch, adapter.alpha, adapter.get())
+        alpha = getattr(adapter, "plain_alpha", adapter.alpha)     # llama.cpp's scale
+        write_lora_gguf(tmp / "adapter.gguf", arch, alpha, adapter.get())
         if best is not None:
-            write_lora_gguf(tmp / BEST, arch, adapter.alpha, best)
+            write_lora_gguf(tmp / BEST, arch, alpha, best)
         with open(tmp / "optimizer.npz", "wb") as f:
             np.savez(f, **moments)
             f.flush()

@@ -99,9 +99,10 @@ def save_adapter(model: Model, adapter, path: Path, formats=("gguf",), tensors=N
     if "peft" in formats:
         from pytrain.formats.adapter_peft import write_peft_adapter
         write_peft_adapter(path.parent / peft_dir, tensors, adapter.alpha, adapter.rank,
+                           use_rslora=adapter.rslora,
                            base_model_name_or_path=Path(model.path).name,
                            model_config=model.config, arch=model.arch.name)
-    return write_lora_gguf(path, model.arch.name, adapter.alpha, tensors,
+    return write_lora_gguf(path, model.arch.name, adapter.plain_alpha, tensors,
                            base_metadata={"general.name": f"pytrain LoRA for {Path(model.path).name}"})
 
 
@@ -188,6 +189,7 @@ class Session:
                 "data.packing": c.data.packing, "data.max_seq_len": c.data.max_seq_len,
                 "batch order seed": self.seed, "lora.rank": c.lora.rank,
                 "lora.alpha": c.lora.alpha, "adapted tensors": sorted(self.adapter.names),
+                **({"lora.use_rslora": True} if c.lora.use_rslora else {}),
                 "train.loss_bug_repro": c.train.loss_bug_repro,
                 **({"train.objective": c.train.objective} if self.preference else {})}
 
@@ -245,7 +247,7 @@ def open_session(cfg: Config, out: Path, log: Callable[[str], None],
         adapter = lora_mod.create(
             model.runtime, model.config, names, cfg.lora.rank, cfg.lora.alpha,
             seed=cfg.lora.seed,                   # resolved by the config (train.seed if unset)
-            init=cfg.lora.init)
+            init=cfg.lora.init, rslora=cfg.lora.use_rslora)
         hp = AdamWSettings(lr=t.lr, beta1=t.adam_beta1, beta2=t.adam_beta2, eps=t.adam_eps,
                    weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm)
         if preference:

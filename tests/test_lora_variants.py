@@ -1,0 +1,145 @@
+"""LoRA variants as PEFT 0.21 defines them: rsLoRA (``use_rslora``, scale alpha/sqrt(r)).
+
+The gradients of rsLoRA against PEFT's own module are in test_peft_parity.py (the
+``rslora`` golden of scripts/make_peft_golden.py).  Here: the adapter files.  PEFT loads the
+folder pytrain writes and computes the same logits (tests/fixtures/qwen35/peft_logits.npz's
+``rslora`` set, scripts/make_peft_logits_golden.py); the adapter GGUF holds alpha·sqrt(r),
+because llama.cpp always scales by alpha/r, and llama.cpp's logits with it match pytrain's."""
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import pytrain
+from pytrain.cli import main
+from pytrain.formats.adapter_gguf import read_lora_gguf, write_lora_gguf
+from pytrain.formats.adapter_peft import CONFIG_NAME, read_peft_adapter, write_peft_adapter
+from pytrain.models import lora
+from test_peft_adapter import bases_of, bounds_of, restore, tensor_set
+from test_train_run import FIX, records, write_config, write_data
+
+RANK, ALPHA = 4, 8.0
+
+
+@pytest.fixture(scope="module")
+def gold():
+    return dict(np.load(FIX / "peft_logits.npz"))
+
+
+@pytest.fixture(scope="module")
+def model():
+    m = pytrain.load_model(FIX / "gqa-f32.gguf", device="cpu", threads=2)
+    yield m
+    m.close()
+
+
+def rslora_logits(model, tensors, toks):
+    ad = lora.create(model.runtime, model.config, bases_of(tensors), RANK, ALPHA, rslora=True)
+    ad.set(tensors)
+    return model.logits(toks, lora=ad.hook)
+
+
+def test_rslora_scale_is_alpha_over_sqrt_rank(model):
+    ad = lora.create(model.runtime, model.config, ["blk.1.attn_q.weight"], RANK, ALPHA,
+                     rslora=True)
+    assert ad.scale_of("blk.1.attn_q.weight") == ALPHA / 2 and ad.plain_alpha == 16.0
+    plain = lora.create(model.runtime, model.config, ["blk.1.attn_q.weight"], RANK, ALPHA)
+    assert plain.scale_of("blk.1.attn_q.weight") == ALPHA / RANK and plain.plain_alpha == ALPHA
+
+
+def test_rslora_logits_match_hf_peft(gold, model):
+    """pytrain's rsLoRA adapter against HF + PEFT with the folder pytrain wrote (PEFT scaled
+    it by alpha/sqrt(r), the generator checked), within the bounds of the plain sets."""
+    tensors = tensor_set(gold, "rslora")
+    assert float(gold["rslora/effect"]) > 5.0
+    for j, n in enumerate(gold["lengths"]):
+        toks = gold["tokens"][j, :n]
+        ours = rslora_logits(model, tensors, toks)
+        bound, hf = bounds_of(gold, "rslora", j, n)
+        assert float(np.abs(ours - gold["rslora/logits64"][j, :n]).max()) <= bound
+        assert float(np.abs(ours - gold["rslora/logits"][j, :n]).max()) <= bound + hf
+    # the same tensors as a plain LoRA (scale alpha/r, half as large) are far off
+    plain = lora.create(model.runtime, model.config, bases_of(tensors), RANK, ALPHA)
+    plain.set(tensors)
+    n = int(gold["lengths"][0])
+    d = float(np.abs(model.logits(gold["tokens"][0, :n], lora=plain.hook)
+                     - gold["rslora/logits"][0, :n]).max())
+    assert d > 100 * sum(bounds_of(gold, "rslora", 0, n)), d
+
+
+def test_rslora_folder_is_what_peft_writes_and_reads_back(gold, model, tmp_path):
+    tensors = tensor_set(gold, "rslora")
+    folder = write_peft_adapter(tmp_path / "ad", tensors, ALPHA, RANK, model_config=model.config,
+                                use_rslora=True)
+    ours = json.loads((folder / CONFIG_NAME).read_text())
+    for theirs in (json.loads(str(gold["rslora/peft_config_json"])),
+                   json.loads(gold[f"rslora/peft_saved/{CONFIG_NAME}"].tobytes())):
+        theirs["target_modules"] = sorted(theirs["target_modules"])
+        assert ours == theirs
+    assert ours["use_rslora"] is True and ours["lora_alpha"] == 8
+    # the folder PEFT itself re-saved reads back as a plain LoRA of alpha·sqrt(r): the same
+    # logits as the rsLoRA adapter, bit for bit
+    back, alpha, rank, _ = read_peft_adapter(restore(gold, "rslora", "peft_saved",
+                                                     tmp_path / "peft"), model.config)
+    assert (alpha, rank) == (16.0, RANK)
+    n = int(gold["lengths"][0])
+    toks = gold["tokens"][0, :n]
+    plain = lora.create(model.runtime, model.config, bases_of(back), rank, alpha)
+    plain.set(back)
+    np.testing.assert_array_equal(model.logits(toks, lora=plain.hook),
+                                  rslora_logits(model, tensors, toks))
+
+
+@pytest.mark.slow
+def test_llama_cpp_applies_the_rslora_scale(llama_logits_exe, tmp_path, model):
+    """The GGUF of an rsLoRA adapter (alpha·sqrt(r)) in llama.cpp --lora against pytrain's
+    rsLoRA logits, bounded as test_llama_cpp_adapter.py's plain adapters are."""
+    from llama_cpp_check import deltas_with_adapter, llama_cpp_compatible
+    from perturbation import adapter_bounds
+    from test_llama_cpp_adapter import tokens_for
+    path = llama_cpp_compatible(FIX / "gqa-f32.gguf", tmp_path)
+    m = pytrain.load_model(path, device="cpu", threads=2)
+    names = ["blk.1.attn_q.weight", "blk.3.attn_v.weight", "blk.3.attn_output.weight"]
+    try:
+        ad = lora.create(m.runtime, m.config, names, RANK, ALPHA, rslora=True)
+        rng = np.random.default_rng(1)
+        tensors = {k: rng.normal(0, 0.3, v.shape).astype(np.float32)
+                   for k, v in ad.get().items()}
+        ad.set(tensors)
+        adapter_file = write_lora_gguf(tmp_path / "rs.gguf", "qwen35", ad.plain_alpha, tensors)
+        assert read_lora_gguf(adapter_file)[1] == 16.0
+        toks = tokens_for(m.config.n_vocab, 40)
+        ours_base, ours_lora = m.logits(toks), m.logits(toks, lora=ad.hook)
+    finally:
+        m.close()
+
+    def same(mp):
+        adp = lora.create(mp.runtime, mp.config, names, RANK, ALPHA, rslora=True)
+        adp.set(tensors)
+        return adp
+    atol_base, atol_lora = adapter_bounds(path, tmp_path, toks, ours_base, ours_lora, same)
+    d_base, d_lora, effect = deltas_with_adapter(llama_logits_exe, path, adapter_file, toks,
+                                                 ours_base, ours_lora, tmp_path)
+    assert effect > 0.05 and d_base <= atol_base
+    assert d_lora <= atol_lora, (d_lora, atol_lora)
+
+
+def test_a_run_with_rslora_writes_both_formats_at_its_scale(tmp_path, capsys):
+    """lora.use_rslora in a run: the GGUF holds alpha·sqrt(r), the PEFT folder alpha with
+    use_rslora, and `pytrain eval` with either gives the run's final validation."""
+    write_data(tmp_path)
+    cfg = write_config(tmp_path, max_steps=4, eval_every=0)
+    cfg.write_text(cfg.read_text().replace("alpha = 16.0", "alpha = 16.0\nuse_rslora = true"))
+    assert main(["train", str(cfg), "--no-progress"]) == 0
+    out = tmp_path / "out"
+    final = [r for r in records(out) if r.get("split") == "valid"][-1]
+    _, alpha, tensors, _ = read_lora_gguf(out / "adapter.gguf")
+    assert alpha == np.float32(16.0 * np.sqrt(8))     # rank 8 in write_config; GGUF f32
+    peft_cfg = json.loads((out / "peft" / CONFIG_NAME).read_text())
+    assert peft_cfg["use_rslora"] is True and peft_cfg["lora_alpha"] == 16
+    for adapter in (out / "adapter.gguf", out / "peft"):
+        capsys.readouterr()
+        assert main(["eval", str(cfg), "--adapter", str(adapter)]) == 0
+        line = capsys.readouterr().out.strip().splitlines()[-1]
+        assert f"loss {final['loss']:.4f}" in line, (adapter, line)
