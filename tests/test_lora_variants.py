@@ -143,3 +143,67 @@ def test_a_run_with_rslora_writes_both_formats_at_its_scale(tmp_path, capsys):
         assert main(["eval", str(cfg), "--adapter", str(adapter)]) == 0
         line = capsys.readouterr().out.strip().splitlines()[-1]
         assert f"loss {final['loss']:.4f}" in line, (adapter, line)
+
+
+# --------------------------------------------------------------------------- LoRA+
+
+def test_loraplus_steps_as_peft_create_loraplus_optimizer(model):
+    """Three AdamW steps on fixed gradients against PEFT's LoRA+ optimizer (torch AdamW with
+    lora_B at lr·ratio; tests/fixtures/qwen35/loraplus_golden.npz, made by
+    scripts/make_loraplus_golden.py).  Bound per tensor: F32_SPREAD x how far torch float32
+    is from the float64 run (at least 8 ulps of the tensor): both apply the same update
+    formula to the same float32 inputs, each rounding its own way."""
+    from bounds import F32_SPREAD, ulps
+    from pytrain import ggml
+    from pytrain.train.optimizer import AdamWSettings, Optimizer, OptimizerState
+    g = dict(np.load(FIX / "loraplus_golden.npz"))
+    names = sorted({k.rsplit(".", 1)[0] for k in g if k.endswith((".lora_a", ".lora_b"))})
+    ad = lora.create(model.runtime, model.config, names, RANK, ALPHA)
+    ad.set({k: g[k] for k in g if k.endswith((".lora_a", ".lora_b"))})
+    state = OptimizerState(model.runtime, ad.params())
+    hp = AdamWSettings(lr=float(g["lr"]), beta1=float(g["beta1"]), beta2=float(g["beta2"]),
+                       eps=float(g["eps"]), weight_decay=float(g["weight_decay"]),
+                       max_grad_norm=0.0, b_lr_ratio=float(g["ratio"]))
+    opt = Optimizer(model.runtime, state, hp)
+    try:
+        for i in range(int(g["steps"])):
+            for k in state.grad:
+                ggml.from_numpy(state.grad[k], g[f"{k}/grad/{i}"])
+            opt.step(hp.lr, grad_norm=0.0)
+            got = ad.get()
+            for k, v in got.items():
+                exact = g[f"{k}/after64/{i}"]
+                torch_err = float(np.abs(g[f"{k}/after/{i}"] - exact).max())
+                bound = F32_SPREAD * max(torch_err, ulps(exact))
+                assert float(np.abs(v - exact).max()) <= bound, (k, i)
+        # the ratio is what moved B: B went ~16x as far as A (Adam's first steps move every
+        # element by about lr), and a plain step would not reach PEFT's B at all
+        before = {k: g[k] for k in got}
+        move = {k: float(np.abs(got[k] - before[k]).max()) for k in got}
+        assert min(v for k, v in move.items() if k.endswith("lora_b")) > \
+            8 * max(v for k, v in move.items() if k.endswith("lora_a"))
+    finally:
+        opt.close()
+        state.close()
+
+
+def test_a_run_with_loraplus_moves_b_at_the_ratio(tmp_path):
+    """lora.loraplus_lr_ratio in a run: AdamW's first step moves an element whose gradient
+    is well above eps by lr·sign(g) (no weight decay), so B (zero at the start) reaches
+    lr·ratio in its largest element; A, whose gradient is zero while B is, stays."""
+    write_data(tmp_path)
+    lr, ratio = 1e-3, 16.0
+    cfg = write_config(tmp_path, max_steps=1, eval_every=0, lr=lr, formats=["gguf"])
+    cfg.write_text(cfg.read_text().replace("alpha = 16.0",
+                                           f"alpha = 16.0\nloraplus_lr_ratio = {ratio}"))
+    init = tmp_path / "init"
+    assert main(["train", str(cfg), "--no-progress"]) == 0
+    assert main(["train", str(cfg), "--no-progress", "--set", f"output.dir={init}",
+                 "--set", "train.lr=1e-30"]) == 0           # the initial adapter, to rounding
+    after, before = (read_lora_gguf(p / "adapter.gguf")[2] for p in (tmp_path / "out", init))
+    for k in after:
+        moved = float(np.abs(after[k] - before[k]).max())
+        if k.endswith(".lora_a"):
+            assert moved == 0.0, k
+        else:
+            assert abs(moved - lr * ratio) <= 1e-3 * lr * ratio, (k, moved)

@@ -60,6 +60,7 @@ GENERATORS = {
                       "--out", "OUT"],
     "chat_template": ["scripts.make_chat_template_golden", "--out", "OUT/golden.json"],
     "pref_golden": ["scripts.make_pref_golden", "--out", "OUT"],
+    "loraplus": ["scripts.make_loraplus_golden", "--out", "OUT/loraplus_golden.npz"],
 }
 
 
@@ -225,3 +226,22 @@ def test_make_default_model_toy(generated):
     assets = ROOT / "pytrain" / "assets"
     for f in ("demo_train.jsonl", "demo_valid.jsonl"):
         assert (out / f).read_bytes() == (assets / f).read_bytes(), f
+
+
+def test_make_loraplus_golden_reproduces_its_file(generated):
+    """scripts/make_loraplus_golden.py: PEFT's LoRA+ optimizer groups check out and its steps
+    equal the committed golden (inputs exactly; float32 steps within the bound of their own
+    distance from the float64 run, float64 steps to float64 rounding)."""
+    folder, log = generated("loraplus")
+    new, old = np.load(folder / "loraplus_golden.npz"), np.load(FIX / "qwen35" /
+                                                                "loraplus_golden.npz")
+    assert sorted(new.files) == sorted(old.files) and "wrote" in log
+    for k in old.files:
+        if "/after" not in k:
+            assert np.array_equal(new[k], old[k]), k
+        elif "/after64/" in k:
+            assert np.abs(new[k] - old[k]).max() <= 1e-12 * np.abs(old[k]).max(), k
+        else:
+            exact = new[k.replace("/after/", "/after64/")]
+            e32 = float(np.abs(new[k] - exact).max())
+            assert np.abs(new[k] - old[k]).max() <= f32_bound(e32, exact), k

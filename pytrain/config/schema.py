@@ -137,6 +137,10 @@ class LoraConfig:
     use_rslora: bool = _opt(False, "rank-stabilised LoRA (PEFT's use_rslora): scale alpha / "
                             "sqrt(rank) instead of alpha / rank; the adapter GGUF holds "
                             "alpha·sqrt(rank), so llama.cpp applies the same scale")
+    loraplus_lr_ratio: float | None = _opt(None, "LoRA+ (PEFT's create_loraplus_optimizer): "
+                                           "the B matrices learn at train.lr times this ratio "
+                                           "(the paper suggests 16; unset: plain LoRA)",
+                                           check=_positive)
     seed: int | None = _opt(None, "seed of the adapter initialisation and dropout "
                             "(unset: train.seed)")
 

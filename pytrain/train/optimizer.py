@@ -108,6 +108,7 @@ class AdamWSettings:
     eps: float = 1e-8
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0     # 0 disables clipping
+    b_lr_ratio: float = 1.0        # LoRA+: the B matrices' learning rate is lr times this
 
 
 class Optimizer:
@@ -131,15 +132,19 @@ class Optimizer:
         # update: g' = g * clip; AdamW step in place on the parameter
         self.clip = lib.ggml_new_tensor_1d(c, lib.GGML_TYPE_F32, 1)
         self.adamw_params = lib.ggml_new_tensor_1d(c, lib.GGML_TYPE_F32, 7)
-        lib.ggml_set_input(self.clip)
-        lib.ggml_set_input(self.adamw_params)
+        # LoRA+ (PEFT's create_loraplus_optimizer): the B matrices get their own learning rate
+        self.adamw_params_b = lib.ggml_new_tensor_1d(c, lib.GGML_TYPE_F32, 7) \
+            if hp.b_lr_ratio != 1.0 else self.adamw_params
+        for t in (self.clip, self.adamw_params, self.adamw_params_b):
+            lib.ggml_set_input(t)
         self.update_graph = ggml.new_graph(self.ctx, size)
         for p in opt_state.params:
             k = ggml.name(p)
             g = lib.ggml_mul(c, opt_state.grad[k], self.clip)
+            hyper = self.adamw_params_b if k.endswith(".lora_b") else self.adamw_params
             lib.ggml_build_forward_expand(
                 self.update_graph,
-                lib.ggml_opt_step_adamw(c, p, g, opt_state.m[k], opt_state.v[k], self.adamw_params))
+                lib.ggml_opt_step_adamw(c, p, g, opt_state.m[k], opt_state.v[k], hyper))
         # allocated once, beside the scheduler: the step graph stays allocated between steps
         self._kept: list = []
         try:
@@ -172,8 +177,9 @@ class Optimizer:
         ggml.from_numpy(self.clip, np.array([clip], np.float32))
         b1h = 1.0 / (1.0 - hp.beta1 ** self.t)
         b2h = 1.0 / (1.0 - hp.beta2 ** self.t)
-        ggml.from_numpy(self.adamw_params, np.array(
-            [lr, hp.beta1, hp.beta2, hp.eps, hp.weight_decay, b1h, b2h], np.float32))
+        for hyper, rate in ((self.adamw_params, lr), (self.adamw_params_b, lr * hp.b_lr_ratio)):
+            ggml.from_numpy(hyper, np.array(
+                [rate, hp.beta1, hp.beta2, hp.eps, hp.weight_decay, b1h, b2h], np.float32))
         self.rt.compute_resident(self.update_graph)
         return clip
 

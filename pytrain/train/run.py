@@ -249,7 +249,8 @@ def open_session(cfg: Config, out: Path, log: Callable[[str], None],
             seed=cfg.lora.seed,                   # resolved by the config (train.seed if unset)
             init=cfg.lora.init, rslora=cfg.lora.use_rslora)
         hp = AdamWSettings(lr=t.lr, beta1=t.adam_beta1, beta2=t.adam_beta2, eps=t.adam_eps,
-                   weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm)
+                   weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm,
+                   b_lr_ratio=cfg.lora.loraplus_lr_ratio or 1.0)
         if preference:
             trainer = PreferenceTrainer(model, adapter, hp, PreferenceSettings(
                 t.objective, t.beta, t.loss_type, t.label_smoothing), world=w)
