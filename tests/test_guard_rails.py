@@ -192,11 +192,13 @@ def test_adapter_for_another_base_is_refused(tmp_path, capsys):
     assert "does not exist in the base model" in capsys.readouterr().err
 
 
-def test_lora_dropout_is_refused_naming_the_key(tmp_path, capsys):
-    """Dropout on the adapter input is not implemented (no random op in ggml): a config that
-    asks for it must stop with the key named, not train silently without it."""
+def test_lora_dropout_with_a_preference_objective_is_refused_naming_the_key(tmp_path, capsys):
+    """Preference steps compute the policy twice (a forward for the pair derivatives, then the
+    weighted forward and backward), which dropout would make two different networks; TRL
+    disables dropout there.  The config must stop with the key named, not train otherwise."""
     cfg = write_run(tmp_path, str(tmp_path / "run"))
-    assert main(["train", str(cfg), "--no-progress", "--set", "lora.dropout=0.1"]) == 1
+    assert main(["train", str(cfg), "--no-progress", "--set", "lora.dropout=0.1",
+                 "--set", "train.objective=dpo"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "lora.dropout" in err[0]
+    assert len(err) == 1 and "lora.dropout" in err[0] and "disable_dropout" in err[0]
     assert not (tmp_path / "run" / "adapter.gguf").exists()

@@ -207,3 +207,154 @@ def test_a_run_with_loraplus_moves_b_at_the_ratio(tmp_path):
             assert moved == 0.0, k
         else:
             assert abs(moved - lr * ratio) <= 1e-3 * lr * ratio, (k, moved)
+
+
+# --------------------------------------------------------------------------- dropout
+
+P = 0.3
+
+
+def dropout_adapter(m, p=P, seed=5):
+    """Every default target, B not zero (A gets a gradient), dropout p."""
+    from pytrain.models.lora_targets import select_targets
+    ad = lora.create(m.runtime, m.config, select_targets(m.config), RANK, ALPHA, seed=seed,
+                     dropout=p)
+    rng = np.random.default_rng(0)
+    ad.set({k: (rng.normal(0, 0.05, v.shape).astype(np.float32) if k.endswith("lora_b") else v)
+            for k, v in ad.get().items()})
+    return ad
+
+
+def batch(B=3, T=40):
+    from pytrain.train import loss as L
+    rng = np.random.default_rng(3)
+    tokens = rng.integers(0, 480, (B, T))
+    seg = np.zeros((B, T), np.int64)
+    seg[1, 30:] = -1
+    return tokens, seg, L.shift_targets(tokens, rng.random((B, T)) < 0.6, seg)
+
+
+def test_dropout_masks_drop_at_the_rate_and_scale_the_rest(model):
+    """A training graph has one mask per adapted input, each [B·T, n_in]: zeros at rate p
+    (within 5 binomial standard deviations over all their elements), the rest 1/(1-p)
+    exactly as torch's dropout; independent per tensor; the same for the same place in the
+    run, another for another."""
+    from pytrain import ggml
+    from pytrain.train.graphs import GradGraph
+    ad = dropout_adapter(model)
+    g = GradGraph(model, ad, 3, 40)
+    try:
+        shapes = {n: ggml.shape(t) for n, t in g.masks}
+    finally:
+        g.close()
+    assert sorted(shapes) == sorted(ad.names)
+    assert all(s[0] == 3 * g.T for s in shapes.values())
+    total = zeros = 0
+    first = {}
+    for n, shape in shapes.items():
+        m = first[n] = ad.mask_values(n, shape, (4, 1))
+        assert set(np.unique(m)) == {0.0, np.float32(1 / (1 - P))}, n
+        total, zeros = total + m.size, zeros + int((m == 0).sum())
+        np.testing.assert_array_equal(m, ad.mask_values(n, shape, (4, 1)))
+        assert not np.array_equal(m, ad.mask_values(n, shape, (5, 1))), n
+        assert not np.array_equal(m, ad.mask_values(n, shape, (4, 2))), n
+    sigma = np.sqrt(total * P * (1 - P))
+    assert abs(zeros - P * total) <= 5 * sigma, (zeros / total, P)
+    same_shape = [n for n in shapes if shapes[n] == shapes[ad.names[0]]]
+    assert len(same_shape) > 1 and not np.array_equal(first[same_shape[0]],
+                                                      first[same_shape[1]])
+
+
+def test_the_adapter_sees_the_dropped_input(model):
+    """One adapted projection alone: the hook computes (alpha/r)·B·A·(x ⊙ mask), PEFT's
+    lora_B(lora_A(dropout(x)))·scaling, against numpy in float64 (float32 rounding of
+    two small products)."""
+    from pytrain import ggml
+    from pytrain.ggml import lib
+    name = "blk.1.attn_q.weight"
+    ad = lora.create(model.runtime, model.config, [name], RANK, ALPHA, dropout=P, seed=1)
+    rng = np.random.default_rng(2)
+    vals = {k: rng.normal(0, 0.3, v.shape).astype(np.float32) for k, v in ad.get().items()}
+    ad.set(vals)
+    n_in, N = vals[name + ".lora_a"].shape[1], 24
+    ctx = ggml.Context(n_tensors=16, graph_size=64)
+    try:
+        x = lib.ggml_new_tensor_2d(ctx.ptr, lib.GGML_TYPE_F32, n_in, N)
+        lib.ggml_set_input(x)
+        with ad.training_masks() as masks:
+            y = ad.hook(ctx.ptr, name, x)
+        assert len(masks) == 1
+        graph = ggml.new_graph_for(ctx.ptr, y, size=64)
+        model.runtime.alloc_graph(graph, ctx)
+        xs = rng.normal(0, 1, (N, n_in)).astype(np.float32)
+        ggml.from_numpy(x, xs)
+        ad.fill_masks(masks, (7, 0))
+        model.runtime.compute(graph)
+        mask = ad.mask_values(name, (N, n_in), (7, 0)).astype(np.float64)
+        got = ggml.to_numpy(y).astype(np.float64)
+    finally:
+        model.runtime.forget_graph()
+        ctx.close()
+    a, b = (vals[name + s].astype(np.float64) for s in (".lora_a", ".lora_b"))
+    want = (xs * mask) @ a.T @ b.T * (ALPHA / RANK)
+    assert (mask == 0).any() and not np.allclose(want, (xs @ a.T @ b.T) * (ALPHA / RANK))
+    from bounds import ulps
+    err = np.abs(got - want).max()
+    assert err <= 64 * n_in * ulps(np.abs(want).max(), 1), err
+
+
+def test_dropout_zero_builds_no_masks(model):
+    from pytrain.train.graphs import GradGraph
+    g = GradGraph(model, dropout_adapter(model, p=0.0), 3, 40)
+    try:
+        assert g.masks == []
+    finally:
+        g.close()
+
+
+@pytest.mark.slow
+def test_layer_recompute_draws_the_same_masks(monkeypatch):
+    """recompute = layers runs each layer twice (forward, then again in its backward): the
+    masks, drawn by tensor name and place, are the same each time and the same as the one
+    graph's, so the step equals the one-graph step within its float32 rounding."""
+    import step_rounding
+    from pytrain.train import recompute as R
+    m = pytrain.load_model(FIX / "gqa-f32.gguf", device="cpu", threads=2)
+    try:
+        ad = dropout_adapter(m)
+        tokens, seg, tgt = batch()
+        rounding = step_rounding.measure(m, ad, 3, 40, tokens, seg, tgt)
+        r = R.RecomputeGraph(m, ad, 3, 40)
+        rec = r.run(tokens, seg, tgt)
+        r.close()
+        plain = dropout_adapter(m, p=0.0)
+        from pytrain.train.graphs import GradGraph
+        g = GradGraph(m, plain, 3, 40)
+        no_dropout = g.run(tokens, seg, tgt)
+        g.close()
+    finally:
+        m.close()
+    step_rounding.assert_step_close(rec, rounding["ref"], rounding)
+    assert abs(no_dropout["loss"] - rounding["ref"]["loss"]) > 1e-3     # dropout did act
+
+
+def test_a_dropout_run_resumes_exactly(tmp_path, capsys):
+    """2 steps then resumed to 4 = 4 steps straight, bit for bit: the masks are drawn from
+    the step and micro-batch, not from a generator's state; and dropout did change the
+    adapter."""
+    write_data(tmp_path)
+    cfg = write_config(tmp_path, max_steps=4, eval_every=0, grad_accum=2, batch_size=4,
+                       formats=["gguf"])
+    cfg.write_text(cfg.read_text().replace("alpha = 16.0", "alpha = 16.0\ndropout = 0.2"))
+    assert main(["train", str(cfg), "--no-progress"]) == 0
+    b = ["--set", f"output.dir={tmp_path / 'b'}"]
+    assert main(["train", str(cfg), "--no-progress", *b, "--set", "train.max_steps=2"]) == 0
+    assert main(["train", str(cfg), "--no-progress", *b, "--resume"]) == 0
+    straight, resumed = (read_lora_gguf(p / "adapter.gguf")[2] for p in (tmp_path / "out",
+                                                                         tmp_path / "b"))
+    for k in straight:
+        np.testing.assert_array_equal(resumed[k], straight[k], err_msg=k)
+    assert main(["train", str(cfg), "--no-progress", "--set", f"output.dir={tmp_path / 'c'}",
+                 "--set", "lora.dropout=0"]) == 0
+    plain = read_lora_gguf(tmp_path / "c" / "adapter.gguf")[2]
+    assert any(not np.array_equal(plain[k], straight[k]) for k in plain)

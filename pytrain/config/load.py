@@ -234,6 +234,11 @@ def _resolve(cfg: Config, origin, where: "_Where", base: Path, partial: bool) ->
                                             f"per-sequence loss yet: set auto or off")
         if t.loss_bug_repro:
             raise err("train", "loss_bug_repro", "the bug reproduction is SFT's only")
+        if cfg.lora.dropout:
+            raise err("lora", "dropout", f"train.objective = {t.objective!r} computes the "
+                                         f"policy's log-probabilities twice a step; TRL's "
+                                         f"trainers disable dropout for preferences "
+                                         f"(disable_dropout): set lora.dropout = 0")
         if d.format not in ("auto",):
             raise err("data", "format", "preference records have their own format (prompt, "
                                         "chosen, rejected): leave data.format = auto")

@@ -123,8 +123,10 @@ class LoraConfig:
     rank: int = _opt(16, "adapter rank r", check=_positive)
     alpha: float = _opt(32.0, "scale numerator: the update is (alpha / rank) * B A",
                         check=_positive)
-    dropout: float = _opt(0.0, "dropout on the adapter input; only 0 for now (ggml has no "
-                          "random op to draw masks in the graph)", check=_unit_interval)
+    dropout: float = _opt(0.0, "PEFT's lora_dropout: each adapter's input dropped at this "
+                          "rate in training (masks drawn on the host from lora.seed and the "
+                          "step, so a resumed run draws the same); not with preference "
+                          "objectives, for which TRL disables dropout", check=_unit_interval)
     targets: list[str] | None = _opt(None, "short tensor names to adapt (attn_q, attn_k, "
                                      "attn_v, attn_output, ffn_*, ...; `pytrain inspect` lists "
                                      "a model's); unset: the architecture's default, attention "

@@ -8,8 +8,10 @@ at zero, so training starts from the base model; A starts like PEFT's default
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
+from typing import Iterator
 
 import numpy as np
 
@@ -29,6 +31,9 @@ class LoraAdapter:
     buffer: object = None
     ranks: dict[str, int] = field(default_factory=dict)   # per pair, as llama.cpp reads them
     rslora: bool = False                      # rank-stabilised: scale alpha/sqrt(r) (PEFT's)
+    dropout: float = 0.0                      # PEFT's lora_dropout on the adapter's input
+    seed: int = 0                             # of the dropout masks
+    _masks: list | None = None                # a training graph being built collects here
 
     def scale_of(self, name: str) -> float:
         """alpha / r of that pair (llama.cpp scales each pair by its own rank, A's rows), or
@@ -47,11 +52,46 @@ class LoraAdapter:
 
     def hook(self, ctx, name: str, x):
         """The LoraFn of the architecture graphs: (alpha/r)·B·(A·x) for adapted tensors, else
-        None."""
+        None.  In a training graph with dropout (``training_masks``), x is first multiplied
+        by a mask input: PEFT's lora_B(lora_A(dropout(x))) · scale."""
         if name not in self.a:
             return None
+        if self._masks is not None and self.dropout > 0:
+            mask = lib.ggml_dup_tensor(ctx, x)                       # like x: [n_in, N]
+            ggml.set_name(mask, f"dropout.{name}"[:63])
+            lib.ggml_set_input(mask)
+            self._masks.append((name, mask))
+            x = lib.ggml_mul(ctx, x, mask)
         ax = lib.ggml_mul_mat(ctx, self.a[name], x)                   # [r, N]
         return lib.ggml_scale(ctx, lib.ggml_mul_mat(ctx, self.b[name], ax), self.scale_of(name))
+
+    @contextlib.contextmanager
+    def training_masks(self) -> Iterator[list]:
+        """While a training graph is built: the dropout masks its hooks make, (name, tensor)
+        pairs to fill (``fill_masks``) after each allocation of that graph, before it runs.
+        Graphs built outside (evaluation, generation) have no dropout."""
+        masks: list = []
+        self._masks = masks
+        try:
+            yield masks
+        finally:
+            self._masks = None
+
+    def fill_masks(self, masks: list, key: tuple[int, ...]) -> None:
+        """Dropout masks drawn from (seed, ``key``, the tensor's index): ``key`` is the
+        micro-batch's place in the run (optimizer step, micro-batch of the step), so a resumed
+        run, more ranks, or a layer recomputed in the backward draw the same masks.  Kept
+        elements are 1/(1-p), as torch's dropout scales them."""
+        for name, t in masks:
+            ggml.from_numpy(t, self.mask_values(name, ggml.shape(t), key))
+
+    def mask_values(self, name: str, shape: tuple[int, ...], key: tuple[int, ...]
+                    ) -> np.ndarray:
+        """The dropout mask of tensor ``name``'s input at place ``key`` (``fill_masks``)."""
+        p = self.dropout
+        rng = np.random.default_rng([self.seed, *key, self.names.index(name)])
+        keep = rng.random(shape, dtype=np.float32) >= np.float32(p)
+        return keep.astype(np.float32) * np.float32(1.0 / (1.0 - p))
 
     def get(self) -> dict[str, np.ndarray]:
         out = {}
@@ -87,11 +127,13 @@ def product_sq_norm(a: np.ndarray, b: np.ndarray) -> float:
 
 
 def create(runtime: ggml.Runtime, config, names: list[str], rank: int | dict[str, int],
-           alpha: float, seed: int = 0, init: str = "peft", rslora: bool = False) -> LoraAdapter:
+           alpha: float, seed: int = 0, init: str = "peft", rslora: bool = False,
+           dropout: float = 0.0) -> LoraAdapter:
     """Allocate A and B (F32, trainable) for each target on the runtime's primary backend.
     ``rank``: one for every target, or per target (an adapter file read for eval/generate).
     ``init``: "peft" (A Kaiming-uniform) or "gaussian" (A ~ N(0, 1/r), PEFT's gaussian).
-    ``rslora``: scale alpha/sqrt(r) (one rank for every target)."""
+    ``rslora``: scale alpha/sqrt(r) (one rank for every target).  ``dropout``: PEFT's
+    lora_dropout in training graphs (masks seeded by ``seed``)."""
     if rslora and isinstance(rank, dict):
         raise ValueError("rsLoRA needs one rank for every target")
     if init not in ("peft", "gaussian"):
@@ -99,7 +141,8 @@ def create(runtime: ggml.Runtime, config, names: list[str], rank: int | dict[str
     shapes = lora_shapes(config, names, rank)
     ranks = {n: shapes[n][0][0] for n in names}
     ad = LoraAdapter(max(ranks.values(), default=0) if isinstance(rank, dict) else rank,
-                     float(alpha), list(names), ranks=ranks, rslora=rslora)
+                     float(alpha), list(names), ranks=ranks, rslora=rslora,
+                     dropout=float(dropout), seed=seed)
     ad.ctx = ggml.Context(n_tensors=2 * len(names))
     for n in names:
         (a_shape, b_shape) = shapes[n]

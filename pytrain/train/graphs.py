@@ -70,7 +70,8 @@ class GradGraph:
         size = model.graph_budget(self.T)
         self.ctx = ggml.Context(n_tensors=size * 2, graph_size=size * 2, grads=True)
         c = self.ctx.ptr
-        self.fwd = model.graph.build(c, B, self.T, adapter.hook, rows=rows)
+        with adapter.training_masks() as self.masks:      # dropout masks, when lora.dropout
+            self.fwd = model.graph.build(c, B, self.T, adapter.hook, rows=rows)
         self.ce = _loss(model, c, self.fwd.logits, rows or self.T * B, self.rows_per_seq,
                         measure_only)
         gf = ggml.new_graph(self.ctx, size * 2, grads=True)
@@ -93,9 +94,11 @@ class GradGraph:
         lib.ggml_set_output(self.fwd.logits)
 
     def accumulate(self, tokens: np.ndarray, seg: np.ndarray, targets: np.ndarray,
-                   n_valid_step: int | None = None, buggy: bool = False) -> tuple[float, int]:
+                   n_valid_step: int | None = None, buggy: bool = False,
+                   dropout_key: tuple[int, ...] = (0, 0)) -> tuple[float, int]:
         """Forward + backward of one micro-batch, adding its gradients into the
-        accumulators; returns (this micro-batch's share of the step loss, its valid count)."""
+        accumulators; returns (this micro-batch's share of the step loss, its valid count).
+        ``dropout_key``: the micro-batch's place in the run, which draws its dropout masks."""
         pad = self.model.pad_id
         # the bug reproduction labels the graph's own padding with the pad token as well
         tok, sg, tg = pad_batch(self.B, self.T, tokens, seg, targets, pad,
@@ -103,6 +106,8 @@ class GradGraph:
         rt = self.model.runtime
         rt.alloc_graph(self.graph, self.ctx)
         self.model.arch.set_inputs(self.fwd.inputs, self.model.input_values(tok, sg))
+        if self.masks:
+            self.adapter.fill_masks(self.masks, dropout_key)
         if self.rows is not None:
             if buggy:
                 raise ValueError("the bug reproduction trains every row: build with rows=None")

@@ -56,6 +56,7 @@ class _Graph:
         self.c = self.ctx.ptr
         self.size = size
         self.graph = None
+        self.masks: list = []          # its dropout masks (lora.dropout), filled per run
 
     def close(self) -> None:
         self.ctx.close()
@@ -122,7 +123,8 @@ class RecomputeGraph:
         self.fwd = []
         for il in range(self.l0, L):
             fg = self._graph(size)
-            y = g.layer(fg.c, il, self.xs[il], self.inp, B, T, self.adapter.hook)
+            with self.adapter.training_masks() as fg.masks:
+                y = g.layer(fg.c, il, self.xs[il], self.inp, B, T, self.adapter.hook)
             fg.graph = ggml.new_graph_for(fg.c, lib.ggml_cpy(fg.c, y, self.xs[il + 1]), size=size)
             self.fwd.append(fg)
 
@@ -150,7 +152,8 @@ class RecomputeGraph:
             g_in, g_out = self.gs[(L - 1 - il) % 2], self.gs[(L - il) % 2]
             x_in = self.xs[il]
             lib.ggml_set_param(x_in)
-            y = g.layer(bg.c, il, x_in, self.inp, B, T, self.adapter.hook)
+            with self.adapter.training_masks() as bg.masks:     # the forward's masks again
+                y = g.layer(bg.c, il, x_in, self.inp, B, T, self.adapter.hook)
             surrogate = lib.ggml_sum(bg.c, lib.ggml_mul(bg.c, y, g_in))
             gf = ggml.new_graph(bg.ctx, size * 2, grads=True)
             lib.ggml_build_forward_expand(gf, surrogate)
@@ -164,10 +167,14 @@ class RecomputeGraph:
     def _run(self, graph_obj: _Graph) -> None:
         rt = self.model.runtime
         rt.alloc_graph(graph_obj.graph, graph_obj.ctx)
+        if graph_obj.masks:
+            self.adapter.fill_masks(graph_obj.masks, self._dropout_key)
         rt.compute(graph_obj.graph)
 
     def accumulate(self, tokens: np.ndarray, seg: np.ndarray, targets: np.ndarray,
-                   n_valid_step: int | None = None, buggy: bool = False) -> tuple[float, int]:
+                   n_valid_step: int | None = None, buggy: bool = False,
+                   dropout_key: tuple[int, ...] = (0, 0)) -> tuple[float, int]:
+        self._dropout_key = dropout_key
         if buggy:
             raise ValueError("the bug reproduction trains every row in one graph: use GradGraph")
         cfg, rt = self.model.config, self.model.runtime

@@ -190,6 +190,7 @@ class Session:
                 "batch order seed": self.seed, "lora.rank": c.lora.rank,
                 "lora.alpha": c.lora.alpha, "adapted tensors": sorted(self.adapter.names),
                 **({"lora.use_rslora": True} if c.lora.use_rslora else {}),
+                **({"lora.dropout": c.lora.dropout} if c.lora.dropout else {}),
                 "train.loss_bug_repro": c.train.loss_bug_repro,
                 **({"train.objective": c.train.objective} if self.preference else {})}
 
@@ -247,7 +248,7 @@ def open_session(cfg: Config, out: Path, log: Callable[[str], None],
         adapter = lora_mod.create(
             model.runtime, model.config, names, cfg.lora.rank, cfg.lora.alpha,
             seed=cfg.lora.seed,                   # resolved by the config (train.seed if unset)
-            init=cfg.lora.init, rslora=cfg.lora.use_rslora)
+            init=cfg.lora.init, rslora=cfg.lora.use_rslora, dropout=cfg.lora.dropout)
         hp = AdamWSettings(lr=t.lr, beta1=t.adam_beta1, beta2=t.adam_beta2, eps=t.adam_eps,
                    weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm,
                    b_lr_ratio=cfg.lora.loraplus_lr_ratio or 1.0)
@@ -692,9 +693,6 @@ def _refuse_unsupported(cfg: Config, resume, overwrite: bool) -> None:
         from pytrain.train.tensorboard import available
         if available() is not None:
             raise cfg.error("output", "tensorboard", available())
-    if cfg.lora.dropout > 0:
-        raise RunError("lora.dropout > 0 is not supported yet (ggml has no random op to draw "
-                       "dropout masks inside the graph); set lora.dropout = 0")
     if resume and overwrite:
         raise RunError("--overwrite starts a new run and --resume continues one: pass one")
 

@@ -137,9 +137,12 @@ class Trainer:
             return None
         self.opt_state.zero_grads()
         total, tokens = 0.0, 0
-        for b, tg, n in zip(micro_batches, tgts, counts):
+        for i, (b, tg, n) in enumerate(zip(micro_batches, tgts, counts)):
             g = self.graph(*b.tokens.shape, None if self.buggy else n)
-            part, _ = g.accumulate(b.tokens, b.seg, tg, n_step, self.buggy)
+            # dropout masks by (step, the micro-batch's index in the whole step): as with
+            # one process, whatever the ranks
+            part, _ = g.accumulate(b.tokens, b.seg, tg, n_step, self.buggy,
+                                   dropout_key=(self.opt.t, w.rank + i * w.size))
             total += part
             tokens += int((b.seg >= 0).sum())
         t_comm = 0.0
