@@ -52,6 +52,7 @@ SENSITIVE = [
     "tests/test_acc_in_place.py", "tests/test_optimizer.py", "tests/test_buffer_types.py",
     "tests/test_family_parity.py", "tests/test_gemma3_270m.py", "tests/test_distributed.py",
     "tests/test_compute_bf16.py", "tests/test_preference.py", "tests/test_preference_trl.py",
+    "tests/test_lora_variants.py", "tests/test_best_checkpoint.py",
 ]
 
 
