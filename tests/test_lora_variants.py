@@ -358,3 +358,32 @@ def test_a_dropout_run_resumes_exactly(tmp_path, capsys):
                  "--set", "lora.dropout=0"]) == 0
     plain = read_lora_gguf(tmp_path / "c" / "adapter.gguf")[2]
     assert any(not np.array_equal(plain[k], straight[k]) for k in plain)
+
+
+# --------------------------------------------------------------------------- initialisation
+
+@pytest.mark.parametrize("init", ["peft", "gaussian"])
+def test_initialisation_draws_as_peft(model, init):
+    """lora.init against what PEFT's own modules draw (init_lora_weights=True / "gaussian",
+    rank 16, the default targets; tests/fixtures/qwen35/lora_init_golden.json, made by
+    scripts/make_lora_init_golden.py): B zero; A's mean and standard deviation equal PEFT's
+    within 5 standard errors of the difference of two samples of that size; the uniform's
+    bound held and reached.  The two inits' deviations differ by 15%, far beyond that."""
+    from pytrain.models.lora_targets import select_targets
+    gold = json.loads((FIX / "lora_init_golden.json").read_text())
+    ref = gold[init]
+    r = gold["rank"]
+    ad = lora.create(model.runtime, model.config, select_targets(model.config), r, 2 * r,
+                     seed=3, init=init)
+    t = ad.get()
+    a = np.concatenate([v.reshape(-1) for k, v in sorted(t.items()) if k.endswith("lora_a")])
+    assert a.size == ref["n"] and all(not v.any() for k, v in t.items() if k.endswith("lora_b"))
+    se = ref["std"] / np.sqrt(a.size)
+    assert abs(a.mean() - ref["mean"]) <= 5 * np.sqrt(2) * se
+    assert abs(a.std() - ref["std"]) <= 5 * np.sqrt(2) * ref["std"] / np.sqrt(2 * a.size)
+    if init == "peft":
+        bound = 1 / np.sqrt(ref["n_in"])
+        assert ref["max_abs"] <= bound and np.abs(a).max() <= bound
+        assert np.abs(a).max() >= 0.99 * bound
+    other = gold["gaussian" if init == "peft" else "peft"]["std"]
+    assert abs(a.std() - other) > 10 * ref["std"] / np.sqrt(2 * a.size)

@@ -61,6 +61,7 @@ GENERATORS = {
     "chat_template": ["scripts.make_chat_template_golden", "--out", "OUT/golden.json"],
     "pref_golden": ["scripts.make_pref_golden", "--out", "OUT"],
     "loraplus": ["scripts.make_loraplus_golden", "--out", "OUT/loraplus_golden.npz"],
+    "lora_init": ["scripts.make_lora_init_golden", "--out", "OUT/lora_init_golden.json"],
 }
 
 
@@ -245,3 +246,15 @@ def test_make_loraplus_golden_reproduces_its_file(generated):
             exact = new[k.replace("/after/", "/after64/")]
             e32 = float(np.abs(new[k] - exact).max())
             assert np.abs(new[k] - old[k]).max() <= f32_bound(e32, exact), k
+
+
+def test_make_lora_init_golden_reproduces_its_file(generated):
+    """scripts/make_lora_init_golden.py: PEFT's initialisations draw the same statistics
+    (torch's seeded generator; float64 sums of the same values, to their rounding)."""
+    folder, _ = generated("lora_init")
+    new, old = (json.loads(p.read_text()) for p in (folder / "lora_init_golden.json",
+                                                     FIX / "qwen35" / "lora_init_golden.json"))
+    assert new.keys() == old.keys() and new["rank"] == old["rank"]
+    for init in ("peft", "gaussian"):
+        for k, v in old[init].items():
+            assert abs(new[init][k] - v) <= 1e-12 * max(1.0, abs(v)), (init, k)
