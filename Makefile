@@ -13,7 +13,7 @@ VULKAN ?= 0
 REFENV ?= .refenv
 REF_PY := $(REFENV)/bin/python
 
-.PHONY: all build vulkan-tools llama-cpp cuda-check real-model refenv test test-cpu-matrix demo demo-real demo-dpo experiments gpu-carry doctor clean distclean
+.PHONY: all build vulkan-tools llama-cpp cuda-check real-model refenv test test-cpu-matrix demo demo-real demo-dpo demo-loop experiments gpu-carry doctor clean distclean
 
 all: build
 
@@ -97,6 +97,12 @@ demo-real: build llama-cpp real-model
 # --lora (bench_results/demo_dpo.md; about 8 minutes on 2 cores)
 demo-dpo: build llama-cpp real-model
 	$(PY) -m scripts.demo_dpo
+
+# the training loop's tools on a run made to overfit (SmolLM2-135M-Instruct learns made-up
+# capitals): samples while training, the best adapter at the lowest validation loss, early
+# stopping, TensorBoard (bench_results/demo_loop.md; about 8 minutes on 2 cores)
+demo-loop: build real-model
+	$(PY) -m scripts.demo_loop --results bench_results
 
 # the masking experiments (README "Masking experiments"): runs in experiments/, tables, plots
 # and JSON copied to experiments_results/
