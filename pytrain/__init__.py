@@ -1,13 +1,43 @@
 """pytrain: LoRA fine-tuning of GGUF language models on a pinned ggml, with a loss mask that
 is right by construction.
 
-The root package is the public facade, above every layer (see tests/test_layers.py): nothing in
-the package imports it, and it imports the model only when ``load_model`` is called, so
-``import pytrain.config`` stays cheap.
-"""
-from pytrain._version import __version__
+The Python API (docs/python.md) does what the command does, and the command calls it:
 
-__all__ = ["__version__", "load_model"]
+    result = pytrain.train("config/demo.toml", overrides={"train.max_steps": 50})
+    with pytrain.load(result.config.model.path, adapter=result.adapter) as model:
+        model.generate([{"role": "user", "content": "What does the cow say?"}])
+    pytrain.export(result.config.model.path, result.adapter, format="peft", out="peft")
+
+The root package is the public facade, above every layer (see tests/test_layers.py): nothing in
+the package imports it.  ``import pytrain`` loads no native code: ggml loads on the first call
+that needs it, so ``import pytrain.config`` stays cheap.
+"""
+import types as _types
+
+import pytrain.train as _train_package      # an empty __init__: loads nothing
+from pytrain import api as _api
+from pytrain._version import __version__
+from pytrain.api import (EvalResult, ExportOutputError, ExportResult, LoadedModel, RunResult,
+                         export, load, resolve_config)
+
+__all__ = ["EvalResult", "ExportOutputError", "ExportResult", "LoadedModel", "RunResult",
+           "__version__", "export", "load", "load_model", "resolve_config", "train"]
+
+
+class _CallablePackage(_types.ModuleType):
+    """``pytrain.train`` is two things: the subpackage of the trainer's modules
+    (``pytrain.train.run``) and the API's ``train`` function.  A function bound to the name
+    would be replaced by the subpackage as soon as a module of it is imported (and
+    ``import pytrain.train.run as run`` would stop working), so the subpackage itself is made
+    callable instead."""
+
+    def __call__(self, *args, **kwargs) -> RunResult:
+        return _api.train(*args, **kwargs)
+
+
+_train_package.__class__ = _CallablePackage
+_train_package.__wrapped__ = _api.train      # inspect.signature / help() show train's
+train = _train_package
 
 
 def load_model(path, device: str = "auto", threads: int | None = None, type_policy: str = "auto",

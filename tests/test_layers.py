@@ -4,7 +4,10 @@ module imports itself round a cycle.
 Every import statement counts, also one inside a function: an import deferred to call time
 still makes the importing module depend on the imported one, and deferring it is how a cycle
 hides.  ``from pytrain import ggml`` is an import of ``pytrain.ggml``; the root package
-(``pytrain``: ``__version__`` and the ``pytrain.load_model`` facade) sits above everything.
+(``pytrain``: ``__version__`` and the facade re-exporting the Python API) sits above everything.
+The Python API (``pytrain.api``: train, load, eval, export) is a layer of its own between the
+trainer and the command line: the command calls it, so it cannot sit above ``cli``, and it
+calls the trainer, the models and the formats below it.
 """
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "pytrain"
 # bottom first; a module may import its own layer and the layers before it
-LAYERS = ("errors", "config", "ggml", "data", "formats", "models", "train", "cli")
+LAYERS = ("errors", "config", "ggml", "data", "formats", "models", "train", "api", "cli")
 # modules outside a folder of their name: the version constant has no imports; the native
 # extension is ggml's; the RPC server and ``python -m pytrain`` are commands
 PLACED = {"pytrain._version": "errors", "pytrain._native": "ggml",

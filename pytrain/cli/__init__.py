@@ -1,4 +1,5 @@
 """The `pytrain` command: one subcommand per job, each a thin call into the package."""
+# train, eval, generate and export call the Python API (pytrain.api): one path for both
 from __future__ import annotations
 
 import argparse
@@ -18,8 +19,8 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _config(args: argparse.Namespace):
-    from pytrain.config import load_config
-    return load_config(args.config, args.set or [])
+    from pytrain.api import resolve_config
+    return resolve_config(args.config, args.set or [])
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -38,13 +39,14 @@ def _train(args: argparse.Namespace) -> int:
     (pytrain.train.distributed): a ``CollectiveError`` reached every rank at the same point and
     ends the job normally, said once by rank 0; any other error may be this rank's alone and
     aborts the job, so that no rank waits for it forever."""
+    from pytrain import api
     from pytrain.train import run
     from pytrain.train.distributed import CollectiveError, agree, world
     w = world()
     cfg = None
     try:
         cfg = agree(w, lambda: _config(args))
-        res = run.train(cfg, progress=not args.no_progress, resume=args.resume,
+        res = api.train(cfg, progress=not args.no_progress, resume=args.resume,
                         overwrite=args.overwrite)
     except run.Interrupted as e:           # every rank stopped after the same step
         if w.is_main:
@@ -69,13 +71,13 @@ def _train(args: argparse.Namespace) -> int:
     if not w.is_main:
         return 0
     print(f"adapter:  {res.adapter}")
-    if res.best:
-        print(f"best:     {res.best['adapter']} (step {res.best['step']}, validation loss "
-              f"{res.best['loss']:.4f})")
+    if res.best_adapter:
+        print(f"best:     {res.best_adapter} (step {res.best_step}, validation loss "
+              f"{res.best_loss:.4f})")
     if res.early_stop:
         print(f"stopped:  {res.early_stop}")
-    print(f"metrics:  {res.out_dir / 'metrics.jsonl'}")
-    print(f"plot:     {res.out_dir / 'loss.png'}")
+    print(f"metrics:  {res.metrics}")
+    print(f"plot:     {res.plot}")
     if res.final_eval:
         e = res.final_eval
         if "rewards/accuracies" in e:
@@ -90,146 +92,62 @@ def _train(args: argparse.Namespace) -> int:
 
 def _load_adapter(model, path):
     """The adapter GGUF or PEFT folder at ``path``, checked against ``model`` and loaded."""
-    from pytrain.formats.adapter_files import read_adapter
-    from pytrain.models import lora
-    tensors, alpha = read_adapter(path, model.arch.name, model.config)
-    names = sorted({k.rsplit(".", 1)[0] for k in tensors})
-    ranks = {n: tensors[n + ".lora_a"].shape[0] for n in names}   # a rank per pair is allowed
-    ad = lora.create(model.runtime, model.config, names, ranks, alpha)
-    ad.set(tensors)
-    return ad
+    from pytrain.api import load_adapter
+    return load_adapter(model, path)
 
 
 def _eval(args: argparse.Namespace) -> int:
     """The base model (no LoRA in the graph), or it with ``--adapter``: no optimizer state."""
-    from pytrain.data import load_data, make_batches
-    from pytrain.models.model import load_model
-    from pytrain.train.evaluate import Evaluator
+    from pytrain import api
     cfg = _config(args)
-    model = load_model(cfg.model.path, cfg.model.device, cfg.model.threads, cfg.model.type_policy)
-    try:
-        splits = load_data(cfg.data, model.tokenizer)
-        examples = splits.valid or splits.train
-        batches = make_batches(examples, cfg.train.batch_size, cfg.data.packing, 0,
-                               shuffle=False, max_seq_len=cfg.data.max_seq_len,
-                               pad_id=model.pad_id)
-        adapter = _load_adapter(model, args.adapter) if args.adapter else None
-        evaluator = Evaluator(model, adapter)
-        try:
-            ev = evaluator.evaluate(batches)
-        finally:
-            evaluator.close()
-    finally:
-        model.close()
-    which = "validation" if splits.valid else "training"
-    print(f"{which} set ({len(examples)} examples, {ev['n_valid']} target tokens): "
-          f"loss {ev['loss']:.4f}  accuracy {ev['accuracy']:.3f}  perplexity {ev['perplexity']:.2f}")
+    m = cfg.model
+    with api.load(m.path, args.adapter, device=m.device, threads=m.threads,
+                  type_policy=m.type_policy) as model:
+        ev = model.eval(cfg.data, batch_size=cfg.train.batch_size)
+    print(f"{ev.split} set ({ev.examples} examples, {ev.n_valid} target tokens): "
+          f"loss {ev.loss:.4f}  accuracy {ev.accuracy:.3f}  perplexity {ev.perplexity:.2f}")
     return 0
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from pytrain.data.chat_template import ChatTemplateError, TemplateSecurityError, render
-    from pytrain.data.template_files import builtin_names, read_template
-    from pytrain.models.model import load_model
-    model = load_model(args.model, args.device, args.threads)
-    tok = model.tokenizer
-    adapter = _load_adapter(model, args.adapter) if args.adapter else None
-    if args.raw:
-        ids = tok.encode(args.prompt, add_special=True)
-    else:
-        template, source = tok.chat_template, args.model
-        if args.chat_template:
-            template, source = read_template(args.chat_template, "--chat-template")
-        elif not template:
-            raise ChatTemplateError(f"{args.model} has no chat template: pass --chat-template "
-                                    f"NAME (built-in: {', '.join(builtin_names())}) or FILE, "
-                                    f"or --raw")
-        msgs = ([{"role": "system", "content": args.system}] if args.system else []) + \
-            [{"role": "user", "content": args.prompt}]
-        try:
-            text = render(template, msgs, add_generation_prompt=True,
-                          enable_thinking=False, **tok.special_tokens_map())
-        except TemplateSecurityError as e:
-            raise ChatTemplateError(f"the chat template of {source}: {e}") from None
-        ids = tok.encode(text)
-    out = model.generate(ids, args.max_new_tokens, args.temperature, args.seed,
-                         lora=adapter.hook if adapter else None)
-    print(tok.decode(out, skip_special=True))
+    from pytrain import api
+    from pytrain.data.chat_template import ChatTemplateError
+    from pytrain.data.template_files import builtin_names
+    with api.load(args.model, args.adapter, device=args.device, threads=args.threads) as model:
+        if args.raw:
+            prompt = args.prompt
+        else:
+            if args.chat_template:
+                model.use_chat_template(args.chat_template, option="--chat-template")
+            elif not model.chat_template:
+                raise ChatTemplateError(f"{args.model} has no chat template: pass "
+                                        f"--chat-template NAME (built-in: "
+                                        f"{', '.join(builtin_names())}) or FILE, or --raw")
+            prompt = ([{"role": "system", "content": args.system}] if args.system else []) + \
+                [{"role": "user", "content": args.prompt}]
+        text = model.generate(prompt, args.max_new_tokens, temperature=args.temperature,
+                              seed=args.seed)
+    print(text)
     return 0
-
-
-def _output_problem(out, folder: bool) -> str | None:
-    """What is wrong with ``-o OUT`` before anything is written: an existing folder where a
-    file goes (or the reverse), a parent that is a file; None when it can be written."""
-    from pathlib import Path
-    out = Path(out)
-    if out.is_dir() and not folder:
-        return f"is a folder; give the merged model's file name (for example {out / 'merged.gguf'})"
-    if out.exists() and folder and not out.is_dir():
-        return "is a file; give a folder for the PEFT adapter"
-    if folder and out.is_dir():      # the folder is replaced whole: never a folder of other files
-        from pytrain.formats.adapter_peft import CONFIG_NAME, WEIGHTS_NAME
-        others = sorted(p.name for p in out.iterdir() if p.name not in (CONFIG_NAME, WEIGHTS_NAME))
-        if others:
-            more = ", ..." if len(others) > 3 else ""
-            return (f"holds other files ({', '.join(others[:3])}{more}), which writing the "
-                    f"PEFT folder would delete; give a new folder")
-    for parent in out.parents:
-        if parent.exists():
-            return None if parent.is_dir() else f"{parent} is a file, not a folder"
-    return None
 
 
 def _export(args: argparse.Namespace) -> int:
     """Merge an adapter into its base model (``--merge``), or write a GGUF adapter as a PEFT
     folder (``--format peft``)."""
-    from pathlib import Path
-
-    from pytrain.formats.adapter_files import read_adapter
-    from pytrain.formats.adapter_gguf import AdapterError
-    from pytrain.formats.merge import MergeError, merge_adapter
-    from pytrain.models.model_file import open_model
+    from pytrain import api
     fmt = args.format or ("merged" if args.merge else None)
     if fmt is None or (args.merge and fmt != "merged"):
         print("error: pass --merge (the adapter merged into the base model: -o OUT.gguf) or "
               "--format peft (the adapter as a PEFT folder: -o DIR)", file=sys.stderr)
         return 2
-    problem = _output_problem(args.output, folder=fmt == "peft")
-    if problem:
-        print(f"error: -o/--output {args.output}: {problem}", file=sys.stderr)
-        return 1
-    arch, _meta, _infos, config = open_model(args.model)
-    if fmt == "peft":
-        return _export_peft(args, arch, config)
     try:
-        tensors, alpha = read_adapter(args.adapter, arch, config)
-    except AdapterError as e:
-        raise MergeError(f"{e} -- refusing to merge it into {args.model}") from e
-    src = Path(args.adapter)
-    report = merge_adapter(args.model, tensors, alpha, args.output, args.merged_type,
-                           adapter_name=src.name or str(src), source=str(src))
-    print(report.summary())
-    return 0
-
-
-def _export_peft(args: argparse.Namespace, arch: str, config) -> int:
-    """The adapter (GGUF or PEFT) as the PEFT folder training writes with output.formats =
-    ["peft"]: adapter_config.json + adapter_model.safetensors, checked against the model."""
-    from pathlib import Path
-
-    from pytrain.formats.adapter_files import read_adapter
-    from pytrain.formats.adapter_peft import write_peft_adapter
-    tensors, alpha = read_adapter(args.adapter, arch, config)
-    ranks = sorted({t.shape[0] for k, t in tensors.items() if k.endswith(".lora_a")})
-    if len(ranks) != 1:
-        print(f"error: {args.adapter}: pairs of ranks {', '.join(map(str, ranks))}; a PEFT "
-              f"adapter has one rank", file=sys.stderr)
+        res = api.export(args.model, args.adapter, out=args.output,
+                         format="peft" if fmt == "peft" else "gguf-merged",
+                         merged_type=args.merged_type)
+    except api.ExportOutputError as e:
+        print(f"error: -o/--output {args.output}: {e.problem}", file=sys.stderr)
         return 1
-    out = write_peft_adapter(args.output, tensors, alpha, ranks[0],
-                             base_model_name_or_path=Path(args.model).name,
-                             model_config=config, arch=arch)
-    print(f"wrote {out}: {len(tensors) // 2} adapted tensors, rank {ranks[0]}, alpha {alpha:g} "
-          f"(PEFT: PeftModel.from_pretrained(model, \"{out}\"))")
+    print(res.summary)
     return 0
 
 

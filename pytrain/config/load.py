@@ -7,9 +7,10 @@ import difflib
 import math
 import re
 import sys
+import os
 import types
 from pathlib import Path
-from typing import Any, Iterable, Union, get_args, get_origin, get_type_hints
+from typing import Any, Iterable, Mapping, Union, get_args, get_origin, get_type_hints
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -20,16 +21,23 @@ from pytrain.config.schema import (MASKS_FOR_FORMAT, OUTPUT_FORMATS, REQUIRED, S
                                    ConfigError)
 
 # ------------------------------------------------------------------------------- loading
-def load_config(path: str | Path | None, overrides: Iterable[str] = (), *,
+def load_config(path: str | Path | Mapping[str, Any] | None,
+                overrides: Iterable[str] | Mapping[str, Any] = (), *,
                 partial: bool = False) -> Config:
-    """Read ``path`` (TOML), apply ``overrides`` (``section.key=value``, values parsed as TOML
-    literals, else taken as a bare string) and validate everything.
+    """Read ``path`` (TOML), apply ``overrides`` and validate everything.
 
-    ``path`` None starts from the defaults (overrides must then name the required keys).
-    ``partial`` skips the required-key check (for commands that need only some sections).
-    Raises :class:`ConfigError`.
+    ``overrides``: the command line's ``section.key=value`` strings (values parsed as TOML
+    literals, else taken as a bare string), or a mapping ``{"section.key": value}`` of Python
+    values (the Python API's form: no parsing, so ``"5"`` stays a string; paths may be
+    ``os.PathLike``).  ``path`` None starts from the defaults (overrides must then name the
+    required keys); a mapping is the file's tables as a dict (relative paths resolve against
+    the working directory).  ``partial`` skips the required-key check (for commands that need
+    only some sections).  Raises :class:`ConfigError`.
     """
-    if path is not None:
+    if isinstance(path, Mapping):
+        text, raw, source, base = None, _plain(dict(path)), "<dict>", Path.cwd()
+        path = None
+    elif path is not None:
         p = Path(path).expanduser()
         try:
             text = p.read_text(encoding="utf-8")
@@ -46,7 +54,12 @@ def load_config(path: str | Path | None, overrides: Iterable[str] = (), *,
         source, base = str(path), p.resolve().parent
     else:
         text, raw, source, base = None, {}, "<defaults>", Path.cwd()
-    parsed = [_parse_override(o) for o in overrides]
+    if isinstance(overrides, Mapping):
+        parsed = [_mapped_override(k, v) for k, v in overrides.items()]
+    else:
+        if isinstance(overrides, str):          # one string is not a list of its letters
+            overrides = [overrides]
+        parsed = [_parse_override(o) for o in overrides]
     cfg = _build(raw, source, text, base, parsed, partial=partial)
     cfg.source = str(Path(path).expanduser().resolve()) if path is not None else None
     if cfg.output.dir is None:
@@ -69,6 +82,29 @@ def _parse_override(item: str) -> tuple[str, str, Any, str]:
     except tomllib.TOMLDecodeError:
         parsed = value
     return section, name, parsed, label
+
+
+def _mapped_override(key: Any, value: Any) -> tuple[str, str, Any, str]:
+    """``{"section.key": value}``'s entry -> (section, key, value, label); the value is taken
+    as given (a path-like becomes its string, a tuple a list)."""
+    label = f"overrides[{key!r}]"
+    if not isinstance(key, str) or key.count(".") != 1 or not all(key.split(".")):
+        raise ConfigError(f"{label}: expected a \"section.key\" name (for example "
+                          f"\"train.lr\")")
+    section, name = key.split(".")
+    return section, name, _plain(value), label
+
+
+def _plain(v: Any) -> Any:
+    """A Python value as the TOML reader would give it: path-likes as strings, tuples as
+    lists, nested mappings as dicts."""
+    if isinstance(v, os.PathLike):
+        return os.fspath(v)
+    if isinstance(v, (list, tuple)):
+        return [_plain(x) for x in v]
+    if isinstance(v, Mapping):
+        return {k: _plain(x) for k, x in v.items()}
+    return v
 
 
 def _find_line(text: str | None, section: str, key: str | None = None) -> int | None:

@@ -15,6 +15,7 @@ from collections import OrderedDict
 
 import numpy as np
 
+from pytrain.data import make_batches
 from pytrain.models.lora import LoraAdapter
 from pytrain.models.model import Model
 from pytrain.train import loss as loss_mod
@@ -76,3 +77,19 @@ class Evaluator:
         for g in self.graphs.values():
             g.close()
         self.graphs.clear()
+
+
+def evaluate_examples(model: Model, examples: list, batch_size: int, *,
+                      adapter: LoraAdapter | None = None, packing: bool = False,
+                      max_seq_len: int | None = None) -> dict:
+    """Loss, token accuracy and perplexity of ``model`` (with ``adapter``, or the base model)
+    over the valid targets of ``examples``, batched in order (no shuffle) as a run's
+    validation batches are.  A free function, so that ``pytrain eval`` and the Python API's
+    ``LoadedModel.eval`` hold no trainer and no optimizer state."""
+    batches = make_batches(examples, batch_size, packing, 0, shuffle=False,
+                           max_seq_len=max_seq_len, pad_id=model.pad_id)
+    evaluator = Evaluator(model, adapter)
+    try:
+        return evaluator.evaluate(batches)
+    finally:
+        evaluator.close()
