@@ -437,7 +437,7 @@ def check_platform(system: str | None = None, machine: str | None = None) -> Non
     machine = machine or platform.machine()
     if (system, machine) not in SUPPORTED_PLATFORMS:
         raise BuildError(f"pytrain supports Linux x86-64 only; this is {system} {machine} "
-                         f"(see README \"Installation\": supported platforms)")
+                         f"(see docs/install.md: supported platforms)")
 
 
 def cmake_configure(variant: str, options: list[str]) -> Path:

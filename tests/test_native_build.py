@@ -195,7 +195,7 @@ def test_unsupported_platforms_are_refused_in_one_line(system, machine, tmp_path
     rc, err = run_main(["--out", str(tmp_path / "o")], capsys)
     assert rc == 1 and len(err) == 1, err
     assert err[0] == (f"error: pytrain supports Linux x86-64 only; this is {system} {machine} "
-                      f'(see README "Installation": supported platforms)')
+                      f'(see docs/install.md: supported platforms)')
     assert not (cache / "dl").exists() and not (tmp_path / "o" / "build_info.json").exists()
 
 
