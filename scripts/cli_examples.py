@@ -1,8 +1,8 @@
 """Write bench_results/cli_examples.md: what `pytrain plan` and `pytrain profile` print for the
-shipped demo config (config/demo.toml, the embedded default model), the outputs the README
+shipped demo config (config/demo.toml, the embedded default model), the outputs docs/training.md
 shows.
 
-Why a file: every figure in the README comes from a committed file made by a committed
+Why a file: every figure in the README and docs/ comes from a committed file made by a committed
 command; the profile's times are this machine's, the plan's sizes are the config's.
 
     python -m scripts.cli_examples                  # -> bench_results/cli_examples.md

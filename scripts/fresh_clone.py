@@ -6,7 +6,8 @@ command), then ``make demo``.  Writes ``bench_results/fresh_clone-<cpu>.md`` (on
 vendor, since CI runs on AMD and Intel machines) with the wall times, the test summary, the
 libllama build time its stamp recorded and the demo's result.
 
-Why: the README quotes these times, and every figure there must come from a committed file.
+Why: the README and docs/install.md quote these times, and every figure there must come
+from a committed file.
 The pip cache (~/.cache/pip) is not emptied: a fresh machine downloads the same wheels, which
 this machine's registry mirror serves in seconds.
 

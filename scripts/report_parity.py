@@ -2,7 +2,7 @@
 parity figures as the tests measured them against their bounds (scripts/report_measured.py
 over the test files below, one section each).
 
-Why: the README quotes these errors, and every README figure must come from a committed file
+Why: docs/models.md quotes these errors, and every figure there must come from a committed file
 made by a committed command; recorded by the tests themselves (the ``measured`` fixture), a
 figure here is what the test saw, not a second computation that could drift from it.  The
 references are committed .npz files (no torch) and llama.cpp (scripts/llama_logits, built by

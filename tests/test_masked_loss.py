@@ -1,4 +1,4 @@
-"""The loss contract (README, "What is trained") on the real converter-made gqa model with
+"""The loss contract (docs/training.md, "What is trained") on the real converter-made gqa model with
 LoRA on the attention layers (so gradients cross the DeltaNet layers above them)."""
 from pathlib import Path
 

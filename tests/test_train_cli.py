@@ -1,4 +1,4 @@
-"""`pytrain train` end to end for what README.md promises about a run and about "runs that lose
+"""`pytrain train` end to end for what docs/training.md promises about a run and docs/runs.md about "runs that lose
 nothing": SIGTERM and a second Ctrl-C on a real subprocess, checkpoint pruning
 (output.keep_checkpoints), gradient accumulation, packing and data.on_error = "skip".
 
