@@ -92,15 +92,39 @@ def test_readme_is_short():
     assert n <= README_MAX_LINES, f"README.md has {n} lines; at most {README_MAX_LINES}"
 
 
+def anchors(path: Path) -> set[str]:
+    """The anchors GitHub makes of a markdown file's headings: lower case, punctuation
+    dropped, spaces as hyphens, a repeated one numbered."""
+    seen: dict[str, int] = {}
+    out = set()
+    fenced = False
+    for line in path.read_text().split("\n"):
+        if line.startswith("```"):
+            fenced = not fenced
+        m = re.match(r"#+ (.*)", line)
+        if fenced or not m:
+            continue
+        slug = re.sub(r"[^\w\- ]", "", m.group(1).strip().lower()).replace(" ", "-")
+        n = seen.get(slug, 0)
+        seen[slug] = n + 1
+        out.add(slug if n == 0 else f"{slug}-{n}")
+    return out
+
+
 def test_relative_links_resolve():
+    """Every relative link names a file that exists and, with #anchor, a heading in it."""
     bad = []
     for path in doc_files():
         for target in LINK.findall(path.read_text()):
-            if re.match(r"[a-z]+:", target) or target.startswith("#"):
+            if re.match(r"[a-z]+:", target):
                 continue
-            if not (path.parent / target.split("#")[0]).exists():
+            file, _, anchor = target.partition("#")
+            dest = path.parent / file if file else path
+            if not dest.exists():
                 bad.append(f"{path.relative_to(ROOT)}: {target}")
-    assert not bad, "links to missing files:\n" + "\n".join(bad)
+            elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
+                bad.append(f"{path.relative_to(ROOT)}: {target} (no such heading)")
+    assert not bad, "links to missing files or headings:\n" + "\n".join(bad)
 
 
 def test_cited_result_files_exist():
