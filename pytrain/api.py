@@ -27,6 +27,7 @@ if TYPE_CHECKING:                  # names for the annotations only: importing t
     import numpy as np
 
     from pytrain.config import Config, DataConfig
+    from pytrain.data.tokenizer import Tokenizer
     from pytrain.formats.merge import MergeReport
     from pytrain.models.lora import LoraAdapter
     from pytrain.models.model import Model
@@ -179,10 +180,12 @@ class LoadedModel:
 
     @property
     def path(self) -> str:
+        """The GGUF file the model was loaded from."""
         return self.model.path
 
     @property
-    def tokenizer(self):
+    def tokenizer(self) -> Tokenizer:
+        """The GGUF's tokenizer (``encode``, ``decode``, ``eog_ids``)."""
         return self.model.tokenizer
 
     def use_chat_template(self, name_or_file: str | os.PathLike[str], *,
