@@ -29,9 +29,9 @@ def toy_config(meta, tensor_names=None, n_vocab=None, source=""):
 
 def forget(name: str) -> None:
     """Undo ``models.register`` (the registry and the PEFT layouts), for the next test."""
-    from pytrain.formats import adapter_peft
+    from pytrain.formats import peft_names
     models._REGISTERED.pop(name, None)
-    adapter_peft._LAYOUTS.pop(name, None)
+    peft_names._LAYOUTS.pop(name, None)
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ from typing import Any, Callable, Protocol
 import numpy as np
 
 from pytrain.errors import PytrainError
-from pytrain.formats import adapter_peft
+from pytrain.formats import peft_names
 from pytrain.formats.hf_layout import HFLayout
 
 
@@ -73,7 +73,7 @@ def register(arch: Architecture) -> Architecture:
     PEFT layout known to the PEFT reader and writer."""
     _REGISTERED[arch.name] = arch
     if arch.hf_layout is not None:
-        adapter_peft.register_layout(arch.name, arch.hf_layout)
+        peft_names.register_layout(arch.name, arch.hf_layout)
     return arch
 
 
