@@ -15,6 +15,7 @@ that needs it, so ``import pytrain.config`` stays cheap.
 import types as _types
 
 import pytrain.train as _train_package      # an empty __init__: loads nothing
+from pytrain.formats import hf_layout as _hf_layout
 from pytrain import api as _api
 from pytrain._version import __version__
 from pytrain.api import (EvalResult, ExportOutputError, ExportResult, LoadedModel, RunResult,
@@ -34,6 +35,16 @@ class _CallablePackage(_types.ModuleType):
     def __call__(self, *args, **kwargs) -> RunResult:
         return _api.train(*args, **kwargs)
 
+
+def _registry_layouts(name=None):
+    """The model registry's HF layouts (``pytrain.models.hf_layouts``), imported on first use."""
+    from pytrain import models
+    return models.hf_layouts(name)
+
+
+# The PEFT code (formats) sits below the models and cannot import their registry; the root,
+# above every layer, hands it down, so every importer of the formats sees every architecture.
+_hf_layout.use_registry(_registry_layouts)
 
 _train_package.__class__ = _CallablePackage
 _train_package.__wrapped__ = _api.train      # inspect.signature / help() show train's

@@ -28,10 +28,8 @@ def toy_config(meta, tensor_names=None, n_vocab=None, source=""):
 
 
 def forget(name: str) -> None:
-    """Undo ``models.register`` (the registry and the PEFT layouts), for the next test."""
-    from pytrain.formats import peft_names
+    """Undo ``models.register`` (the one registry, PEFT layouts included), for the next test."""
     models._REGISTERED.pop(name, None)
-    peft_names._LAYOUTS.pop(name, None)
 
 
 @pytest.fixture
@@ -77,26 +75,32 @@ def test_a_registered_architecture_trains_checkpoints_resumes_and_writes_its_ada
 
 @pytest.fixture
 def renamed_hf(tmp_path):
-    """The toy architecture with its own HF names for attention (``attn.query`` ...), as a
-    family whose Hugging Face modules differ from Qwen3.5's would have."""
+    """The toy architecture with its own HF names for attention (``attn.query`` ...) and its own
+    HF class, as a family whose Hugging Face modules differ from Qwen3.5's would have."""
     layout = qwen35.ARCHITECTURE.hf_layout
     hf = {**layout.modules, "attn_q": "attn.query", "attn_k": "attn.key"}
+    toy_layout = dataclasses.replace(layout, modules=hf, classes=("ToyForCausalLM",),
+                                     parent_library="toy.modeling_toy")
     models.register(dataclasses.replace(qwen35.ARCHITECTURE, name=NAME,
-                                        config_from_metadata=toy_config,
-                                        hf_layout=dataclasses.replace(layout, modules=hf)))
+                                        config_from_metadata=toy_config, hf_layout=toy_layout))
     yield
     forget(NAME)
 
 
 def test_peft_adapters_use_the_architectures_own_hf_layout(tmp_path, renamed_hf):
-    """The PEFT writer and reader take module names from the adapter's architecture entry."""
+    """The PEFT writer and reader take module names from the adapter's architecture entry, and
+    a folder naming its HF class is matched to that entry: the registry is their one list."""
     from pytrain.formats.adapter_peft import read_peft_adapter, write_peft_adapter
+    from pytrain.formats.peft_names import arch_of
     rng = np.random.default_rng(0)
     tensors = {"blk.3.attn_q.weight.lora_a": rng.normal(size=(4, 64)).astype(np.float32),
                "blk.3.attn_q.weight.lora_b": rng.normal(size=(128, 4)).astype(np.float32)}
     out = write_peft_adapter(tmp_path / "toy", tensors, 8.0, 4, arch=NAME)
     cfg = json.loads((out / "adapter_config.json").read_text())
     assert cfg["target_modules"] == ["query"] and cfg["layers_to_transform"] == [3]
+    assert cfg["auto_mapping"] == {"base_model_class": "ToyForCausalLM",
+                                   "parent_library": "toy.modeling_toy"}
+    assert arch_of(None, None, cfg) == NAME
     back, alpha, rank, _ = read_peft_adapter(out, arch=NAME)
     assert alpha == 8.0 and rank == 4
     np.testing.assert_array_equal(back["blk.3.attn_q.weight.lora_b"], tensors["blk.3.attn_q.weight.lora_b"])

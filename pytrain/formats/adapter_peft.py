@@ -39,12 +39,11 @@ from pytrain.formats.hf_layout import HFLayout, PeftAdapterError
 from pytrain.formats.peft_config import (CONFIG_NAME, PEFT_FORMAT_VERSION, WEIGHTS_NAME,
                                          peft_config_dict)
 from pytrain.formats.peft_names import (DEFAULT_LAYERS_PREFIX, KEY_PREFIX, KNOWN_LAYERS_PREFIXES,
-                                        gguf_base_name, hf_tables, peft_module_name,
-                                        register_layout)
+                                        gguf_base_name, hf_tables, peft_module_name)
 from pytrain.formats.peft_read import plain_alpha, read_peft_adapter
 from pytrain.formats.peft_write import write_peft_adapter
 
 __all__ = ["CONFIG_NAME", "DEFAULT_LAYERS_PREFIX", "HFLayout", "KEY_PREFIX",
            "KNOWN_LAYERS_PREFIXES", "PEFT_FORMAT_VERSION", "PeftAdapterError", "WEIGHTS_NAME",
            "gguf_base_name", "hf_tables", "peft_config_dict", "peft_module_name", "plain_alpha",
-           "read_peft_adapter", "register_layout", "write_peft_adapter"]
+           "read_peft_adapter", "write_peft_adapter"]

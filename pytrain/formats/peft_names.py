@@ -3,7 +3,9 @@ architecture, and how a pair moves between the two orders.
 
 The PEFT writer and reader (``peft_write``, ``peft_read``) name every module through here, so
 that one architecture's layout (an ``HFLayout``, see ``hf_layout.py``) decides the names and
-the row orders; without a known architecture, the names of every known one are accepted.
+the row orders; without a known architecture, the names of every known one are accepted.  The
+layouts are those of the model registry's entries (``hf_layout.layouts``): this module keeps
+no list of architectures, and finds one by HF class name in the same registry.
 """
 from __future__ import annotations
 
@@ -13,29 +15,20 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from pytrain.formats import hf_llama, hf_qwen35
-from pytrain.formats.hf_layout import HFLayout, PeftAdapterError
+from pytrain.formats.hf_layout import HFLayout, PeftAdapterError, layouts
 
 KEY_PREFIX = "base_model.model."   # PeftModel → LoraModel → the HF model
 DEFAULT_LAYERS_PREFIX = "model.layers"             # a ...ForCausalLM
 KNOWN_LAYERS_PREFIXES = ("model.layers", "model.language_model.layers")
 
 
-_LAYOUTS: dict[str, HFLayout] = {"gemma3": hf_llama.GEMMA3, "llama": hf_llama.LLAMA,
-                                 "qwen2": hf_llama.QWEN2, "qwen3": hf_llama.QWEN3,
-                                 "qwen35": hf_qwen35.QWEN35}
-
-
-def register_layout(arch: str, layout: HFLayout) -> None:
-    """Make architecture ``arch``'s layout known (``pytrain.models.register`` calls this)."""
-    _LAYOUTS[arch] = layout
-
-
 def _layout(arch: str) -> HFLayout:
-    if arch not in _LAYOUTS:
+    """Architecture ``arch``'s layout, from its registry entry."""
+    found = layouts(arch).get(arch)
+    if found is None:
         raise PeftAdapterError(f"no PEFT layout for architecture {arch!r}; known: "
-                               f"{', '.join(sorted(_LAYOUTS))}")
-    return _LAYOUTS[arch]
+                               f"{', '.join(sorted(layouts()))}")
+    return found
 
 
 def hf_tables(arch: str | None = None) -> tuple[dict, dict, dict, dict]:
@@ -43,7 +36,7 @@ def hf_tables(arch: str | None = None) -> tuple[dict, dict, dict, dict]:
     targets only that kind has, and target -> pair conversion; without ``arch``, the union
     over every known architecture (also those registered at run time)."""
     names, kinds, pairs = {}, {False: set(), True: set()}, {}
-    for layout in [_layout(arch)] if arch else _LAYOUTS.values():
+    for layout in [_layout(arch)] if arch else layouts().values():
         names.update(layout.modules)
         for k, v in layout.layer_kind_modules.items():
             kinds[k] |= set(v)
@@ -57,9 +50,9 @@ def hf_tables(arch: str | None = None) -> tuple[dict, dict, dict, dict]:
 def _ambiguous_targets() -> set[str]:
     """Targets that one architecture re-orders and another keeps as they are (attn_q: Llama's
     rope permutation, Qwen3.5's none)."""
-    layouts = list(_LAYOUTS.values())
-    return {t for e in layouts for t in e.pairs
-            if any(t in o.modules and t not in o.pairs for o in layouts)}
+    known = list(layouts().values())
+    return {t for e in known for t in e.pairs
+            if any(t in o.modules and t not in o.pairs for o in known)}
 
 
 def arch_of(arch: str | None, model_config: Any, peft_config: Mapping | None = None
@@ -71,7 +64,8 @@ def arch_of(arch: str | None, model_config: Any, peft_config: Mapping | None = N
         return arch or model_config.arch
     auto = (peft_config or {}).get("auto_mapping") or {}
     hf_class = auto.get("base_model_class", "") if isinstance(auto, dict) else ""
-    return next((name for name, layout in _LAYOUTS.items() if hf_class in layout.classes), None)
+    return next((name for name, layout in layouts().items() if hf_class in layout.classes),
+                None)
 
 
 def auto_mapping(arch: str | None) -> dict | None:

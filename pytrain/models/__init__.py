@@ -16,7 +16,6 @@ from typing import Any, Callable, Protocol
 import numpy as np
 
 from pytrain.errors import PytrainError
-from pytrain.formats import peft_names
 from pytrain.formats.hf_layout import HFLayout
 
 
@@ -50,7 +49,8 @@ class Architecture:
     # the LoRA targets (short tensor names) its layers have, and those adapted by default
     targets: tuple[str, ...] = ATTENTION_TARGETS + FFN_TARGETS
     default_targets: tuple[str, ...] = ATTENTION_TARGETS
-    # Hugging Face's layout, for PEFT adapters (None: no PEFT format for it)
+    # Hugging Face's layout, for PEFT adapters (None: no PEFT format for it); the PEFT code
+    # keeps no list of its own and looks it up here (``hf_layouts``)
     hf_layout: HFLayout | None = None
     # generation with a KV cache (attention-only models): (config, n_past, new tokens) -> the
     # host values of ``graph.decode(ctx, cache, n_past, n, lora)``; None: generation
@@ -69,11 +69,9 @@ _REGISTERED: dict[str, Architecture] = {}
 
 
 def register(arch: Architecture) -> Architecture:
-    """Make ``arch`` loadable by its name (the modules above register on first use), and its
-    PEFT layout known to the PEFT reader and writer."""
+    """Make ``arch`` loadable by its name (the modules above register on first use); its
+    ``hf_layout`` is then what PEFT folders of it are written and read with (``hf_layouts``)."""
     _REGISTERED[arch.name] = arch
-    if arch.hf_layout is not None:
-        peft_names.register_layout(arch.name, arch.hf_layout)
     return arch
 
 
@@ -89,3 +87,12 @@ def get(name: str, path: str = "") -> Architecture:
         raise ArchitectureError(f"{where}unsupported architecture {name!r}; supported: "
                          f"{', '.join(names())}")
     return _REGISTERED[name]
+
+
+def hf_layouts(name: str | None = None) -> dict[str, HFLayout]:
+    """``{name: hf_layout}`` of architecture ``name`` (empty when unknown or without one), or of
+    every known architecture: where the PEFT reader and writer, below this layer, take layouts
+    from (``pytrain/__init__.py`` hands this function to ``formats.hf_layout.use_registry``),
+    so that the registry stays the one list of architectures, HF class names included."""
+    chosen = names() if name is None else [name] if name in names() else []
+    return {n: get(n).hf_layout for n in chosen if get(n).hf_layout is not None}
