@@ -153,10 +153,16 @@ def padding_widths(m, ad, leak: float = 0.0) -> tuple[list[dict], list[dict]]:
 
 
 def test_padding_width_does_not_change_loss_or_lora_gradients(setup):
+    """Each width's step against width 11's, within the step's rounding measured at all three
+    widths: they are three estimates of one step's float32 rounding, and the narrowest may
+    not reach the kernels (BLAS or ggml-cpu) the wider ones use, so its own estimate can be
+    several times too small (on the sandybridge variant with BLAS, width 11 measured 3e-7
+    where the widths' steps differ by 5e-6 and width 37 measured 2e-6)."""
     m, ad = setup
     outs, roundings = padding_widths(m, ad)
-    for o, r in zip(outs[1:], roundings[1:]):
-        step_rounding.assert_step_close(o, outs[0], step_rounding.worst(roundings[0], r))
+    pooled = step_rounding.worst(*roundings)
+    for o in outs[1:]:
+        step_rounding.assert_step_close(o, outs[0], pooled)
     assert max(np.abs(v).max() for v in outs[0]["grads"].values()) > 1e-4
 
 
@@ -166,8 +172,7 @@ def test_padding_comparison_catches_a_leak_of_1e_3(setup):
     outs, roundings = padding_widths(m, ad, leak=1e-3)
     assert outs[1]["n_valid"] == outs[0]["n_valid"]
     with pytest.raises(AssertionError):
-        step_rounding.assert_step_close(outs[1], outs[0],
-                                        step_rounding.worst(roundings[0], roundings[1]))
+        step_rounding.assert_step_close(outs[1], outs[0], step_rounding.worst(*roundings))
 
 
 def test_gradient_accumulation_is_a_token_mean_over_the_step(setup):
