@@ -42,10 +42,11 @@ shapes, via :func:`pytrain.formats.adapter_gguf.check_adapter_matches`), LoRA on
 does not apply LoRA to as a matrix product (``ssm_conv1d.weight``), non-finite adapter
 values, an output path that is the base file itself.
 
-The write is atomic like the adapter writer's: a temporary file next to the destination is
-written, flushed and fsync'ed, then renamed over the final name (and the folder fsync'ed); a
-failure at any point removes the temporary file and leaves whatever was under the final name
-untouched.
+The file's bytes are laid out by :mod:`pytrain.formats.gguf_writer` (fields copied raw,
+tensors streamed).  The write is atomic like the adapter writer's: a temporary file next to
+the destination is written, flushed and fsync'ed, then renamed over the final name (and the
+folder fsync'ed); a failure at any point removes the temporary file and leaves whatever was
+under the final name untouched.
 """
 from __future__ import annotations
 
@@ -65,6 +66,8 @@ from pytrain import ggml
 from pytrain.formats.adapter_gguf import AdapterError, check_adapter_matches, check_alpha, lora_pairs
 from pytrain.formats.atomic import replacing
 from pytrain.formats.gguf_meta import GGUFError, metadata_from_reader
+from pytrain.formats.gguf_writer import (field_bytes, header, string_array_field, tensor_slots,
+                                         write_gguf)
 from pytrain.formats.gguf_tensors import is_elementwise, open_reader, tensor_infos, type_supported
 from pytrain.ggml import ffi, lib
 
@@ -80,8 +83,6 @@ _QUANTIZABLE_NAMES = ("q1_0", "q2_0", "q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "m
 _QUANTIZABLE = frozenset(ggml.TYPES[n] for n in _QUANTIZABLE_NAMES if n in ggml.TYPES)
 _CHUNK_ELEMENTS = 1 << 21       # rows per chunk: ~8 MiB of float32 (16 MiB of float64) at most
 _F16_MAX = 65504.0
-_GGUF_MAGIC = b"GGUF"
-_ARRAY, _STRING = 9, 8          # GGUFValueType ids
 
 
 class MergeError(GGUFError):
@@ -210,23 +211,6 @@ def _out_type(base_type: int, merged_type: str) -> int:
     return {"keep": base_type, "f16": F16, "f32": F32}[merged_type]
 
 
-# --------------------------------------------------------------------------- GGUF writing
-
-def _gguf_string(s: str) -> bytes:
-    b = s.encode("utf-8")
-    return struct.pack("<Q", len(b)) + b
-
-
-def _merge_record_field(previous: list[str], record: str) -> bytes:
-    vals = list(previous) + [record]
-    out = _gguf_string(MERGE_KEY) + struct.pack("<IIQ", _ARRAY, _STRING, len(vals))
-    return out + b"".join(_gguf_string(v) for v in vals)
-
-
-def _pad(n: int, align: int) -> int:
-    return (align - n % align) % align
-
-
 # --------------------------------------------------------------------------- merge
 
 def merge_adapter(base_path: str | os.PathLike[str], adapter_tensors: Mapping[str, np.ndarray],
@@ -256,9 +240,9 @@ def merge_adapter(base_path: str | os.PathLike[str], adapter_tensors: Mapping[st
                          "rank": ranks[0] if len(ranks) == 1 else ranks,
                          "tensors": len(plan), "merged_type": merged_type,
                          "sha256": sha}, separators=(",", ":"))
-    head, layout = _header(reader, plan, record)
+    head, slots = _header(reader, plan, record)
     report = MergeReport(str(base), str(out), merged_type, alpha)
-    _write(out, reader, head, layout, plan, infos, report)
+    _write(out, reader, head, slots, plan, infos, report)
     return report
 
 
@@ -312,10 +296,8 @@ def _open_base(base: Path, out: Path):
 
 def _header(reader, plan, record: str) -> tuple[bytes, list]:
     """The merged file's header (key/values copied raw, plus the merge record) and its tensor
-    layout: (tensor, output type, bytes, offset) per tensor."""
-    data = reader.data
-    align = int(reader.alignment)
-    kv_blobs: list[bytes] = []
+    layout (``gguf_writer.TensorSlot`` per tensor, in the base's order)."""
+    fields: list[bytes] = []
     previous: list[str] = []
     for key, f in reader.fields.items():
         if key.startswith("GGUF."):
@@ -324,48 +306,37 @@ def _header(reader, plan, record: str) -> tuple[bytes, list]:
             prev = f.contents()
             previous = [str(v) for v in (prev if isinstance(prev, list) else [prev])]
             continue
-        nbytes = sum(int(p.nbytes) for p in f.parts)
-        kv_blobs.append(bytes(data[f.offset: f.offset + nbytes]))
-    kv_blobs.append(_merge_record_field(previous, record))
-    layout = []
-    off = 0
+        fields.append(field_bytes(reader, f))
+    fields.append(string_array_field(MERGE_KEY, previous + [record]))
+    sizes = []
     for t in reader.tensors:
         ot = plan[t.name][0] if t.name in plan else int(t.tensor_type)
         ne = [int(d) for d in t.shape]
         n_rows = int(np.prod(ne[1:], dtype=np.int64))
         nb = int(t.n_bytes) if ot == int(t.tensor_type) else \
             int(lib.ggml_row_size(ot, ne[0])) * n_rows
-        off += _pad(off, align)
-        layout.append((t, ot, nb, off))
-        off += nb
-    index = b"".join(
-        _gguf_string(t.name) + struct.pack("<I", len(t.shape))
-        + struct.pack(f"<{len(t.shape)}Q", *[int(d) for d in t.shape])
-        + struct.pack("<IQ", ot, o) for t, ot, _nb, o in layout)
+        sizes.append((t.name, ne, ot, nb))
+    align = int(reader.alignment)
+    slots = tensor_slots(sizes, align)
     version = int(reader.fields["GGUF.version"].contents())   # 2 and 3 share this layout
-    head = (_GGUF_MAGIC + struct.pack("<IQQ", version, len(reader.tensors), len(kv_blobs))
-            + b"".join(kv_blobs) + index)
-    return head + b"\0" * _pad(len(head), align), layout
+    return header(version, fields, slots, align), slots
 
 
-def _write(out: Path, reader, head: bytes, layout, plan, infos, report: MergeReport) -> None:
+def _write(out: Path, reader, head: bytes, slots, plan, infos, report: MergeReport) -> None:
     """Header, then every tensor: merged ones streamed, the rest copied byte for byte."""
     data = reader.data
+    tensors = {t.name: t for t in reader.tensors}
+
+    def write_tensor(fh, slot) -> None:
+        t = tensors[slot.name]
+        if t.name in plan:
+            report.tensors.append(_write_merged(fh, data, t, infos[t.name], *plan[t.name]))
+        else:
+            fh.write(data[t.data_offset: t.data_offset + t.n_bytes])
+            report.n_copied += 1
+
     with replacing(out) as tmp, open(tmp, "wb") as fh:
-        fh.write(head)
-        pos = 0
-        for t, ot, nb, o in layout:
-            fh.write(b"\0" * (o - pos))
-            if t.name in plan:
-                report.tensors.append(_write_merged(fh, data, t, infos[t.name], *plan[t.name]))
-            else:
-                fh.write(data[t.data_offset: t.data_offset + t.n_bytes])
-                report.n_copied += 1
-            pos = o + nb
-            if fh.tell() != len(head) + pos:
-                raise MergeError(f"{out}: internal error: tensor {t.name!r} wrote "
-                                 f"{fh.tell() - len(head) - o} bytes, expected {nb}")
-        report.bytes_written = fh.tell()
+        report.bytes_written = write_gguf(fh, head, slots, write_tensor, str(out), MergeError)
 
 
 def _write_merged(fh, data, t, info, ot: int, a: np.ndarray, b: np.ndarray, scale: float
