@@ -54,5 +54,5 @@ def layouts(arch: str | None = None) -> Mapping[str, HFLayout]:
     one; from the model registry."""
     if _source is None:
         raise PeftAdapterError("no architecture registry to take Hugging Face layouts from "
-                               "(importing pytrain installs pytrain.models')")
+                               "(importing pytrain hands down pytrain.models.hf_layouts)")
     return _source(arch)
