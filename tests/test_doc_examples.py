@@ -35,7 +35,8 @@ get TOY's settings (and the marker's ``set``) before their own arguments, so the
 
 Blocks that cannot run here (a GPU, MPI across hosts, Slurm, ``make test``, the long demos, pip
 installs) stay unmarked; a ``pytrain`` command shown in the docs must run in a marked block or
-be in LEFT_OUT, so a new command is not silently untested.
+be in LEFT_OUT, so a new command is not silently untested.  docs/python.md's example is run,
+with checks on what it made, by tests/test_api.py::test_the_guide_runs.
 """
 from __future__ import annotations
 
