@@ -176,14 +176,14 @@ def test_a_loss_plot_that_fails_never_replaces_the_error(tmp_path, monkeypatch, 
     or a Ctrl-C at step 2: the plot was drawn on the error path, and its OSError replaced
     the real error ("error: [Errno 28] No space left on device", status 1).  Now the real
     error is the one reported, and the plot a warning."""
-    from pytrain.train import run
+    from pytrain.train import run_log
     from pytrain.train.trainer import NonFiniteLoss, Trainer
     write_data(tmp_path)
     cfg = write_config(tmp_path, max_steps=5)
 
     def no_space(*a, **k):
         raise OSError(28, "No space left on device")
-    monkeypatch.setattr(run, "plot_losses", no_space)
+    monkeypatch.setattr(run_log, "plot_losses", no_space)
     real, calls = Trainer.step, []
 
     def step(self, micro, lr):

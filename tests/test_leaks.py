@@ -7,6 +7,7 @@ allocators).  The garbage collector runs before each count: what it can free is 
 a backend buffer is owned by its runtime and only an explicit free gives it back."""
 import gc
 import json
+import os
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -171,3 +172,55 @@ def test_pytrain_eval_of_the_base_model_builds_no_optimizer_and_no_adapter(model
     line = capsys.readouterr().out.strip().splitlines()[-1]
     assert f"{want['n_valid']} target tokens" in line, line
     assert f"loss {want['loss']:.4f}" in line and f"accuracy {want['accuracy']:.3f}" in line, line
+
+
+def files_open_under(folder: Path) -> list[str]:
+    """The files of ``folder`` this process holds open (Linux: /proc/self/fd)."""
+    inside = str(folder.resolve()) + os.sep
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:                 # the listing's own descriptor, closed by now
+            continue
+        if target.startswith(inside):
+            out.append(target)
+    return out
+
+
+def test_a_run_failing_while_its_loop_is_set_up_closes_all_it_opened(tmp_path, monkeypatch):
+    """The sample prompts are computed after the loop has opened metrics.jsonl, the
+    TensorBoard writer and the folder's lock: an error there (injected) left metrics.jsonl
+    open.  Everything a run opens is now on one ExitStack: after the error no file of the run
+    folder is open (checked while the traceback still holds the frames that held them, so
+    that the garbage collector cannot have closed them), the signal handlers are back, and the
+    model and the trainer were closed."""
+    import signal
+    from pytrain.config import load_config
+    from pytrain.train import run, samples
+    from test_train_run import write_config, write_data
+    write_data(tmp_path)
+    cfg_path = write_config(tmp_path, max_steps=2, eval_every=0, sample_every=1,
+                            formats=["gguf"])
+    cfg_path.write_text(cfg_path.read_text() + "tensorboard = true\n")
+    cfg = load_config(cfg_path, [])
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("injected: the sample prompts failed")
+
+    monkeypatch.setattr(samples, "prompts_for", fail)
+    handler, start = signal.getsignal(signal.SIGINT), live()
+    with pytest.raises(RuntimeError, match="injected") as failed:
+        run.train(cfg, progress=False, log=lambda *a, **k: None)
+    out = tmp_path / "out"
+    assert (out / "metrics.jsonl").exists() and list(out.glob("events.out.tfevents.*"))
+    assert files_open_under(out) == []
+    assert signal.getsignal(signal.SIGINT) is handler
+    # the model's and the trainer's buffers were freed by their close, not by the garbage
+    # collector: the frames still hold them (the adapter's context, which only the collector
+    # frees in any run, is the one difference)
+    held = live()
+    assert {k: held[k] for k in ("buffers", "kept graph allocators")} == \
+        {k: start[k] for k in ("buffers", "kept graph allocators")}, (held, start)
+    del failed
+    assert live() == start

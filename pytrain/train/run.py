@@ -5,7 +5,10 @@ per step and per validation), loss.png, adapter.gguf (llama.cpp --lora), checkpo
 or inf loss stops the run naming the step and keeps the last good adapter.
 
 ``train`` reads top to bottom as the run's phases: set up, start fresh or resume, the step
-loop (validation and the checkpoint policy inside it), the finish.
+loop (validation and the checkpoint policy inside it), the finish.  Its parts beside it:
+``resume`` (the checkpoint continued from, the folder cut back), ``run_log`` (metrics.jsonl,
+samples.jsonl and the callbacks), ``signals`` (Ctrl-C and SIGTERM), ``run_errors``.  What a
+run opens goes on one ``ExitStack`` as it opens, closed in reverse on every way out.
 """
 from __future__ import annotations
 
@@ -13,23 +16,24 @@ import hashlib
 import json
 import sys
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
 from pytrain import ggml
-from pytrain.errors import PytrainError
 from pytrain.formats import atomic
 from pytrain.train import checkpoint as ckpt
+from pytrain.train import resume as resume_mod
+from pytrain.train import run_log
 from pytrain.train import samples as samples_mod
+from pytrain.train import signals
 from pytrain.train.best import Best
-from pytrain.train.callbacks import Callback
-from pytrain.train.distributed import (CollectiveError, RanksDisagree, World, agree,
-                                       check_agreement, forget_messages, on_main,
-                                       world as get_world)
+from pytrain.train.distributed import (RanksDisagree, World, agree, check_agreement,
+                                       forget_messages, on_main, world as get_world)
 from pytrain.train.interrupt import Interrupt
-from pytrain.train.metrics import plot_losses, read_metrics
-from pytrain.train.run_dir import RunDir, RunDirError, drop_replaced, new_run_id
+from pytrain.train.run_dir import RunDir, RunDirError, drop_replaced
+from pytrain.train.run_log import RunLog
 from pytrain.models import lora as lora_mod
 from pytrain.formats.adapter_gguf import write_lora_gguf
 from pytrain.config import Config
@@ -43,21 +47,9 @@ from pytrain.train.planning import context_warning
 from pytrain.train.preference import PreferenceSettings, PreferenceTrainer
 from pytrain.train.trainer import NonFiniteLoss, Trainer
 from pytrain.train.type_choice import for_training
-
-
-class RunError(PytrainError, RuntimeError):
-    """A run that cannot start or had to stop; the message says why and what was kept."""
-
-
-class Interrupted(RunError, CollectiveError):
-    """Ctrl-C or SIGTERM: the run stopped; the message says after which step and what it
-    saved (every rank: they agree after each step whether any was interrupted)."""
-    code = 130
-
-
-class NonFiniteStop(RunError, CollectiveError):
-    """A step's loss or gradient norm was NaN or inf: every rank sees it in the same summed
-    values (after the all-reduce), so every rank stops."""
+from pytrain.train.resume import MICRO_BATCHES
+# the errors, still importable from here (the command line catches run.Interrupted)
+from pytrain.train.run_errors import Interrupted, NonFiniteStop, RunError  # noqa: F401
 
 
 @dataclass
@@ -195,13 +187,10 @@ class Session:
                 **({"train.objective": c.train.objective} if self.preference else {})}
 
     def close(self) -> None:
-        self.trainer.close()
-        self.model.close()
-
-
-# the resume key's name for the micro-batches of one step (a single process's train.grad_accum
-# before data-parallel runs): a run may resume with other ranks if the product is the same
-MICRO_BATCHES = "micro-batches per step (train.grad_accum x ranks)"
+        try:
+            self.trainer.close()
+        finally:
+            self.model.close()
 
 
 def runtime_summary(model: Model) -> str:
@@ -228,7 +217,9 @@ def open_session(cfg: Config, out: Path, log: Callable[[str], None],
                            compute_type=cfg.train.compute_type)
     except ComputeTypeError as e:
         raise cfg.error("train", "compute_type", str(e)) from None
-    try:
+    # closed here unless the session is made: then the caller owns them (Session.close)
+    with ExitStack() as made:
+        made.callback(model.close)
         log(runtime_summary(model) + (f"; {w.size} data-parallel ranks" if w.size > 1 else ""))
         log(model.compute)
         too_long = context_warning(model.config, cfg.data.max_seq_len)
@@ -250,8 +241,8 @@ def open_session(cfg: Config, out: Path, log: Callable[[str], None],
             seed=cfg.lora.seed,                   # resolved by the config (train.seed if unset)
             init=cfg.lora.init, rslora=cfg.lora.use_rslora, dropout=cfg.lora.dropout)
         hp = AdamWSettings(lr=t.lr, beta1=t.adam_beta1, beta2=t.adam_beta2, eps=t.adam_eps,
-                   weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm,
-                   b_lr_ratio=cfg.lora.loraplus_lr_ratio or 1.0)
+                           weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm,
+                           b_lr_ratio=cfg.lora.loraplus_lr_ratio or 1.0)
         if preference:
             trainer = PreferenceTrainer(model, adapter, hp, PreferenceSettings(
                 t.objective, t.beta, t.loss_type, t.label_smoothing), world=w)
@@ -260,120 +251,20 @@ def open_session(cfg: Config, out: Path, log: Callable[[str], None],
                               recompute=t.recompute,
                               memory_bytes=int(t.memory_gib * 2**30) if t.memory_gib else None,
                               world=w)
-    except BaseException:
-        model.close()
-        raise
-    if not splits.valid:
-        valid = []
-    elif preference:
-        valid = make_pair_batches(splits.valid, t.batch_size, shuffle=False, pad_id=model.pad_id)
-    else:
-        valid = make_batches(splits.valid, t.batch_size, cfg.data.packing, 0, shuffle=False,
-                             max_seq_len=cfg.data.max_seq_len, pad_id=model.pad_id)
-    stats = {"train": splits.train_stats.to_dict(),
-             "valid": splits.valid_stats.to_dict() if splits.valid_stats else None}
-    return Session(cfg, out, model, splits, adapter, trainer, stats, valid, log, w)
-
-
-# --------------------------------------------------------------------------- resume
-
-def find_checkpoint(out: Path, resume: str | bool, log: Callable[[str], None]) -> Path | None:
-    """The checkpoint ``--resume`` continues from, or None for an earlier run in ``out`` that
-    stopped before it wrote one (killed at once): that run starts again from step 0."""
-    ckpt_dir = out / "checkpoints"
-    where = ckpt.latest(ckpt_dir) if resume is True else Path(resume)
-    if where is not None and where.is_dir() and not (where / "state.json").exists():
-        where = ckpt.latest(where)
-    if where is None or not (where / "state.json").exists():
-        earlier = RunDir(out).earlier_run() if resume is True else None
-        if earlier is not None:
-            log(f"{out} holds an earlier run that stopped before writing a checkpoint "
-                f"({earlier}): starting it again from step 0")
-            return None
-        raise RunError(f"no checkpoint to resume from in {ckpt_dir if resume is True else resume}")
-    return where
-
-
-def resume_from(s: Session, where: Path, total: int) -> ckpt.TrainState:
-    """Load checkpoint ``where`` into the session; refuse one whose data position would mean
-    other batches; drop metrics past its step."""
-    # loaded and checked on rank 0, its verdict on every rank
-    state, tensors, moments, best = on_main(s.world, lambda: _load_checkpoint(s, where))
-    if state.total_steps is not None and state.total_steps != total:
-        t = s.cfg.train
-        before = schedule(t.schedule, state.step, state.total_steps, t.lr, t.warmup)
-        after = schedule(t.schedule, state.step, total, t.lr, t.warmup)
-        s.log(f"the run now ends at step {total} (was {state.total_steps}): the "
-              f"{t.schedule} schedule is recomputed over {total} steps; lr at step "
-              f"{state.step + 1}: {before:.3g} -> {after:.3g}")
-    s.adapter.set(tensors)
-    s.trainer.opt_state.set_moments(moments)
-    s.trainer.opt.t = state.adam_t
-    if s.world.is_main:
-        cut_back(s, where, state.step)
-    s.log(f"resuming from {where} at step {state.step}")
-    return state, best
-
-
-def _load_checkpoint(s: Session, where: Path) -> tuple:
-    """(state, adapter tensors, moments, the best validation's adapter or None)."""
-    state, tensors, moments = _check_resume_key(s, where, ckpt.load(where, s.cfg.model.path))
-    return state, tensors, moments, ckpt.load_best(where, state, tensors)
-
-
-def cut_back(s: Session, where: Path, step: int) -> None:
-    """The run folder as it was at ``step``: metrics past it dropped; checkpoints past it (a
-    resume from an earlier checkpoint: the run goes another way from there) moved aside with
-    the metrics of their timeline, so that nothing is lost and a later ``--resume`` continues
-    this timeline, not that one."""
-    metrics = s.out / "metrics.jsonl"
-    recs = read_metrics(metrics)
-    folder = s.out / "checkpoints"
-    # a checkpoint from elsewhere (another folder, an abandoned timeline): none of this
-    # folder's checkpoints is on the way to it
-    own = folder.is_dir() and where.parent.resolve() == folder.resolve()
-    aside = ckpt.set_aside_after(folder, step if own else -1)
-    if aside is not None:
-        atomic.write_bytes(aside / "metrics.jsonl",
-                           "".join(json.dumps(r) + "\n" for r in recs).encode())
-        names = ", ".join(sorted(p.name for p in aside.glob("step-*")))
-        s.log(f"{where} is not the newest checkpoint: the run continues from step {step}, and "
-              f"the checkpoints of the timeline it leaves ({names}) and that timeline's "
-              f"metrics were moved to {aside}")
-    kept = [r for r in recs if r.get("step", 0) <= step]
-    atomic.write_bytes(metrics, "".join(json.dumps(r) + "\n" for r in kept).encode())
-    sampled = s.out / samples_mod.SAMPLES_FILE
-    if sampled.exists():
-        kept = [r for r in read_metrics(sampled) if r.get("step", 0) <= step]
-        atomic.write_bytes(sampled, "".join(json.dumps(r) + "\n" for r in kept).encode())
-
-
-def _check_resume_key(s: Session, where: Path, loaded: tuple):
-    """``loaded`` (a checkpoint's state, tensors, moments), or a RunError where its data
-    position would mean other batches now."""
-    state = loaded[0]
-    if state.resume_key is not None and "train.grad_accum" in state.resume_key:
-        key = dict(state.resume_key)          # saved by a single process before ranks existed
-        key[MICRO_BATCHES] = key.pop("train.grad_accum")
-        state.resume_key = key
-    if state.resume_key is None:
-        s.log(f"warning: {where} predates resume checks; the data and batch settings cannot "
-              f"be compared with the checkpoint's")
-    else:
-        now = s.resume_key()
-        changed = [k for k in now if state.resume_key.get(k) != now[k]]
-        if changed:
-            what = "; ".join(
-                f"{k}: {_short(state.resume_key.get(k))} -> {_short(now[k])}" for k in changed)
-            raise RunError(
-                f"cannot resume from {where}: {what}. The checkpoint's position in the data "
-                f"would point at other batches. Restore the setting, or start a new run "
-                f"(another output.dir)")
-    return loaded
-
-
-def _short(v) -> str:
-    return f"{v[:12]}…" if isinstance(v, str) and len(v) == 64 else repr(v)
+        made.callback(trainer.close)
+        if not splits.valid:
+            valid = []
+        elif preference:
+            valid = make_pair_batches(splits.valid, t.batch_size, shuffle=False,
+                                      pad_id=model.pad_id)
+        else:
+            valid = make_batches(splits.valid, t.batch_size, cfg.data.packing, 0, shuffle=False,
+                                 max_seq_len=cfg.data.max_seq_len, pad_id=model.pad_id)
+        stats = {"train": splits.train_stats.to_dict(),
+                 "valid": splits.valid_stats.to_dict() if splits.valid_stats else None}
+        s = Session(cfg, out, model, splits, adapter, trainer, stats, valid, log, w)
+        made.pop_all()
+    return s
 
 
 # --------------------------------------------------------------------------- the loop
@@ -381,25 +272,39 @@ def _short(v) -> str:
 class Loop:
     """The step loop's state and the things it writes: metrics, checkpoints, validation."""
 
-    def __init__(self, s: Session, total: int, step: int, bar, run_id: str | None,
-                 replaced: Path | None = None, callbacks: list[Callback] = ()):
-        """``replaced``: an earlier run moved aside by ``--overwrite``, deleted once this run
-        has a checkpoint.  ``callbacks``: told what the run records (rank 0)."""
-        self.s, self.total, self.step, self.bar, self.run_id = s, total, step, bar, run_id
+    def __init__(self, s: Session, total: int, start: resume_mod.Start, stack: ExitStack,
+                 progress: bool = False, replaced: Path | None = None):
+        """Opens what the loop writes to (the run log, its callbacks, the progress bar), each
+        on the run's ``stack`` as it opens, so that an error from here on closes them.
+        ``replaced``: an earlier run moved aside by ``--overwrite``, deleted once this run
+        has a checkpoint."""
+        self.s, self.total, self.step, self.run_id = s, total, start.step, start.run_id
         self.replaced = replaced
         self.main = s.world.is_main                # one writer: rank 0
-        self.metrics = open(s.out / "metrics.jsonl", "a") if self.main else None
         self.ckpt_dir = s.out / "checkpoints"
         self.adapter_path = s.out / "adapter.gguf"
         self.fingerprint = ckpt.base_fingerprint(s.cfg.model.path)
-        self.saved_step: int | None = None       # step of the newest checkpoint written
+        # step of the newest checkpoint written (a resumed run's exists: not written again)
+        self.saved_step: int | None = start.step if start.checkpoint is not None else None
         self.position = (0, 0)                   # (epoch, index) of the next step
         self.last_eval: dict | None = None
         self.tokens_seen = 0
         self.best = Best()                       # the best validation (train.best)
         self.best_tensors: dict | None = None    # its adapter
         self.early_stop: str | None = None       # why the run stops early, once it does
-        self.callbacks = list(callbacks) if self.main else []
+        self.bar = None
+        stack.callback(self.say_replaced_kept)   # the last of the loop's to close
+        self.records = RunLog(s.out, s.log, self.main)      # metrics.jsonl, the callbacks
+        stack.callback(self.records.close)
+        if self.main and s.cfg.output.tensorboard:
+            from pytrain.train.tensorboard import TensorBoard
+            resumed = start.checkpoint is not None     # its first step purges later events
+            self.records.add(TensorBoard(s.out, resume_step=self.step + 1 if resumed else None))
+        if progress and sys.stderr.isatty():     # a log file gets the periodic lines only
+            from tqdm import tqdm
+            self.bar = tqdm(total=total, initial=self.step, unit="step", dynamic_ncols=True,
+                            file=sys.stderr)
+            stack.callback(self.close_bar)
         t = s.cfg.train
         self.prompts = samples_mod.prompts_for(s.cfg, s.model, s.splits) \
             if t.sample_every and self.main else []
@@ -408,11 +313,7 @@ class Loop:
         self.recent: list[float] = []          # losses since the last log line
 
     def record(self, rec: dict) -> None:
-        if self.metrics is not None:
-            self.metrics.write(json.dumps(rec) + "\n")
-            self.metrics.flush()
-        for cb in self.callbacks:
-            cb.on_record(rec)
+        self.records.record(rec)
 
     def sample(self) -> None:
         """Greedy generations of the sample prompts (rank 0), into samples.jsonl, above the
@@ -422,11 +323,7 @@ class Loop:
         s = self.s
         got = samples_mod.generate(s.model, s.adapter, self.prompts,
                                    s.cfg.train.sample_max_tokens)
-        with open(s.out / samples_mod.SAMPLES_FILE, "a") as f:
-            for i, g in enumerate(got):
-                f.write(json.dumps({"step": self.step, "index": i, **g}) + "\n")
-        for cb in self.callbacks:
-            cb.on_samples(self.step, got)
+        self.records.samples(self.step, got)
         first = got[0]["completion"].replace("\n", " ")
         self.say(f"step {self.step}: sample 1/{len(got)}: "
                  f"{first[:100] + ('…' if len(first) > 100 else '')}")
@@ -542,12 +439,8 @@ class Loop:
                 self.record({"step": self.step + 1, "skipped": "no valid targets"})
             else:
                 self.finished(r, epoch, lr)
-            if w.any(interrupt.requested is not None):      # every rank stops after this step
-                where = self.checkpoint() if self.saved_step != self.step else \
-                    self.ckpt_dir / f"step-{self.step:07d}"
-                by = interrupt.requested or "a signal to another rank"
-                raise Interrupted(f"interrupted by {by} after step {self.step}; "
-                                  f"checkpoint {where} (resume with --resume)")
+            if signals.requested(interrupt, w):     # every rank stops after this step
+                raise signals.after_step(interrupt, self.step, self.saved())
             if self.early_stop:
                 self.record({"step": self.step, "early_stop": self.early_stop})
                 self.say(self.early_stop)
@@ -579,40 +472,25 @@ class Loop:
         if t.save_every and self.step % t.save_every == 0:
             self.checkpoint()
 
+    def saved(self) -> Path:
+        """The checkpoint of the last finished step, written now if it has none yet."""
+        if self.saved_step != self.step:
+            return self.checkpoint()
+        return self.ckpt_dir / f"step-{self.step:07d}"
+
     def stop_at_once(self, interrupt: Interrupt) -> None:
         """A second Ctrl-C / SIGTERM dropped the step in flight: write the checkpoint of the
         last finished step (if it has none yet) and stop."""
         ggml.request_abort(False)                # saving computes nothing, but be sure
-        try:
-            where = self.checkpoint() if self.saved_step != self.step else \
-                self.ckpt_dir / f"step-{self.step:07d}"
-        finally:
-            self.close()
-        raise Interrupted(f"stopped at once by a second interrupt ({interrupt.requested}) after "
-                          f"step {self.step}: the step in flight was dropped; checkpoint {where} "
-                          f"(resume with --resume)")
+        raise signals.at_once(interrupt, self.step, self.saved())
 
-    def close(self) -> None:
-        """The progress bar, metrics file and loss plot.  Called on every way out of the run,
-        errors included: a plot that cannot be drawn (a full disk, matplotlib missing) is a
-        warning, never the error the run ends with."""
-        if self.bar is not None:
-            self.bar.close()
-            self.bar = None
-        if self.metrics is not None:
-            png = self.s.out / "loss.png"
-            try:
-                self.metrics.close()
-                plot_losses(self.s.out / "metrics.jsonl", png)
-            except Exception as e:
-                self.s.log(f"warning: {png} not drawn: {e}")
-            self.metrics = None
-        for cb in self.callbacks:
-            try:
-                cb.close()
-            except Exception as e:
-                self.s.log(f"warning: {type(cb).__name__} not closed: {e}")
-        self.callbacks = []
+    def close_bar(self) -> None:
+        self.bar.close()
+        self.bar = None                          # later lines go to the log
+
+    def say_replaced_kept(self) -> None:
+        """On the way out: an earlier run moved aside by ``--overwrite`` and not yet deleted
+        (this run wrote no checkpoint) is kept, and where."""
         if self.replaced is not None and self.main:
             self.s.log(f"--overwrite: this run stopped before its first checkpoint; the "
                        f"earlier run is kept in {self.replaced}")
@@ -626,46 +504,35 @@ def train(cfg: Config, progress: bool = True, log=print, resume: str | bool | No
     """``resume``: True for the newest checkpoint of the run folder, or a checkpoint path.
     ``overwrite``: a fresh run may replace an earlier run left in ``output.dir`` (run_dir).
     Under an MPI launcher every rank calls this; rank 0 alone writes (distributed).
-    Ctrl-C and SIGTERM are handled as ``pytrain.train.interrupt`` says, on the main thread
-    only: called from another thread, the run handles no signal (and says so)."""
+    Ctrl-C and SIGTERM are handled as ``pytrain.train.signals`` says, on the main thread
+    only: called from another thread, the run handles no signal (and says so).
+
+    Everything the run opens goes on one ``ExitStack`` as it opens: the signal handlers, the
+    folder's lock, the model and trainer, the run log and its callbacks, the progress bar;
+    any way out closes them in reverse.  (The MPI communicator is the process's, not the
+    run's: the command line still needs it to end the job.)"""
     w = get_world()
     agree(w, lambda: _refuse_unsupported(cfg, resume, overwrite))
     if not w.is_main:
         log, progress = (lambda *a, **k: None), False
-
-    def before_training(name: str) -> BaseException:
-        return Interrupted(f"interrupted by {name} before training started: nothing was "
-                           f"trained, nothing needed saving")
-    # several ranks stop together or not at all: a signal before the loop is a request like
-    # one inside it, and the second stops at once (the job is ended by the launcher)
-    one = w.size == 1
-    with Interrupt(log, on_setup=before_training if one else None,
-                   hard_at=3 if one else 2) as interrupt:
-        try:
-            return _claim_and_train(cfg, w, log, progress, resume, overwrite, interrupt)
-        except KeyboardInterrupt:
-            if not one:
-                raise
-            newest = ckpt.latest(run_folder(cfg) / "checkpoints")
-            raise Interrupted(
-                "stopped at once by a further interrupt; " +
-                (f"the newest checkpoint, {newest}, is intact (resume with --resume)" if newest
-                 else "no checkpoint was written")) from None
+    try:
+        with ExitStack() as stack:
+            interrupt = stack.enter_context(signals.handling(log, w))
+            return _claim_and_train(cfg, w, log, progress, resume, overwrite, interrupt, stack)
+    except KeyboardInterrupt:            # the signal that stops whatever runs, closing too
+        if w.size > 1:
+            raise
+        raise signals.further(run_folder(cfg)) from None
 
 
 def _claim_and_train(cfg: Config, w: World, log, progress: bool, resume, overwrite: bool,
-                     interrupt: Interrupt) -> RunResult:
+                     interrupt: Interrupt, stack: ExitStack) -> RunResult:
     """The folder claimed, the run checked whole (config, data, model, targets), only then an
     earlier run moved aside (``--overwrite``), and trained."""
     def claim():            # rank 0: the folder, its lock, and what an earlier run left
         out = output_dir(cfg)
-        run_dir = RunDir(out).__enter__()
-        try:
-            replace = not resume and run_dir.check_fresh(overwrite)
-        except BaseException:
-            run_dir.__exit__()
-            raise
-        return out, run_dir, replace
+        run_dir = stack.enter_context(RunDir(out))
+        return out, run_dir, not resume and run_dir.check_fresh(overwrite)
     try:
         claimed = on_main(w, claim)
     except RunDirError as e:
@@ -674,18 +541,12 @@ def _claim_and_train(cfg: Config, w: World, log, progress: bool, resume, overwri
     out, run_dir = claimed[:2] if w.is_main else (run_folder(cfg), None)
     if w.is_main:
         forget_messages(out)        # an earlier attempt's error.log is not this run's
-    try:
-        s = agree(w, lambda: open_session(cfg, out, log, w), undo=Session.close)
-        try:
-            if w.size > 1:
-                check_agreement(w, _run_facts(s))
-            replaced = on_main(w, lambda: run_dir.set_aside(log)) if replace else None
-            return _train(s, progress, resume, interrupt, replaced)
-        finally:
-            s.close()
-    finally:
-        if run_dir is not None:
-            run_dir.__exit__()
+    s = agree(w, lambda: open_session(cfg, out, log, w), undo=Session.close)
+    stack.callback(s.close)
+    if w.size > 1:
+        check_agreement(w, _run_facts(s))
+    replaced = on_main(w, lambda: run_dir.set_aside(log)) if replace else None
+    return _train(s, progress, resume, interrupt, stack, replaced)
 
 
 def _refuse_unsupported(cfg: Config, resume, overwrite: bool) -> None:
@@ -711,56 +572,35 @@ def _run_facts(s: Session) -> dict[str, str]:
 
 
 def _train(s: Session, progress: bool, resume: str | bool | None, interrupt: Interrupt,
-           replaced: Path | None = None) -> RunResult:
+           stack: ExitStack, replaced: Path | None = None) -> RunResult:
     total = s.total_steps()
-    step, start = 0, (0, 0)
     main = s.world.is_main
-    where = None
-    if resume:       # checked against the checkpoint before anything of the run is rewritten
-        where = on_main(s.world, lambda: find_checkpoint(s.out, resume, s.log))
-    best, best_tensors = Best(), None
-    if where is not None:
-        state, best_tensors = resume_from(s, where, total)
-        step, start, run_id = state.step, (state.epoch, state.position), state.run_id
-        best = Best.from_dict(state.best)
-        if step >= total:
-            s.log(f"the run is already at step {step} of {total}: nothing to train (raise "
-                  f"train.max_steps or train.epochs to continue it)")
-    else:
-        run_id = s.world.bcast(new_run_id() if main else None)
-        if main:
-            atomic.write_bytes(s.out / "metrics.jsonl", b"")
+    # checked against the checkpoint before anything of the run is rewritten
+    start = resume_mod.start(s, resume, total)
+    resumed = start.checkpoint is not None
     if main:
+        if not resumed:
+            run_log.start_fresh(s.out)
         atomic.write_bytes(s.out / "config.toml", s.cfg.to_toml().encode())
         atomic.write_bytes(s.out / "data_stats.json",
                            (json.dumps(s.stats, indent=2) + "\n").encode())
-    bar = None
-    if progress and sys.stderr.isatty():     # a log file gets the periodic lines only
-        from tqdm import tqdm
-        bar = tqdm(total=total, initial=step, unit="step", dynamic_ncols=True, file=sys.stderr)
-    callbacks = []
-    if main and s.cfg.output.tensorboard:
-        from pytrain.train.tensorboard import TensorBoard
-        callbacks.append(TensorBoard(s.out, resume_step=step + 1 if where else None))
-    loop = Loop(s, total, step, bar, run_id, replaced, callbacks)
-    if where is not None:
-        loop.saved_step = step                 # that checkpoint exists: not written again
+    loop = Loop(s, total, start, stack, progress, replaced)
     try:
-        if where is not None:
-            _resume_best(s, loop, best, best_tensors)
+        if resumed:
+            resume_mod.restore_best(s, loop, start)
         if s.preference:
             s.trainer.load_or_compute_reference(s.out, s.splits, s.cfg.train.batch_size, s.log)
-        if where is None:
+        if not resumed:
             loop.validate()                    # the base model's metrics: the "before"
             loop.sample()
         interrupt.training()
         s.trainer.hold = interrupt.holding
-        loop.run(start, interrupt)
+        loop.run(start.position, interrupt)
         # a resumed run with nothing left to do writes nothing new; one stopped early has
         # just been validated
-        if (loop.step > step or where is None) and not loop.early_stop:
+        if (loop.step > start.step or not resumed) and not loop.early_stop:
             loop.validate()
-        if loop.step > step or where is None:
+        if loop.step > start.step or not resumed:
             loop.sample()
         if loop.saved_step != loop.step:
             loop.checkpoint()
@@ -769,33 +609,14 @@ def _train(s: Session, progress: bool, resume: str | bool | None, interrupt: Int
     except NonFiniteLoss as e:
         _stop_on_nan(s, loop, e)
     except KeyboardInterrupt:                  # a second Ctrl-C / SIGTERM dropped a step
-        if s.world.size > 1 or interrupt.hard:
-            loop.close()
+        if not signals.can_save(interrupt, s.world):
             raise
         loop.stop_at_once(interrupt)
-    except BaseException:
-        loop.close()
-        raise
-    loop.close()
     b = loop.best
     return RunResult(s.out, loop.adapter_path, loop.step, loop.last_eval,
                      best=None if b.step is None else {"step": b.step, "loss": b.loss,
                                                        "adapter": s.out / BEST_ADAPTER},
                      early_stop=loop.early_stop)
-
-
-def _resume_best(s: Session, loop: Loop, best: Best, tensors: dict | None) -> None:
-    """The checkpoint's best validation, its adapter written again (the files may hold a
-    later best of a timeline the resume abandons), and early stopping when it was due (like
-    TRL's callback state: a run that stopped early stays stopped unless the patience grows)."""
-    loop.best = best
-    if tensors is not None:
-        loop.keep_best(tensors)
-    t = s.cfg.train
-    if best.exhausted(t.early_stopping_patience):
-        loop.early_stop = best.why(t.early_stopping_patience, t.early_stopping_min_delta)
-        s.log(f"the run stopped early at step {loop.step}: {loop.early_stop}; nothing to "
-              f"train (raise train.early_stopping_patience to continue it)")
 
 
 def _stop_on_nan(s: Session, loop: Loop, e: NonFiniteLoss) -> None:
@@ -808,5 +629,4 @@ def _stop_on_nan(s: Session, loop: Loop, e: NonFiniteLoss) -> None:
         loop.record({"step": loop.step + 1, "stopped": stopped})
     except Exception as err:
         stopped = f"{stopped} (but it could not be written: {err})"
-    loop.close()
     raise NonFiniteStop(f"{stopped}: {loop.adapter_path}") from None
