@@ -157,6 +157,26 @@ def test_a_resume_from_an_earlier_checkpoint_restores_that_timelines_best(tmp_pa
     assert_same(tensors(out / "adapter.best.gguf"), tensors(early / "adapter.best.gguf"))
 
 
+def test_resuming_a_finished_run_keeps_the_best_of_its_last_validation(tmp_path, capsys):
+    """The last step is a save step and its validation the best: its checkpoint must come
+    after that validation, or a resume of the finished run restores the older best (and
+    rewrites adapter.best.gguf with it)."""
+    cfg = write_overfitting_run(tmp_path, early_stopping_patience=0, max_steps=4, lr=0.005,
+                                save_every=2, formats=["gguf"])
+    assert main(["train", str(cfg), "--no-progress"]) == 0
+    out = tmp_path / "out"
+    valid = valid_records(out)
+    assert [v["step"] for v in valid] == [0, 2, 4] and valid[-1]["best_step"] == 4, \
+        [(v["step"], v["loss"]) for v in valid]
+    best = (out / "adapter.best.gguf").read_bytes()
+    assert best == (out / "adapter.gguf").read_bytes()
+    capsys.readouterr()
+    assert main(["train", str(cfg), "--no-progress", "--resume"]) == 0
+    assert "(step 4, validation loss" in capsys.readouterr().out
+    assert (out / "adapter.best.gguf").read_bytes() == best
+    assert valid_records(out) == valid
+
+
 def test_early_stopping_without_validations_is_a_config_error(tmp_path, capsys):
     cfg = write_overfitting_run(tmp_path, eval_every=0)
     assert main(["train", str(cfg), "--no-progress"]) == 1

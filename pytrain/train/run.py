@@ -469,7 +469,9 @@ class Loop:
             self.validate()
         if t.sample_every and self.step % t.sample_every == 0 and self.step < self.total:
             self.sample()
-        if t.save_every and self.step % t.save_every == 0:
+        # the last step's checkpoint comes after its validation (in _train), so that it holds
+        # the best that validation may set: written here, a resume would restore an older one
+        if t.save_every and self.step % t.save_every == 0 and self.step < self.total:
             self.checkpoint()
 
     def saved(self) -> Path:
