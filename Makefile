@@ -100,7 +100,7 @@ demo-dpo: build llama-cpp real-model
 
 # the training loop's tools on a run made to overfit (SmolLM2-135M-Instruct learns made-up
 # capitals): samples while training, the best adapter at the lowest validation loss, early
-# stopping, TensorBoard (bench_results/demo_loop.md; about 8 minutes on 2 cores)
+# stopping, TensorBoard (bench_results/demo_loop.md; about 2 minutes on 2 cores)
 demo-loop: build real-model
 	$(PY) -m scripts.demo_loop --results bench_results
 
