@@ -255,7 +255,7 @@ def cuda_options(tk: CudaToolkit) -> list[str]:
             f"-DCMAKE_CUDA_ARCHITECTURES={arch}", f"-DCMAKE_CUDA_COMPILER={tk.root / 'bin' / 'nvcc'}",
             f"-DCUDAToolkit_ROOT={tk.root}"]
     # no absolute RUNPATH to this machine's cuBLAS: on another machine it names nothing.
-    # pytrain/ggml.py preloads the CUDA libraries from the running Python's nvidia-* wheels,
+    # pytrain/ggml/loader.py preloads the CUDA libraries from the running Python's nvidia-* wheels,
     # the folders this build recorded, or the system's loader path, before libggml-cuda.
     if not tk.has_driver:          # no libcuda to link the VMM pool against (a build machine)
         args.append("-DGGML_CUDA_NO_VMM=ON")
@@ -366,8 +366,8 @@ def blas_options() -> list[str]:
 # module loaded at run time (GGML_BACKEND_DL) and ggml-cpu is compiled once per x86-64
 # instruction-set level (GGML_CPU_ALL_VARIANTS: x64, sse42, ..., haswell (AVX2), skylakex,
 # icelake, zen4, sapphirerapids, ...).  pytrain loads the best variant the CPU it runs on can
-# execute (pytrain/ggml.py), so a build, or a wheel, copied to another x86-64 CPU runs there
-# instead of dying with SIGILL, and one build can run the tests under several variants.
+# execute (pytrain/ggml/loader.py), so a build, or a wheel, copied to another x86-64 CPU runs
+# there instead of dying with SIGILL, and one build can run the tests under several variants.
 #
 # ggml's RPC backend (one small module, no dependency: RDMA off) serves a device over TCP: a
 # device that is not host memory on any machine, so the scheduler's copies between backends,
@@ -533,7 +533,7 @@ def cuda_library_dirs(options: list[str]) -> list[str]:
 # What a library of pytrain/_native may ask the dynamic loader for beyond the libraries
 # shipped beside it: the system's C and C++ runtime and OpenMP, and for the CUDA backend the
 # CUDA runtime, cuBLAS and the driver (pytrain preloads those from the Python environment's
-# nvidia-* wheels or the system; ggml.py's _preload_cuda).
+# nvidia-* wheels or the system; pytrain/ggml/loader.py's _preload_cuda).
 SYSTEM_LIBS = {"libc.so.6", "libm.so.6", "libstdc++.so.6", "libgcc_s.so.1", "libgomp.so.1",
                "ld-linux-x86-64.so.2", "libpthread.so.0", "libdl.so.2", "librt.so.1"}
 CUDA_LIBS = {"libcudart.so.13", "libcublas.so.13", "libcublasLt.so.13", "libcuda.so.1"}

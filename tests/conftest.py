@@ -19,8 +19,8 @@ def rng():
 
 def has_gpu() -> bool:
     """A CUDA device (a Vulkan one, lavapipe included, is not what tests/test_gpu.py needs)."""
-    from pytrain import ggml
-    return ggml._cuda_device() is not None
+    from pytrain.ggml.backends import _cuda_device
+    return _cuda_device() is not None
 
 
 @pytest.fixture(scope="module")
