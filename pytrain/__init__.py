@@ -12,28 +12,13 @@ The root package is the public facade, above every layer (see tests/test_layers.
 the package imports it.  ``import pytrain`` loads no native code: ggml loads on the first call
 that needs it, so ``import pytrain.config`` stays cheap.
 """
-import types as _types
-
-import pytrain.train as _train_package      # an empty __init__: loads nothing
 from pytrain.formats import hf_layout as _hf_layout
-from pytrain import api as _api
 from pytrain._version import __version__
 from pytrain.api import (EvalResult, ExportOutputError, ExportResult, LoadedModel, RunResult,
-                         export, load, resolve_config)
+                         export, load, resolve_config, train)
 
 __all__ = ["EvalResult", "ExportOutputError", "ExportResult", "LoadedModel", "RunResult",
            "__version__", "export", "load", "load_model", "resolve_config", "train"]
-
-
-class _CallablePackage(_types.ModuleType):
-    """``pytrain.train`` is two things: the subpackage of the trainer's modules
-    (``pytrain.train.run``) and the API's ``train`` function.  A function bound to the name
-    would be replaced by the subpackage as soon as a module of it is imported (and
-    ``import pytrain.train.run as run`` would stop working), so the subpackage itself is made
-    callable instead."""
-
-    def __call__(self, *args, **kwargs) -> RunResult:
-        return _api.train(*args, **kwargs)
 
 
 def _registry_layouts(name=None):
@@ -45,10 +30,6 @@ def _registry_layouts(name=None):
 # The PEFT code (formats) sits below the models and cannot import their registry; the root,
 # above every layer, hands it down, so every importer of the formats sees every architecture.
 _hf_layout.use_registry(_registry_layouts)
-
-_train_package.__class__ = _CallablePackage
-_train_package.__wrapped__ = _api.train      # inspect.signature / help() show train's
-train = _train_package
 
 
 def load_model(path, device: str = "auto", threads: int | None = None, type_policy: str = "auto",

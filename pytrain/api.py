@@ -31,7 +31,7 @@ if TYPE_CHECKING:                  # names for the annotations only: importing t
     from pytrain.formats.merge import MergeReport
     from pytrain.models.lora import LoraAdapter
     from pytrain.models.model import Model
-    from pytrain.train.run import RunResult as _RunOutcome
+    from pytrain.run.loop import RunResult as _RunOutcome
 
 __all__ = ["EvalResult", "ExportOutputError", "ExportResult", "LoadedModel", "RunResult",
            "export", "load", "load_adapter", "resolve_config", "train"]
@@ -91,9 +91,9 @@ class RunResult:
 
     @classmethod
     def of(cls, res: _RunOutcome, cfg: Config) -> RunResult:
-        """The public result of the trainer's own (``pytrain.train.run.RunResult``)."""
-        from pytrain.train.run import BEST_PEFT
-        from pytrain.train.samples import SAMPLES_FILE
+        """The public result of the trainer's own (``pytrain.run.loop.RunResult``)."""
+        from pytrain.run.loop import BEST_PEFT
+        from pytrain.run.samples import SAMPLES_FILE
         out = Path(res.out_dir)
         peft = "peft" in cfg.output.formats
         best = res.best or {}
@@ -122,8 +122,8 @@ def train(config: str | os.PathLike[str] | Config | Mapping[str, Any],
     checkpoint it saved), ... as the CLI reports them.
     """
     from pytrain.config import Config
-    from pytrain.train import run
-    from pytrain.train.distributed import agree, world
+    from pytrain.run import loop as run
+    from pytrain.step.distributed import agree, world
     cfg = config if isinstance(config, Config) and not overrides else \
         agree(world(), lambda: resolve_config(config, overrides))
     res = run.train(cfg, progress=progress, log=log or (lambda *a, **k: None),
@@ -266,7 +266,7 @@ class LoadedModel:
         ``max_seq_len``, ``truncation``, ``packing``, ``chat_template``, ``on_error``)."""
         from pytrain.config import DataConfig
         from pytrain.data import load_data
-        from pytrain.train.evaluate import evaluate_examples
+        from pytrain.step.evaluate import evaluate_examples
         template = self.chat_template if self._own_template else None
         if isinstance(data, DataConfig):
             if data_options:

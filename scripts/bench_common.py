@@ -347,8 +347,8 @@ def pytrain_trainer(gguf, device: str, threads: int | None, recompute: str, seed
     import pytrain
     from pytrain.models import lora
     from pytrain.models.lora_targets import select_targets
-    from pytrain.train.optimizer import AdamWSettings
-    from pytrain.train.trainer import Trainer
+    from pytrain.step.optimizer import AdamWSettings
+    from pytrain.step.trainer import Trainer
     m = pytrain.load_model(gguf, device=device, threads=threads, compute_type=compute_type)
     names = select_targets(m.config)
     ad = lora.create(m.runtime, m.config, names, RANK, ALPHA, seed=0)
@@ -362,7 +362,7 @@ def step_facts(m, tr, names) -> dict:
     step's kind and nodes, LoRA size, backends."""
     from pytrain import ggml
     from pytrain.models.lora_targets import lora_param_count
-    from pytrain.train.profile import step_graphs, step_kind
+    from pytrain.plan.profile import step_graphs, step_kind
     types: dict[str, int] = {}
     for r in getattr(m.weights, "report", {}).values():
         k = f"{r.file_type}->{r.loaded_type}" if r.file_type != r.loaded_type else str(r.loaded_type)
@@ -376,7 +376,7 @@ def step_facts(m, tr, names) -> dict:
 
 def profile_pytrain(tr, batch) -> dict:
     """One step node by node (``pytrain profile``'s code), as a dict."""
-    from pytrain.train.profile import profile_step
+    from pytrain.plan.profile import profile_step
     return profile_step(tr, [batch], LR).to_dict()
 
 

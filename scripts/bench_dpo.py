@@ -1,6 +1,6 @@
 """Benchmark: one DPO training step, pytrain against TRL's DPOTrainer + PEFT, on the CPU.
 
-Why: preference training (pytrain/train/preference.py) should cost no more than the reference
+Why: preference training (pytrain/step/preference.py) should cost no more than the reference
 stack's on the same model, the same pairs and the same thread count.  A benchmark, not a test:
 nothing is asserted about speed (tests/test_bench_dpo.py smoke-tests it at the toy size).
 Writes a markdown report to ``bench_results/train-dpo.md`` (+ the raw ``train-dpo.json``).
@@ -143,8 +143,8 @@ def pytrain_worker(a) -> dict:
     from pytrain.data.preference import Pair, pair_batch
     from pytrain.models import lora
     from pytrain.models.lora_targets import lora_param_count, select_targets
-    from pytrain.train.optimizer import AdamWSettings
-    from pytrain.train.preference import PreferenceSettings, PreferenceTrainer
+    from pytrain.step.optimizer import AdamWSettings
+    from pytrain.step.preference import PreferenceSettings, PreferenceTrainer
     P, threads = a.pairs, int(a.threads)
     t0 = time.perf_counter()
     m = pytrain.load_model(a.gguf, device="cpu", threads=threads)

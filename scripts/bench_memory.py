@@ -3,7 +3,7 @@ with and without layer-wise recompute: written to bench_results/memory.md (+ .js
 
 Nothing is allocated and no GPU is needed: the graphs pytrain builds for a training step are
 measured by the scheduler (``ggml_backend_sched_reserve_size``) on weights that are metadata
-only (``pytrain.train.planning.shape_model``).  What a CUDA run holds is
+only (``pytrain.step.graph_memory.shape_model``).  What a CUDA run holds is
 
     weights (in the GGUF's type) + persistent step tensors (layer inputs, gradients handed
     down, the batch's inputs) + the largest compute buffer of one graph + LoRA and AdamW
@@ -16,7 +16,7 @@ Reference: HF transformers + PEFT on one H200 at this shape, batch 4 x 1024, bf1
 on q/k/v/o of the 6 attention layers, half the labels masked: 32.9 GiB peak for the whole
 process.
 
-``pytrain plan CONFIG`` reports the same figures for one config's run (planning.plan_run).
+``pytrain plan CONFIG`` reports the same figures for one config's run (run_memory.plan_run).
 
 Usage:  python -m scripts.bench_memory [--batch 4] [--lengths 1024,2048,4096]
 """
@@ -33,11 +33,11 @@ from pytrain import ggml
 from pytrain.models import lora
 from pytrain.models.lora_targets import select_targets
 from pytrain.models.qwen35_config import QWEN35_2B
-from pytrain.train import loss as loss_mod
-from pytrain.train.graphs import GradGraph
-from pytrain.train.optimizer import OptimizerState
-from pytrain.train.planning import shape_model
-from pytrain.train.run_plan import step_buffers
+from pytrain.step import loss as loss_mod
+from pytrain.step.graphs import GradGraph
+from pytrain.step.optimizer import OptimizerState
+from pytrain.step.graph_memory import shape_model
+from pytrain.plan.run_memory import step_buffers
 from scripts.bench_common import REPO, git_commit
 
 GiB = 2 ** 30
@@ -77,7 +77,7 @@ def acc_traffic(graph) -> dict:
 def step_memory(B: int, T: int) -> dict:
     """Compute buffers of the one-graph step and of the layer-wise step (largest graph), plus
     the layer-wise step's persistent tensors and the adapter with its AdamW state (the figures
-    of ``pytrain plan``: planning.step_buffers)."""
+    of ``pytrain plan``: run_memory.step_buffers)."""
     m = shape_model("qwen35", QWEN35_2B, "f16")          # graph sizes do not depend on the weight type
     try:
         ad = lora.create(m.runtime, m.config, select_targets(m.config), 16, 32.0)

@@ -60,7 +60,7 @@ auto chose layer-wise recompute, one graph (``recompute="off"``).
 
 Profile (``--no-profile`` skips): one extra pytrain step in its own process computed node by
 node, by part of the model and op and backend: ``pytrain profile``'s code
-(pytrain/train/profile.py); and one HF step under torch.profiler (top ops by self CPU time).
+(pytrain/plan/profile.py); and one HF step under torch.profiler (top ops by self CPU time).
 
 On a GPU: ``--device cuda`` or ``--device vulkan`` runs scripts/bench_train_gpu.py instead (it
 passes every argument on and its docstring says what it measures) ->
@@ -121,9 +121,9 @@ class _Phases:
     def __init__(self, trainer):
         from dataclasses import replace
 
-        import pytrain.train.loss as L
+        import pytrain.step.loss as L
         from pytrain import ggml
-        from pytrain.train.profile import step_graphs
+        from pytrain.plan.profile import step_graphs
         self.t: dict[str, float] = {}
         me = self
 

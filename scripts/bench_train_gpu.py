@@ -56,7 +56,7 @@ processes move it too).  Beside it each side's own figure (torch: ``max_memory_r
 pytrain: device memory in use after the steps, from ggml).  Profile
 (``--profile-types``, default bf16; ``--no-profile`` skips): one extra pytrain step computed node
 by node through a ggml scheduler eval callback (the scheduler synchronises after each node;
-``pytrain profile``'s code, pytrain/train/profile.py), summed by op and by part of the model; one HF step under
+``pytrain profile``'s code, pytrain/plan/profile.py), summed by op and by part of the model; one HF step under
 torch.profiler, top ops by self GPU time.
 
 Results go to ``--json`` (default ``bench_results/train-DEVICE.json``) and the markdown rendered

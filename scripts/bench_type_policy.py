@@ -1,6 +1,6 @@
 """Training tokens/s with the frozen weights kept in the file's type against dequantized to
 F32 (and F16), side by side in one run: what ``model.type_policy = "auto"``'s rule for
-training runs (``pytrain/train/type_choice.py``) is measured from.
+training runs (``pytrain/run/type_choice.py``) is measured from.
 
 Two parts:
 
@@ -94,8 +94,8 @@ class Side:
         from pytrain.models import lora
         from pytrain.models.lora_targets import select_targets
         from pytrain.models.model import load_model
-        from pytrain.train.optimizer import AdamWSettings
-        from pytrain.train.trainer import Trainer
+        from pytrain.step.optimizer import AdamWSettings
+        from pytrain.step.trainer import Trainer
         names = {k.upper(): v for k, v in ggml.TYPES.items()}
         dq = spec.get("dequantize")          # file type -> target, by name (the auto side)
         self.model = load_model(spec["path"], spec["device"], spec["threads"], "auto",
@@ -248,7 +248,7 @@ def auto_choice(path: Path, threads: int, device: str = "cpu"):
     machine's ``device``, as the trainer makes it."""
     from pytrain.ggml import Runtime
     from pytrain.models.model_file import open_model
-    from pytrain.train.type_choice import choose, device_key, runtime_budget
+    from pytrain.run.type_choice import choose, device_key, runtime_budget
     _arch, _meta, infos, config = open_model(path)
     rt = Runtime(device, threads=threads)
     try:
@@ -402,13 +402,13 @@ def markdown(r: dict) -> str:
                          f"| {ratio('f16')} | {ratio('f16', '_cpu')} |")
         lines.append("")
     if r.get("table"):
-        from pytrain.train.type_choice import FASTER
+        from pytrain.run.type_choice import FASTER
         lines += ["## What `auto` does for a training run with these figures", "",
                   f"A type is dequantized when its kept step takes at least {FASTER:.2f}x the "
                   f"F32 one (F16 when only that fits half the memory budget and is "
                   f"{FASTER:.2f}x faster than kept); this run's table "
                   + ("is" if r.get("table_is_committed") else "is NOT")
-                  + " the one pytrain/train/type_choice.py holds.", ""]
+                  + " the one pytrain/run/type_choice.py holds.", ""]
         for key, row in r["table"].items():
             f32 = [k for k, v in row.items() if v[0] >= FASTER]
             kept = [k for k, v in row.items() if v[0] < FASTER]
@@ -460,7 +460,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 def table(rows: list[dict]) -> dict[str, dict[str, tuple]]:
     """``type_choice.STEP_RATIO`` as these synthetic rows measure it (rows of the committed
     table this run did not measure are kept)."""
-    from pytrain.train import type_choice as tc
+    from pytrain.run import type_choice as tc
     out = {k: dict(v) for k, v in tc.STEP_RATIO.items()}
     for x in rows:
         s = x["sides"]
@@ -473,7 +473,7 @@ def table(rows: list[dict]) -> dict[str, dict[str, tuple]]:
 
 
 def table_source(t: dict) -> str:
-    """``t`` as the literal pytrain/train/type_choice.py holds."""
+    """``t`` as the literal pytrain/run/type_choice.py holds."""
     lines = ["STEP_RATIO: dict[str, dict[str, tuple[float, float | None]]] = {"]
     for key, row in t.items():
         lines.append(f'    "{key}": {{')
@@ -506,7 +506,7 @@ def main(argv: list[str] | None = None) -> int:
                 result["synthetic"].append(x)
                 log(f"{t} {x['device']}: " + ", ".join(
                     f"{s} {v['tokens_per_s']:.0f} tok/s" for s, v in x["sides"].items()))
-        from pytrain.train import type_choice as tc
+        from pytrain.run import type_choice as tc
         result["table"] = table(result["synthetic"])
         committed, tc.STEP_RATIO = tc.STEP_RATIO, result["table"]   # auto as this run measures
         result["table_is_committed"] = committed == result["table"]
@@ -523,7 +523,7 @@ def main(argv: list[str] | None = None) -> int:
     md = markdown(result)
     print("\n" + md)
     if not result["table_is_committed"]:
-        print("this run's table differs from pytrain/train/type_choice.py's; to use it there:\n"
+        print("this run's table differs from pytrain/run/type_choice.py's; to use it there:\n"
               + table_source(result["table"]))
     if a.results:
         a.results.mkdir(parents=True, exist_ok=True)

@@ -8,7 +8,7 @@ from pathlib import Path
 from pytrain.config import load_config
 from pytrain.data.chat_template import render
 from pytrain.models.model import load_model
-from pytrain.train import run
+from pytrain.run import loop as run
 
 ROOT = Path(__file__).resolve().parent.parent
 

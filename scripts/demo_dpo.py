@@ -203,7 +203,7 @@ def base_preference(out: Path) -> dict:
 
 def main() -> int:
     from pytrain.cli import _load_adapter
-    from pytrain.train import run
+    from pytrain.run import loop as run
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pairs", type=int, default=256, help="training pairs (256)")
     ap.add_argument("--valid", type=int, default=48, help="held-out validation pairs (48)")

@@ -198,7 +198,7 @@ def record(a: argparse.Namespace, cfg, gguf: Path, n_layer: int, tok, held_out: 
 
 def main() -> int:
     from pytrain.cli import _load_adapter
-    from pytrain.train import run
+    from pytrain.run import loop as run
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", choices=sorted(MODELS), default="smollm2")
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",

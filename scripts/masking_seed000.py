@@ -11,7 +11,7 @@ import numpy as np
 
 from pytrain.data import make_batches, pad_token_id
 from pytrain.models.model import load_model
-from pytrain.train import loss as L
+from pytrain.step import loss as L
 from scripts.masking_common import (checkpoints, config, load_adapter_into, log_softmax, md_table,
                                     metrics, model_path, plt, quiet, save_plot, save_results,
                                     write_jsonl)
@@ -81,7 +81,7 @@ def buggy_eval(model, batches, lora=None) -> float:
 
 def run_seed000(out: Path, overrides=(), *, n_train: int = 192, n_valid: int = 16,
                 p_long: float = 0.2, max_turns: int = 8, seed: int = 0, plot: bool = True) -> dict:
-    from pytrain.train import run
+    from pytrain.run import loop as run
     from pytrain.data import load_data
     folder = out / "seed000"
     tr = write_jsonl(folder / "train.jsonl", varied_chats(n_train, seed, p_long, max_turns))
@@ -240,8 +240,8 @@ def run_real(out: Path, overrides=(), *, n_train: int = 160, n_valid: int = 24, 
     """Seed 000 on SmolLM2-135M-Instruct: runs ``bug``, ``fix`` and ``padmask``."""
     from scripts import fetch_model
     from scripts import demo_real
-    from pytrain.train import run
-    from pytrain.train.trainer import Trainer
+    from pytrain.run import loop as run
+    from pytrain.step.trainer import Trainer
     from pytrain.data import load_data
     import random
     folder = out / "real"

@@ -13,7 +13,7 @@ import numpy as np
 
 from pytrain.data import load_examples
 from pytrain.models.model import load_model
-from pytrain.train import loss as L
+from pytrain.step import loss as L
 from scripts.masking_common import (SYSTEM, WORDS, batch_logits, chat, checkpoints, config,
                                     load_adapter_into, log_softmax, md_table, metrics, model_path,
                                     plt, quiet, save_plot, save_results, write_jsonl)
@@ -118,7 +118,7 @@ def run_seed003(out: Path, overrides=(), *, n_train: int = 4000, n_test: int = 2
                 n_free: int = 32, max_new: int = 16, seed: int = 0, plot: bool = True) -> dict:
     """Two SFT runs of config seed003_sft.toml, data.mask assistant_only vs all; exact accuracy on
     held-out pairs at every checkpoint; free-generation question share at the end."""
-    from pytrain.train import run
+    from pytrain.run import loop as run
     name = "seed003_context" if context[1] else "seed003"
     max_new += 2 * context[1]          # room to write the random words before the question
     folder = out / name

@@ -10,7 +10,7 @@ import numpy as np
 from pytrain.config import mask_for
 from pytrain.data import Batch, load_examples, make_batches, pad_token_id
 from pytrain.models.model import load_model
-from pytrain.train import loss as L
+from pytrain.step import loss as L
 from scripts.masking_common import (config, cosine, flat, make_adapter, md_table, model_path, plt,
                                     rel, save_plot, save_results, write_jsonl, xy_plot)
 from scripts.masking_seed000 import varied_chats
@@ -32,7 +32,7 @@ def c_examples(name: str, out: Path, overrides, n: int, seed: int, p_long: float
 
 
 def grad_run(model, ad, tokens, seg, targets, n_valid_step=None, buggy=False, T=None) -> dict:
-    from pytrain.train.graphs import GradGraph
+    from pytrain.step.graphs import GradGraph
     g = GradGraph(model, ad, tokens.shape[0], T or tokens.shape[1])
     try:
         o = g.run(tokens.astype(np.int64), seg, targets, n_valid_step, buggy)
@@ -101,7 +101,7 @@ def run_accum(out: Path, overrides=(), *, n_pairs: int = 6, b_std: float = 0.02,
               max_turns: int = 8, seed: int = 0, plot: bool = True) -> dict:
     """Two micro-batches per step (config: train.grad_accum = 2 of train.batch_size examples):
     the first holds long chats (many targets), the second chats with fewer and fewer targets."""
-    from pytrain.train.graphs import GradGraph
+    from pytrain.step.graphs import GradGraph
     folder, cfg, model, ex = c_examples("accum", out, overrides, n_data, seed,
                                        max_turns=max_turns)
     ad = make_adapter(model, cfg, b_std, seed)

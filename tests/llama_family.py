@@ -8,8 +8,8 @@ import numpy as np
 import pytrain
 from pytrain.models import lora
 from pytrain.models.lora_targets import select_targets
-from pytrain.train import loss as L
-from pytrain.train.graphs import GradGraph
+from pytrain.step import loss as L
+from pytrain.step.graphs import GradGraph
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 RANK, ALPHA = 4, 8                      # the PEFT goldens' adapter

@@ -15,7 +15,7 @@ import numpy as np
 
 import pytrain
 from bounds import F32_SPREAD, f32_bound, ulps
-from pytrain.train.graphs import GradGraph
+from pytrain.step.graphs import GradGraph
 
 
 def _step(model, adapter, B, T, tokens, seg, targets, **kw) -> dict:

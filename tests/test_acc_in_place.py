@@ -101,7 +101,7 @@ def test_the_delta_net_step_writes_linear_acc_traffic():
     from pytrain.models import lora
     from pytrain.models.lora_targets import select_targets
     from pytrain.models.qwen35_config import QWEN35_2B
-    from pytrain.train.graphs import GradGraph
+    from pytrain.step.graphs import GradGraph
     m = shape_model("qwen35", QWEN35_2B, "bf16", device="cuda")
     try:
         ad = lora.create(m.runtime, m.config, select_targets(m.config), 16, 32.0)

@@ -42,7 +42,7 @@ def toy_run(tmp_path_factory):
 
 
 def test_import_pytrain_loads_no_native_code():
-    """``import pytrain`` (the facade, the API module, the callable train package) loads
+    """``import pytrain`` (the facade and the API module) loads
     neither ggml's cffi extension nor the ggml wrapper nor numpy."""
     code = ("import pytrain, sys; print('pytrain._native._ggml' in sys.modules or "
             "any(m == 'pytrain.ggml' or m.startswith('pytrain.ggml.') or m == 'numpy' "
@@ -53,15 +53,15 @@ def test_import_pytrain_loads_no_native_code():
     assert p.stdout.strip() == "False"
 
 
-def test_train_is_the_function_and_the_package():
-    """``pytrain.train(...)`` calls the API; ``pytrain.train.run`` is still the module, also
-    after ``import pytrain.train.X as m`` (which a function bound to the name would break)."""
+def test_train_is_the_api_function():
+    """``pytrain.train`` is the API's function itself, re-exported: no package shares the
+    name (the trainer's modules are ``pytrain.step``, ``pytrain.run`` and ``pytrain.plan``)."""
     import inspect
 
-    import pytrain.train.optimizer as optimizer_mod
-    from pytrain.train import run
-    assert callable(pytrain.train) and pytrain.train.run is run
-    assert pytrain.train.optimizer is optimizer_mod
+    import pytrain.api
+    from pytrain.run import loop
+    assert pytrain.train is pytrain.api.train
+    assert pytrain.run.loop is loop
     assert "overrides" in inspect.signature(pytrain.train).parameters
 
 

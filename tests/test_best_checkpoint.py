@@ -109,7 +109,7 @@ def test_an_interrupted_run_stops_early_and_keeps_the_best_as_the_straight_run(
     """SIGINT after the best validation: the checkpoint carries the best adapter and count,
     so the resumed run stops at the same step with the same best adapter, even when the
     run folder's adapter.best.gguf was replaced meanwhile."""
-    from pytrain.train.trainer import Trainer
+    from pytrain.step.trainer import Trainer
     cfg = write_overfitting_run(tmp_path)
     assert main(["train", str(cfg), "--no-progress"]) == 0
     straight = valid_records(tmp_path / "out")

@@ -21,8 +21,8 @@ from pytrain.ggml import lib
 from pytrain.models import lora
 from pytrain.data import Example, make_batches
 from pytrain.models.lora_targets import select_targets
-from pytrain.train.optimizer import AdamWSettings
-from pytrain.train.trainer import Trainer
+from pytrain.step.optimizer import AdamWSettings
+from pytrain.step.trainer import Trainer
 
 FIX = Path(__file__).resolve().parent / "fixtures" / "qwen35"
 

@@ -248,10 +248,10 @@ def _graph_counts(path, T: int) -> dict[str, tuple[int, int]]:
     from pytrain import ggml
     from pytrain.models import lora
     from pytrain.models.lora_targets import select_targets
-    from pytrain.train import loss as loss_mod
-    from pytrain.train.graphs import GradGraph
-    from pytrain.train.planning import file_shape_model
-    from pytrain.train.recompute import RecomputeGraph
+    from pytrain.step import loss as loss_mod
+    from pytrain.step.graphs import GradGraph
+    from pytrain.step.graph_memory import file_shape_model
+    from pytrain.step.recompute import RecomputeGraph
     lib = ggml.lib
     model, _, _ = file_shape_model(path)
     try:

@@ -1,10 +1,10 @@
-"""How a data-parallel job decides that an error is everyone's (pytrain/train/distributed.py),
+"""How a data-parallel job decides that an error is everyone's (pytrain/step/distributed.py),
 without MPI: a stand-in world whose collectives return what the other ranks would have sent.
 tests/test_distributed.py runs the same paths under mpiexec."""
 import pytest
 
 from pytrain.errors import PytrainError
-from pytrain.train.distributed import (CollectiveError, World, agree, forget_messages,
+from pytrain.step.distributed import (CollectiveError, World, agree, forget_messages,
                                        keep_message, on_main)
 
 

@@ -18,7 +18,7 @@ import pytest
 from pytrain import ggml
 from pytrain.ggml import ffi, lib
 from pytrain.models import precision
-from pytrain.train.graphs import GradGraph
+from pytrain.step.graphs import GradGraph
 from tests.test_recompute import adapted, packed_batch
 
 FIX = Path(__file__).resolve().parent / "fixtures" / "qwen35"

@@ -10,15 +10,15 @@ from cuda_support import supported, unsupported_nodes
 
 from pytrain import ggml, models
 from pytrain.models import lora
-from pytrain.train.graphs import GradGraph
+from pytrain.step.graphs import GradGraph
 from pytrain.models.model_file import open_model
 from pytrain.models.lora_targets import select_targets
 from pytrain.models.model import Model
-from pytrain.train.optimizer import AdamWSettings, Optimizer
+from pytrain.step.optimizer import AdamWSettings, Optimizer
 from pytrain.models.qwen35_config import QWEN35_2B
-from pytrain.train.planning import shape_model
+from pytrain.step.graph_memory import shape_model
 from pytrain.data.tokenizer import Tokenizer
-from pytrain.train.graphs import EvalGraph
+from pytrain.step.graphs import EvalGraph
 from pytrain.models.weights import load_weights
 
 FIX = Path(__file__).resolve().parent / "fixtures" / "qwen35"
@@ -139,7 +139,7 @@ def test_layer_wise_recompute_graphs_run_entirely_on_cuda(file_type):
     does not fit): the frozen layers below the first adapter, each layer's forward, the head
     and loss on a chunk of rows with its label graph, each layer's recomputing backward; at
     the 2B shape and the largest micro-batch."""
-    from pytrain.train.recompute import RecomputeGraph
+    from pytrain.step.recompute import RecomputeGraph
     m = shape_model("qwen35", QWEN35_2B, file_type, device="cuda")
     try:
         ad = lora.create(m.runtime, m.config, select_targets(m.config), 16, 32.0)

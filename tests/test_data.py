@@ -314,7 +314,7 @@ def test_padding_share_and_stats():
 @pytest.mark.parametrize("packing", [False, True])
 def test_shift_targets_sees_exactly_the_expected_targets(packing):
     """Known lengths and prompts -> known target count, through the loss's own shift."""
-    from pytrain.train.loss import IGNORE, shift_targets
+    from pytrain.step.loss import IGNORE, shift_targets
 
     eos = 7  # pad id == eos id: real EOS targets must stay targets
     lengths, prompt = [6, 3, 9, 4, 12], 2
@@ -341,7 +341,7 @@ def test_shift_targets_sees_exactly_the_expected_targets(packing):
 
 
 def test_from_files_through_config(tmp_path, tok):
-    from pytrain.train.loss import IGNORE, shift_targets
+    from pytrain.step.loss import IGNORE, shift_targets
 
     jsonl(tmp_path, *([CHAT, MULTI] * 5), name="train.jsonl")
     valid = jsonl(tmp_path, MULTI, name="valid.jsonl")

@@ -1,4 +1,4 @@
-"""Data-parallel training over MPI (pytrain/train/distributed.py): `mpiexec -n N pytrain train`
+"""Data-parallel training over MPI (pytrain/step/distributed.py): `mpiexec -n N pytrain train`
 is one process with ``grad_accum x N`` micro-batches per step.
 
 Runs MPICH's mpiexec from the environment (the ``mpi`` extra, which `make build` installs) on
@@ -40,7 +40,7 @@ pytestmark = [pytestmark, pytest.mark.slow]   # mpiexec training runs: tens of s
 WRAPPER = r"""
 import dataclasses, os, signal, sys, time
 import numpy as np
-from pytrain.train import distributed, trainer as tr_mod
+from pytrain.step import distributed, trainer as tr_mod
 from pytrain import config as config_mod
 w = distributed.world()
 real_step, calls = tr_mod.Trainer.step, [0]

@@ -24,7 +24,7 @@ from llama_cpp_check import (assert_greedy_matches_llama_cpp, fetched_model, lla
                              llama_tokenize)
 from pytrain.models import lora
 from pytrain.models.lora_targets import select_targets
-from pytrain.train import loss as L
+from pytrain.step import loss as L
 
 ROOT = Path(__file__).resolve().parent.parent
 TEXT = "The capital of France is Paris. The capital of Italy is Rome, and"

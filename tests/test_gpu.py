@@ -31,9 +31,9 @@ pytestmark = [pytest.mark.gpu,
                                  reason="needs a CUDA device (ggml reports none)")]
 
 import pytrain  # noqa: E402
-from pytrain.train import loss as L  # noqa: E402
+from pytrain.step import loss as L  # noqa: E402
 from pytrain.models import lora  # noqa: E402
-from pytrain.train.graphs import GradGraph  # noqa: E402
+from pytrain.step.graphs import GradGraph  # noqa: E402
 from pytrain.models.lora_targets import select_targets  # noqa: E402
 
 FIX = Path(__file__).resolve().parent / "fixtures" / "qwen35"
@@ -80,7 +80,7 @@ def _step_noise(tmp: Path) -> tuple[float, float]:
 
 def peft_step(path: Path, gold: dict, device: str, recompute: str = "off") -> dict:
     """pytrain's loss and LoRA gradients on the PEFT golden's batch (tests/test_peft_parity)."""
-    from pytrain.train.recompute import RecomputeGraph
+    from pytrain.step.recompute import RecomputeGraph
     m = pytrain.load_model(path, device=device)
     try:
         names = select_targets(m.config)
@@ -172,7 +172,7 @@ def test_cuda_lora_gradients_match_peft(recompute, tf32_noise):
 def test_training_graphs_stay_on_the_gpu(B, T):
     """The runtime refuses a graph the scheduler would split onto the CPU (CPUFallbackError):
     allocating the step graphs at the largest micro-batch proves none falls back."""
-    from pytrain.train.recompute import RecomputeGraph
+    from pytrain.step.recompute import RecomputeGraph
     m = pytrain.load_model(FIX / "gqa-q8_0.gguf", device=DEVICE)
     try:
         ad = lora.create(m.runtime, m.config, select_targets(m.config), 4, 8.0)

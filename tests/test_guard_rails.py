@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pytrain.train import checkpoint as ckpt
+from pytrain.run import checkpoint as ckpt
 from pytrain.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -23,7 +23,7 @@ SAVER = textwrap.dedent("""
     import os, shutil, sys, time
     import numpy as np
     from pathlib import Path
-    from pytrain.train import checkpoint as ckpt
+    from pytrain.run import checkpoint as ckpt
 
     class Adapter:   # what ckpt.save needs of a LoraAdapter: alpha and get()
         alpha = 8.0
@@ -117,7 +117,7 @@ def write_run(tmp_path: Path, out: str) -> Path:
 
 def test_unwritable_output_dir_is_reported_before_training(tmp_path, capsys, monkeypatch):
     """Refused before the model or the data is read: loading either would raise here."""
-    from pytrain.train import run
+    from pytrain.run import loop as run
 
     def never(*a, **k):
         raise AssertionError("the model or data was loaded before the output folder was checked")

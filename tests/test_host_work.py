@@ -93,7 +93,7 @@ ANIMALS = [("cow", "moo"), ("dog", "woof"), ("cat", "meow"), ("duck", "quack")]
 
 def test_the_training_examples_are_hashed_once_per_run(tmp_path, monkeypatch):
     from pytrain.config import load_config
-    from pytrain.train import run as run_mod
+    from pytrain.run import loop as run_mod
     rec = [{"messages": [{"role": "user", "content": f"What does the {a} say?"},
                          {"role": "assistant", "content": f"The {a} says {s}."}]}
            for a, s in ANIMALS]

@@ -17,7 +17,7 @@ SCRIPT = textwrap.dedent("""
     import numpy as np
     from pytrain import ggml
     from pytrain.ggml import lib
-    from pytrain.train.run import Interrupt
+    from pytrain.run.loop import Interrupt
 
     rt = ggml.Runtime("cpu", threads=2)
     wctx = ggml.Context(n_tensors=2)
@@ -89,7 +89,7 @@ def test_a_second_interrupt_stops_a_compute_in_progress():
 
 
 def test_second_signal_drops_a_step_never_an_update_and_the_third_stops_at_once():
-    """The step loop's three signals (pytrain.train.interrupt), in process: the first is a
+    """The step loop's three signals (pytrain.run.interrupt), in process: the first is a
     request; the second raises nowhere but where a step can be dropped whole (before its
     optimizer update), stops the next compute once an update under way is done, and drops the
     next step before it starts; the third raises at once and puts the earlier handlers back."""
@@ -100,7 +100,7 @@ def test_second_signal_drops_a_step_never_an_update_and_the_third_stops_at_once(
     import pytest
 
     from pytrain import ggml
-    from pytrain.train.interrupt import Interrupt
+    from pytrain.run.interrupt import Interrupt
 
     def until(cond):
         end = time.monotonic() + 60

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from pytrain.cli import main
-from pytrain.train import checkpoint as ckpt
+from pytrain.run import checkpoint as ckpt
 from test_train_cli import (MODEL, at_a_terminal, checkpoint_steps, count_step_lines, step_records,
                             subprocess_env, wait_for, write_config, write_data)
 
@@ -81,8 +81,8 @@ def held_run(tmp_path: Path, hold_at: str, mode: str, *args: str) -> subprocess.
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
-@pytest.mark.parametrize("hold_at", ["pytrain.train.run:load_model",
-                                     "pytrain.train.run:load_data"])
+@pytest.mark.parametrize("hold_at", ["pytrain.run.loop:load_model",
+                                     "pytrain.run.loop:load_data"])
 def test_ctrl_c_while_a_run_starts_stops_it_and_says_nothing_was_trained(tmp_path, hold_at):
     write_data(tmp_path)
     cfg = write_config(tmp_path, max_steps=2)
@@ -127,7 +127,7 @@ def test_sigterm_during_skipped_steps_stops_after_the_step_it_came_in(tmp_path, 
     """Every step skipped (no target: planted), SIGTERM during the third of 32.  The skipped
     steps went past the interrupt check, so the run went through the whole epoch and ended
     with status 0.  Now it stops after that step, with a checkpoint of its position."""
-    from pytrain.train.trainer import Trainer
+    from pytrain.step.trainer import Trainer
     write_data(tmp_path)                                        # 32 examples: 32 steps
     cfg = write_config(tmp_path, batch_size=1, epochs=1)
     calls = []
@@ -149,7 +149,7 @@ def test_sigterm_during_skipped_steps_stops_after_the_step_it_came_in(tmp_path, 
 
 def test_a_run_off_the_main_thread_trains_and_says_signals_are_not_handled(tmp_path):
     from pytrain.config import load_config
-    from pytrain.train.run import train
+    from pytrain.run.loop import train
     write_data(tmp_path)
     cfg = load_config(write_config(tmp_path, max_steps=2), [])
     said, results, errors = [], [], []
@@ -176,8 +176,8 @@ def test_a_loss_plot_that_fails_never_replaces_the_error(tmp_path, monkeypatch, 
     or a Ctrl-C at step 2: the plot was drawn on the error path, and its OSError replaced
     the real error ("error: [Errno 28] No space left on device", status 1).  Now the real
     error is the one reported, and the plot a warning."""
-    from pytrain.train import run_log
-    from pytrain.train.trainer import NonFiniteLoss, Trainer
+    from pytrain.run import log as run_log
+    from pytrain.step.trainer import NonFiniteLoss, Trainer
     write_data(tmp_path)
     cfg = write_config(tmp_path, max_steps=5)
 

@@ -5,6 +5,9 @@ Every import statement counts, also one inside a function: an import deferred to
 still makes the importing module depend on the imported one, and deferring it is how a cycle
 hides.  ``from pytrain import ggml`` is an import of ``pytrain.ggml``; the root package
 (``pytrain``: ``__version__`` and the facade re-exporting the Python API) sits above everything.
+The trainer is three layers: ``step`` (what one optimizer step computes), ``run`` (the run
+around the steps, which drives them) and ``plan`` (``pytrain plan`` and ``pytrain profile``,
+which build a run's step without training).
 The Python API (``pytrain.api``: train, load, eval, export) is a layer of its own between the
 trainer and the command line: the command calls it, so it cannot sit above ``cli``, and it
 calls the trainer, the models and the formats below it.
@@ -19,7 +22,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "pytrain"
 # bottom first; a module may import its own layer and the layers before it
-LAYERS = ("errors", "config", "ggml", "data", "formats", "models", "train", "api", "cli")
+LAYERS = ("errors", "config", "ggml", "data", "formats", "models", "step", "run", "plan", "api",
+          "cli")
 # modules outside a folder of their name: the version constant has no imports; the native
 # extension is ggml's; the RPC server and ``python -m pytrain`` are commands
 PLACED = {"pytrain._version": "errors", "pytrain._native": "ggml",
@@ -138,16 +142,16 @@ def test_no_import_cycles():
 @pytest.mark.parametrize("plant", ["module level", "inside a function"])
 def test_a_planted_upward_import_is_found(tmp_path, plant):
     """The checks above on a copy of the package with one import of the trainer added to the
-    config loader: an upward arrow, and a cycle (train/run.py imports the config)."""
+    config loader: an upward arrow, and a cycle (run/loop.py imports the config)."""
     import shutil
     copy = tmp_path / "pytrain"
     shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("_native", "__pycache__"))
     target = copy / "config" / "load.py"
-    line = "from pytrain.train import run\n"
+    line = "from pytrain.run import loop\n"
     if plant == "inside a function":
-        line = "def _late():\n    from pytrain.train import run\n    return run\n"
+        line = "def _late():\n    from pytrain.run import loop\n    return loop\n"
     target.write_text(target.read_text(encoding="utf-8") + "\n" + line, encoding="utf-8")
     graph = import_graph(copy)
-    assert any(u.startswith("pytrain/config/load.py:") and "imports pytrain.train.run (train)"
+    assert any(u.startswith("pytrain/config/load.py:") and "imports pytrain.run.loop (run)"
                in u for u in upward_imports(graph))
-    assert any("pytrain.config.load" in c and "pytrain.train.run" in c for c in cycles(graph))
+    assert any("pytrain.config.load" in c and "pytrain.run.loop" in c for c in cycles(graph))

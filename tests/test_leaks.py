@@ -18,9 +18,9 @@ import pytrain
 from pytrain import ggml
 from pytrain.models import lora
 from pytrain.models.lora_targets import select_targets
-from pytrain.train import trainer as trainer_mod
-from pytrain.train.optimizer import AdamWSettings
-from pytrain.train.trainer import Trainer
+from pytrain.step import trainer as trainer_mod
+from pytrain.step.optimizer import AdamWSettings
+from pytrain.step.trainer import Trainer
 
 FIX = Path(__file__).resolve().parent / "fixtures" / "qwen35"
 MODEL = FIX / "gqa-f32.gguf"
@@ -118,7 +118,7 @@ def test_evaluation_keeps_a_bounded_number_of_graphs(model, adapter):
 
 
 def test_evaluator_evicts_the_least_recently_used_graph(model):
-    from pytrain.train.evaluate import Evaluator
+    from pytrain.step.evaluate import Evaluator
     start = live()
     ev = Evaluator(model, None, max_graphs=2)
     a, b, c = batch(16), batch(32), batch(48)
@@ -156,7 +156,7 @@ def test_pytrain_eval_of_the_base_model_builds_no_optimizer_and_no_adapter(model
     tr = Trainer(model, zero, AdamWSettings())
     want = tr.evaluate(batches)
     tr.close()
-    from pytrain.train.evaluate import Evaluator
+    from pytrain.step.evaluate import Evaluator
     base = Evaluator(model, None)
     assert base.evaluate(batches) == want
     base.close()
@@ -164,7 +164,7 @@ def test_pytrain_eval_of_the_base_model_builds_no_optimizer_and_no_adapter(model
     def refuse(*args, **kwargs):
         raise AssertionError("pytrain eval without --adapter built an optimizer or an adapter")
 
-    import pytrain.train.optimizer as optimizer_mod
+    import pytrain.step.optimizer as optimizer_mod
     monkeypatch.setattr(optimizer_mod.OptimizerState, "__init__", refuse)
     monkeypatch.setattr(lora, "create", refuse)
     capsys.readouterr()
@@ -197,7 +197,7 @@ def test_a_run_failing_while_its_loop_is_set_up_closes_all_it_opened(tmp_path, m
     model and the trainer were closed."""
     import signal
     from pytrain.config import load_config
-    from pytrain.train import run, samples
+    from pytrain.run import loop as run, samples
     from test_train_run import write_config, write_data
     write_data(tmp_path)
     cfg_path = write_config(tmp_path, max_steps=2, eval_every=0, sample_every=1,

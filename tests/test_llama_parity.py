@@ -34,8 +34,8 @@ from llama_family import (ALPHA, FIXTURES, RANK, assert_kv_cache_matches, f32_bo
                           log_softmax, max_error, peft_step, worst_gradient_error)
 from pytrain.models import lora
 from pytrain.models.lora_targets import select_targets
-from pytrain.train import loss as L
-from pytrain.train.graphs import GradGraph
+from pytrain.step import loss as L
+from pytrain.step.graphs import GradGraph
 
 FIX = FIXTURES / "llama"
 FILES = ["gqa-f32", "gqa-f16", "gqa-q8_0", "untied-f32", "llama3-f32"]
@@ -289,7 +289,7 @@ def test_llama_cpp_runs_pytrains_llama_adapter(llama_logits_exe, tmp_path, name,
 def test_layer_recompute_equals_the_one_graph_step():
     """Layer-wise recompute (train.recompute = "layers") runs the llama layers one at a time:
     same loss and LoRA gradients as the one-graph step."""
-    from pytrain.train.recompute import RecomputeGraph
+    from pytrain.step.recompute import RecomputeGraph
     gold = dict(np.load(FIX / "peft_gqa.npz"))
     m = pytrain.load_model(FIX / "gqa-f32.gguf", device="cpu", threads=2)
     try:

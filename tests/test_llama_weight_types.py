@@ -36,8 +36,8 @@ import pytrain
 from pytrain import ggml
 from pytrain.models import lora
 from pytrain.models.lora_targets import select_targets
-from pytrain.train import loss as L
-from pytrain.train.graphs import GradGraph
+from pytrain.step import loss as L
+from pytrain.step.graphs import GradGraph
 
 TYPES = ["f16", "bf16", "q8_0", "q6_K", "q5_K", "q5_0", "q5_1", "q4_K", "q4_0", "q4_1", "q3_K",
          "q2_K"]

@@ -155,7 +155,7 @@ def test_loraplus_steps_as_peft_create_loraplus_optimizer(model):
     formula to the same float32 inputs, each rounding its own way."""
     from bounds import F32_SPREAD, ulps
     from pytrain import ggml
-    from pytrain.train.optimizer import AdamWSettings, Optimizer, OptimizerState
+    from pytrain.step.optimizer import AdamWSettings, Optimizer, OptimizerState
     g = dict(np.load(FIX / "loraplus_golden.npz"))
     names = sorted({k.rsplit(".", 1)[0] for k in g if k.endswith((".lora_a", ".lora_b"))})
     ad = lora.create(model.runtime, model.config, names, RANK, ALPHA)
@@ -226,7 +226,7 @@ def dropout_adapter(m, p=P, seed=5):
 
 
 def batch(B=3, T=40):
-    from pytrain.train import loss as L
+    from pytrain.step import loss as L
     rng = np.random.default_rng(3)
     tokens = rng.integers(0, 480, (B, T))
     seg = np.zeros((B, T), np.int64)
@@ -240,7 +240,7 @@ def test_dropout_masks_drop_at_the_rate_and_scale_the_rest(model):
     exactly as torch's dropout; independent per tensor; the same for the same place in the
     run, another for another."""
     from pytrain import ggml
-    from pytrain.train.graphs import GradGraph
+    from pytrain.step.graphs import GradGraph
     ad = dropout_adapter(model)
     g = GradGraph(model, ad, 3, 40)
     try:
@@ -304,7 +304,7 @@ def test_the_adapter_sees_the_dropped_input(model):
 
 
 def test_dropout_zero_builds_no_masks(model):
-    from pytrain.train.graphs import GradGraph
+    from pytrain.step.graphs import GradGraph
     g = GradGraph(model, dropout_adapter(model, p=0.0), 3, 40)
     try:
         assert g.masks == []
@@ -318,7 +318,7 @@ def test_layer_recompute_draws_the_same_masks(monkeypatch):
     masks, drawn by tensor name and place, are the same each time and the same as the one
     graph's, so the step equals the one-graph step within its float32 rounding."""
     import step_rounding
-    from pytrain.train import recompute as R
+    from pytrain.step import recompute as R
     m = pytrain.load_model(FIX / "gqa-f32.gguf", device="cpu", threads=2)
     try:
         ad = dropout_adapter(m)
@@ -328,7 +328,7 @@ def test_layer_recompute_draws_the_same_masks(monkeypatch):
         rec = r.run(tokens, seg, tgt)
         r.close()
         plain = dropout_adapter(m, p=0.0)
-        from pytrain.train.graphs import GradGraph
+        from pytrain.step.graphs import GradGraph
         g = GradGraph(m, plain, 3, 40)
         no_dropout = g.run(tokens, seg, tgt)
         g.close()

@@ -7,9 +7,9 @@ import pytest
 
 import pytrain
 import step_rounding
-from pytrain.train import loss as L
+from pytrain.step import loss as L
 from pytrain.models import lora
-from pytrain.train.graphs import GradGraph
+from pytrain.step.graphs import GradGraph
 from pytrain.models.lora_targets import select_targets
 
 

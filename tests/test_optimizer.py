@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 
 import pytrain
-from pytrain.train import loss as L
+from pytrain.step import loss as L
 from pytrain.models import lora
-from pytrain.train.graphs import GradGraph
+from pytrain.step.graphs import GradGraph
 from pytrain.models.lora_targets import select_targets
-from pytrain.train.optimizer import OptimizerState, AdamWSettings, Optimizer, schedule
-from pytrain.train.trainer import Trainer
+from pytrain.step.optimizer import OptimizerState, AdamWSettings, Optimizer, schedule
+from pytrain.step.trainer import Trainer
 
 FIX = Path(__file__).resolve().parent / "fixtures" / "qwen35"
 

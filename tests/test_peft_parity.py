@@ -37,9 +37,9 @@ import pytest
 
 import pytrain
 from bounds import F32_SPREAD, ulps
-from pytrain.train import loss as L
+from pytrain.step import loss as L
 from pytrain.models import lora
-from pytrain.train.graphs import GradGraph
+from pytrain.step.graphs import GradGraph
 from pytrain.models.lora_targets import select_targets
 
 FIX = Path(__file__).resolve().parent / "fixtures" / "qwen35"

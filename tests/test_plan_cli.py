@@ -8,7 +8,7 @@ from gguf import GGUFReader
 
 from pytrain.cli import main
 from pytrain.cli.plan import NOT_FIT
-from pytrain.train.run_plan import size
+from pytrain.plan.run_memory import size
 from scripts.gguf_models import write_qwen35
 from tests.test_train_cli import MODEL, write_config, write_data
 
@@ -53,9 +53,9 @@ def test_weight_bytes_are_the_gguf_tensor_sizes(capsys, cfg):
 def auto_type(file_type: str, plain: str) -> str:
     """What a training run's ``auto`` loads ``file_type`` matrices as on this CPU with memory
     to spare: F32 where the measured table says a step is FASTER so, else auto's plain rule
-    (``plain``) (pytrain/train/type_choice.py; tests/test_type_choice.py checks the rule)."""
+    (``plain``) (pytrain/run/type_choice.py; tests/test_type_choice.py checks the rule)."""
     from pytrain import ggml
-    from pytrain.train import type_choice as tc
+    from pytrain.run import type_choice as tc
     row = tc.STEP_RATIO.get(tc.device_key("cpu", ggml.blas_enabled()), {})
     return "F32" if (row.get(file_type) or (0,))[0] >= tc.FASTER else plain
 
@@ -170,10 +170,10 @@ def test_plan_agrees_with_the_trainer(capsys, cfg):
     """The compute buffer the plan reports is the one the trainer measures on the loaded
     model, and recompute = auto decides the same at memory limits on both sides of it."""
     from pytrain.config import load_config
-    from pytrain.train import loss as loss_mod
-    from pytrain.train.graphs import GradGraph
-    from pytrain.train.planning import compute_bytes
-    from pytrain.train.run import open_session
+    from pytrain.step import loss as loss_mod
+    from pytrain.step.graphs import GradGraph
+    from pytrain.step.graph_memory import compute_bytes
+    from pytrain.run.loop import open_session
     d = plan_json(capsys, cfg)
     B, T = d["batch"]
     s = open_session(load_config(cfg), cfg.parent / "out", lambda _: None)

@@ -14,11 +14,11 @@ from pytrain.data.examples import DataError
 from pytrain.data.preference import load_pairs, make_pair_batches, pair_batch
 from pytrain.models import lora
 from pytrain.models.lora_targets import select_targets
-from pytrain.train import loss as L
-from pytrain.train import preference_loss as pl
-from pytrain.train.graphs import EvalGraph, GradGraph, bucket_length
-from pytrain.train.optimizer import AdamWSettings
-from pytrain.train.preference import PreferenceSettings, PreferenceTrainer
+from pytrain.step import loss as L
+from pytrain.step import preference_loss as pl
+from pytrain.step.graphs import EvalGraph, GradGraph, bucket_length
+from pytrain.step.optimizer import AdamWSettings
+from pytrain.step.preference import PreferenceSettings, PreferenceTrainer
 from step_rounding import measure
 
 FIX = Path(__file__).resolve().parent / "fixtures" / "qwen35"

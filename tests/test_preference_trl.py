@@ -25,8 +25,8 @@ import pytrain
 from bounds import F32_SPREAD, ulps
 from pytrain.data.preference import Pair, load_pairs, pair_batch
 from pytrain.models import lora
-from pytrain.train.optimizer import AdamWSettings
-from pytrain.train.preference import PreferenceSettings, PreferenceTrainer
+from pytrain.step.optimizer import AdamWSettings
+from pytrain.step.preference import PreferenceSettings, PreferenceTrainer
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 FAMILIES = {"qwen35": FIXTURES / "qwen35", "llama": FIXTURES / "llama"}

@@ -78,7 +78,7 @@ def test_a_vulkan_step_runs_on_the_vulkan_device(capsys, cfg):
     from vulkan_support import vulkan_device
 
     from pytrain.cli.profile import render
-    from pytrain.train.profile import StepProfile
+    from pytrain.plan.profile import StepProfile
     desc = vulkan_device()
     rc, out = profile(capsys, cfg, "--json", "--set", 'model.device="vulkan"')
     assert rc == 0

@@ -1,4 +1,4 @@
-"""Layer-wise recompute (``pytrain.train.recompute``) gives the one-graph step's loss and LoRA
+"""Layer-wise recompute (``pytrain.step.recompute``) gives the one-graph step's loss and LoRA
 gradients, and needs a fraction of its compute buffer."""
 import os
 from pathlib import Path
@@ -10,10 +10,10 @@ import pytest
 import pytrain
 import step_rounding
 from bounds import assert_adamw_close, f32_bound
-from pytrain.train import loss as L
+from pytrain.step import loss as L
 from pytrain.models import lora
-from pytrain.train import recompute as R
-from pytrain.train.graphs import GradGraph
+from pytrain.step import recompute as R
+from pytrain.step.graphs import GradGraph
 from pytrain.models.lora_targets import select_targets
 
 FIX = Path(__file__).resolve().parent / "fixtures" / "qwen35"
@@ -78,8 +78,8 @@ def test_training_with_recompute_gives_the_same_adapter():
     tiny; measuring with the runtime's scheduler once left a plan without buffers and the
     next step crashed)."""
     from pytrain.data import Example, make_batches
-    from pytrain.train.optimizer import AdamWSettings
-    from pytrain.train.trainer import Trainer
+    from pytrain.step.optimizer import AdamWSettings
+    from pytrain.step.trainer import Trainer
     rng = np.random.default_rng(3)
     ex = [Example(rng.integers(0, 480, n).astype(np.int32), rng.random(n) < 0.7)
           for n in (17, 30, 9, 24, 31, 12, 20, 26, 14, 33, 8, 21)]
@@ -125,7 +125,7 @@ def test_recompute_needs_a_fraction_of_the_memory_at_the_2b_shape():
     half the tokens targets.  The one-graph step needs ~34 GiB; layer by layer the largest
     graph needs a few (bench_results/memory.md has the table)."""
     from pytrain.models.qwen35_config import QWEN35_2B
-    from pytrain.train.planning import compute_bytes, shape_model
+    from pytrain.step.graph_memory import compute_bytes, shape_model
     m = shape_model("qwen35", QWEN35_2B, "f16")
     try:
         ad = lora.create(m.runtime, m.config, select_targets(m.config), 16, 32.0)
@@ -144,7 +144,7 @@ def test_recompute_needs_a_fraction_of_the_memory_at_the_2b_shape():
 def test_compute_bytes_counts_a_shared_buffer_once(monkeypatch):
     """The BLAS and CPU backends share one compute buffer (same buffer type): the planned size
     with both equals the size with the CPU backend alone, not twice it."""
-    from pytrain.train.planning import compute_bytes
+    from pytrain.step.graph_memory import compute_bytes
     sizes = {}
     for blas in ("1", "0"):
         monkeypatch.setenv("PYTRAIN_BLAS", blas)
@@ -163,10 +163,10 @@ def test_compute_bytes_counts_a_shared_buffer_once(monkeypatch):
 def test_auto_recomputes_only_when_one_graph_would_not_fit(factor, layer_wise, monkeypatch):
     """``auto``: layer-wise when the one-graph step's buffer exceeds half of the memory left
     for it, one graph when it fits (memory left set to ``factor`` x that buffer)."""
-    from pytrain.train import trainer as trainer_mod
-    from pytrain.train.optimizer import AdamWSettings
-    from pytrain.train.planning import compute_bytes
-    from pytrain.train.trainer import Trainer, bucket_length
+    from pytrain.step import trainer as trainer_mod
+    from pytrain.step.optimizer import AdamWSettings
+    from pytrain.step.graph_memory import compute_bytes
+    from pytrain.step.trainer import Trainer, bucket_length
     m, ad = adapted(FIX / "gqa-f32.gguf")
     try:
         T = bucket_length(m, 40)                  # the length the trainer's graphs run at
@@ -191,7 +191,7 @@ def test_memory_left_follows_the_containers_cgroup(tmp_path, monkeypatch, versio
     """On the CPU ggml reports physical pages, blind to a container's limit: the cgroup's
     limit minus its usage bounds what a step may plan for (v2 memory.max / memory.current
     under the process's unified path; v1 memory.limit_in_bytes / memory.usage_in_bytes)."""
-    from pytrain.train import memory
+    from pytrain.step import free_memory as memory
     root = tmp_path / "cgroup"
     if version == 2:
         d = root / "job"

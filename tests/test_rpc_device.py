@@ -89,8 +89,8 @@ def test_alternating_shapes_and_evaluations_give_the_cpus_training(device, cpu_w
     the last shape would be stale.  Losses, evaluation losses and the adapter equal the CPU's
     bit for bit."""
     from pytrain.data import Example, make_batches
-    from pytrain.train.optimizer import AdamWSettings
-    from pytrain.train.trainer import Trainer
+    from pytrain.step.optimizer import AdamWSettings
+    from pytrain.step.trainer import Trainer
     rng = np.random.default_rng(3)
     ex = [Example(rng.integers(0, 480, n).astype(np.int32), rng.random(n) < 0.7)
           for n in (17, 30, 9, 24, 31, 12, 20, 26, 14, 33, 8, 21, 45, 50)]

@@ -1,4 +1,4 @@
-"""Re-running a config never loses a run (pytrain/train/run_dir.py): a fresh run into a folder
+"""Re-running a config never loses a run (pytrain/run/folder.py): a fresh run into a folder
 that holds an earlier run is refused unless resumed or explicitly replaced, two runs cannot
 share a folder, a run prunes only its own checkpoints, and a refused resume rewrites nothing."""
 import json
@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from pytrain.cli import main
-from pytrain.train import checkpoint as ckpt
-from pytrain.train.run_dir import RunDir
+from pytrain.run import checkpoint as ckpt
+from pytrain.run.folder import RunDir
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = ROOT / "tests" / "fixtures" / "qwen35" / "gqa-f32.gguf"
@@ -111,7 +111,7 @@ def test_the_lock_is_held_across_processes(tmp_path):
     """flock is per open file: a second process sees the first one's lock."""
     out = tmp_path / "out"
     out.mkdir()
-    code = ("import sys; sys.path.insert(0, %r); from pytrain.train.run_dir import RunDir, "
+    code = ("import sys; sys.path.insert(0, %r); from pytrain.run.folder import RunDir, "
             "RunDirError\ntry:\n    RunDir(%r).__enter__()\nexcept RunDirError as e:\n"
             "    print(e)\n" % (str(ROOT), str(out)))
     with RunDir(out):
@@ -234,7 +234,7 @@ def test_overwrite_keeps_the_earlier_run_until_the_new_one_has_a_checkpoint(
     """The earlier run is moved to out/replaced-TIME once the new run is checked, and deleted
     only when the new run has written its first checkpoint: a new run that stops before one
     (here a NaN loss at its first step) leaves the earlier one whole, and says where."""
-    from pytrain.train.trainer import NonFiniteLoss, Trainer
+    from pytrain.step.trainer import NonFiniteLoss, Trainer
     cfg = write_run(tmp_path)
     assert main(["train", str(cfg), "--no-progress"]) == 0
     out = tmp_path / "out"

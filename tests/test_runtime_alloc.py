@@ -84,8 +84,8 @@ def test_training_steps_keep_the_step_graph_allocated(monkeypatch):
     import pytrain
     from pytrain.models import lora
     from pytrain.models.lora_targets import select_targets
-    from pytrain.train.optimizer import AdamWSettings
-    from pytrain.train.trainer import Trainer
+    from pytrain.step.optimizer import AdamWSettings
+    from pytrain.step.trainer import Trainer
 
     fixture = Path(__file__).resolve().parent / "fixtures" / "qwen35" / "gqa-f32.gguf"
     m = pytrain.load_model(fixture, device="cpu", threads=1)

@@ -76,7 +76,7 @@ def test_tensorboard_holds_the_metrics_and_samples(tmp_path, monkeypatch, capsys
     from tensorboard.backend.event_processing.event_accumulator import (
         EventAccumulator, TENSORS, SCALARS)
     from tensorboard.util import tensor_util
-    from pytrain.train.trainer import Trainer
+    from pytrain.step.trainer import Trainer
     write_data(tmp_path)
     cfg = write_config(tmp_path, max_steps=8, eval_every=4, sample_every=4, sample_max_tokens=6,
                        save_every=4, formats=["gguf"])

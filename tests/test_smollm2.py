@@ -164,8 +164,8 @@ def padded_and_alone(model, leak: float = 0.0) -> dict:
     from pytrain.data import Example, make_batches
     from pytrain.models import lora
     from pytrain.models.lora_targets import select_targets
-    from pytrain.train import loss as L
-    from pytrain.train.graphs import GradGraph
+    from pytrain.step import loss as L
+    from pytrain.step.graphs import GradGraph
     encs = [encode_chat(model.tokenizer, c) for c in PAD_CHATS]
     exs = [Example(np.array(e.ids, np.int32), np.array(e.mask)) for e in encs]
     (b,) = make_batches(exs, 2, seed=0, pad_id=model.pad_id)

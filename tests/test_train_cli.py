@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pytrain.train import checkpoint as ckpt
+from pytrain.run import checkpoint as ckpt
 from pytrain.formats.adapter_gguf import read_lora_gguf
 from pytrain.cli import main
 
@@ -197,7 +197,7 @@ def test_sigterm_finishes_the_step_checkpoints_exits_130_and_resume_continues(tm
 # of the run, never racing it.
 WRAPPER = r"""
 import os, sys, time
-from pytrain.train import graphs as grad_graph
+from pytrain.step import graphs as grad_graph
 marks = open(sys.argv[1], "a", buffering=1)
 pause = {int(n) for n in os.environ["PAUSE"].split(",")}
 real = grad_graph.GradGraph.accumulate
@@ -396,7 +396,7 @@ def accumulation_runs(tmp_path, monkeypatch, drop_micro_batch: bool = False) -> 
     from pytrain.data import load_data, make_batches
     from pytrain.data.tokenizer import Tokenizer
     from pytrain.formats.gguf_meta import read_metadata
-    from pytrain.train.trainer import Trainer
+    from pytrain.step.trainer import Trainer
     write_data(tmp_path, copies=2)
     cfgs = {"acc": write_config(tmp_path, "acc.toml", epochs=3, batch_size=8, grad_accum=2,
                                 output={"dir": "acc"}),

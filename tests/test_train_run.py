@@ -114,8 +114,8 @@ def interrupted_and_resumed(tmp_path, monkeypatch, capsys, skip: int = 0):
     import dataclasses
     import os
     import signal
-    from pytrain.train import checkpoint as ckpt
-    from pytrain.train.trainer import Trainer
+    from pytrain.run import checkpoint as ckpt
+    from pytrain.step.trainer import Trainer
     sigint_before = signal.getsignal(signal.SIGINT)
     write_data(tmp_path)
     cfg = write_config(tmp_path, max_steps=10, eval_every=0, schedule="cosine", warmup=2)
@@ -221,7 +221,7 @@ def test_extending_a_finished_run_continues_it(tmp_path, capsys):
     steps 3 and 4 are the next batches of epoch 0, and the adapter equals that of one
     uninterrupted 4-step run (constant schedule), bit for bit (assert_resumed_equals_straight
     says why the bound is zero).  The batches have different widths."""
-    from pytrain.train.checkpoint import latest
+    from pytrain.run.checkpoint import latest
     from pytrain.data import make_batches
     write_uneven_data(tmp_path)
     cfg = write_config(tmp_path, max_steps=4, batch_size=4, eval_every=0, formats=["gguf"])

@@ -13,8 +13,8 @@ from pytrain import ggml
 from pytrain.cli import main
 from pytrain.config import load_config
 from pytrain.models.model_file import open_model
-from pytrain.train import type_choice as tc
-from pytrain.train.run import _run_facts, open_session
+from pytrain.run import type_choice as tc
+from pytrain.run.loop import _run_facts, open_session
 from scripts.gguf_models import quantized_copy
 from tests.test_train_cli import MODEL, write_config, write_data
 

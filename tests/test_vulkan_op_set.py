@@ -22,8 +22,8 @@ from pytrain.models.model import Model
 from pytrain.models.model_file import open_model
 from pytrain.models.weights import load_weights
 from pytrain.data.tokenizer import Tokenizer
-from pytrain.train.graphs import EvalGraph, GradGraph
-from pytrain.train.optimizer import AdamWSettings, Optimizer
+from pytrain.step.graphs import EvalGraph, GradGraph
+from pytrain.step.optimizer import AdamWSettings, Optimizer
 
 FIX = Path(__file__).resolve().parent / "fixtures"
 FILES = ["qwen35/gqa-f32.gguf", "qwen35/gqa-bf16.gguf", "qwen35/gqa-q8_0.gguf",
@@ -135,8 +135,8 @@ def test_qwen35_2b_step_graphs_are_vulkan_ops(device, file_type, measured):
     tensor larger than the device takes at all (``size_limit``: 128 MiB on lavapipe, where
     the 248320-row embedding and LM head are beyond it; a GPU's limit is its own)."""
     from pytrain.models.qwen35_config import QWEN35_2B
-    from pytrain.train.planning import shape_model
-    from pytrain.train.recompute import RecomputeGraph
+    from pytrain.step.graph_memory import shape_model
+    from pytrain.step.recompute import RecomputeGraph
     rt = ggml.Runtime("vulkan")
     limit = size_limit(rt.gpu)
     m = shape_model("qwen35", QWEN35_2B, file_type, device="vulkan")

@@ -23,8 +23,8 @@ from vulkan_support import vulkan_device
 
 import pytrain
 from pytrain.models import lora
-from pytrain.train import loss as L
-from pytrain.train.graphs import GradGraph
+from pytrain.step import loss as L
+from pytrain.step.graphs import GradGraph
 
 FIX = Path(__file__).resolve().parent / "fixtures"
 # one F32 fixture per architecture, with its PEFT golden (float64 loss and gradients)
@@ -100,8 +100,8 @@ def train_alternating(path: Path, device: str, recompute: str) -> tuple[list[flo
     adapter)."""
     from pytrain.data import Example, make_batches
     from pytrain.models.lora_targets import select_targets
-    from pytrain.train.optimizer import AdamWSettings
-    from pytrain.train.trainer import Trainer
+    from pytrain.step.optimizer import AdamWSettings
+    from pytrain.step.trainer import Trainer
     rng = np.random.default_rng(3)
     ex = [Example(rng.integers(0, 480, n).astype(np.int32), rng.random(n) < 0.7)
           for n in (17, 30, 9, 24, 12, 20, 26, 14, 33, 21, 45, 50)]

@@ -36,12 +36,12 @@ def _profile(args: argparse.Namespace) -> int:
 
 def _train(args: argparse.Namespace) -> int:
     """Under an MPI launcher, how the job ends is decided by where the error was raised
-    (pytrain.train.distributed): a ``CollectiveError`` reached every rank at the same point and
+    (pytrain.step.distributed): a ``CollectiveError`` reached every rank at the same point and
     ends the job normally, said once by rank 0; any other error may be this rank's alone and
     aborts the job, so that no rank waits for it forever."""
     from pytrain import api
-    from pytrain.train import run
-    from pytrain.train.distributed import CollectiveError, agree, world
+    from pytrain.run import loop as run
+    from pytrain.step.distributed import CollectiveError, agree, world
     w = world()
     cfg = None
     try:

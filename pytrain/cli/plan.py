@@ -16,7 +16,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def render(plan) -> list[str]:
     """The plan as the command prints it."""
-    from pytrain.train.run_plan import size      # loaded when the command runs
+    from pytrain.plan.run_memory import size      # loaded when the command runs
     B, T = plan.batch
     lines = [f"model:   {plan.model} ({plan.arch})",
              f"device:  {plan.device}" + (f" ({plan.device_label})" if plan.device_label
@@ -66,7 +66,7 @@ def render(plan) -> list[str]:
 
 
 def main(cfg, args: argparse.Namespace) -> int:
-    from pytrain.train.run_plan import plan_run
+    from pytrain.plan.run_memory import plan_run
     plan = plan_run(cfg)
     if args.json:
         print(json.dumps(plan.to_dict(), indent=1))

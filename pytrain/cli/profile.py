@@ -56,7 +56,7 @@ def render(prof, facts: dict, top: int = 15) -> list[str]:
 
 def main(cfg, args: argparse.Namespace) -> int:
     from pytrain.errors import PytrainError       # the command's modules load when it runs,
-    from pytrain.train.profile import profile_run  # not for every `pytrain --help`
+    from pytrain.plan.profile import profile_run  # not for every `pytrain --help`
     if args.steps < 1:
         raise PytrainError(f"--steps must be at least 1, got {args.steps}")
     prof, facts = profile_run(cfg, args.steps)

@@ -1,7 +1,7 @@
 """Datasets (JSONL, Parquet, datasets folders: ``sources``) to token examples with a per-token
 target mask, and examples to batches.
 
-The loss (``pytrain.train.loss.shift_targets``) shifts targets itself, so this module only says, per
+The loss (``pytrain.step.loss.shift_targets``) shifts targets itself, so this module only says, per
 token, "this token is a target" (``train_mask``) and, per batch position, which sample it
 belongs to (``seg``, -1 for padding).  Everything that decides what is trained happens here or
 in ``chat_template``: assistant turns only for chats, the completion (+ EOS) for

@@ -391,7 +391,7 @@ class Runtime:
     def device_memory_info(self) -> tuple[int, int]:
         """(free, total) bytes of the device the step runs on, as ggml reports them (system
         memory for the CPU, whose buffers the BLAS backend shares; ggml reads physical pages
-        there, so pytrain.train.memory also asks the container's cgroup)."""
+        there, so pytrain.step.free_memory also asks the container's cgroup)."""
         dev = lib.ggml_backend_get_device(self.gpu if self.gpu is not None else self.cpu)
         free, total = ffi.new("size_t *"), ffi.new("size_t *")
         lib.ggml_backend_dev_memory(dev, free, total)

@@ -191,7 +191,7 @@ def load_model(path: str | os.PathLike, device: str = "auto", threads: int | Non
     place on its host, one GPU per rank.  ``dequantize``: file types ``auto`` loads as F32 or
     F16 (``pytrain.models.weights``), or a function of (runtime, the file's tensor index, the
     shapes to load) returning them, called once the device is known (a training run's
-    measured choice, ``pytrain.train.type_choice``).  ``compute_type``: "f32", or "bf16"
+    measured choice, ``pytrain.run.type_choice``).  ``compute_type``: "f32", or "bf16"
     (CPU: weight matrices as BF16, multiplied on the CPU's bf16 units;
     ``pytrain.models.precision``); ``Model.compute`` says what ran."""
     type_policy = precision.type_policy_for(compute_type, type_policy)

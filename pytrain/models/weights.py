@@ -30,7 +30,7 @@ the depthwise conv kernel) feed ``MUL``/``ADD``, which want F32 everywhere.  Hen
 
 ``dequantize`` (a file type -> F32 or F16) refines ``auto`` for the matrices of those types:
 a training run passes the types its measurements found faster as F32 on its device
-(``pytrain.train.type_choice``); the values are the file's, so the function is the same (F16
+(``pytrain.run.type_choice``); the values are the file's, so the function is the same (F16
 rounds them, and says how many it could not keep).
 
 Extra tensors in the file (MTP/nextn blocks, blocks past the trunk) are not loaded.

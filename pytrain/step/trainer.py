@@ -1,6 +1,6 @@
 """The training step and evaluation over batches: graphs cached per shape, token-mean loss
 over the whole optimizer step, NaN stops before any parameter changes.  Evaluation alone
-(no optimizer state) is ``pytrain.train.evaluate.Evaluator``."""
+(no optimizer state) is ``pytrain.step.evaluate.Evaluator``."""
 from __future__ import annotations
 
 import contextlib
@@ -10,16 +10,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pytrain.train import loss as loss_mod
-from pytrain.train.distributed import World
-from pytrain.train.evaluate import MAX_EVAL_GRAPHS, Evaluator
-from pytrain.train.graphs import GradGraph, bucket_length
+from pytrain.step import loss as loss_mod
+from pytrain.step.distributed import World
+from pytrain.step.evaluate import MAX_EVAL_GRAPHS, Evaluator
+from pytrain.step.graphs import GradGraph, bucket_length
 from pytrain.models.lora import LoraAdapter
 from pytrain.models.model import Model
-from pytrain.train.optimizer import OptimizerState, AdamWSettings, Optimizer
-from pytrain.train.memory import available_bytes
-from pytrain.train.planning import compute_bytes, needs_recompute
-from pytrain.train.recompute import RecomputeGraph
+from pytrain.step.optimizer import OptimizerState, AdamWSettings, Optimizer
+from pytrain.step.free_memory import available_bytes
+from pytrain.step.graph_memory import compute_bytes, needs_recompute
+from pytrain.step.recompute import RecomputeGraph
 
 
 class NonFiniteLoss(RuntimeError):
@@ -44,8 +44,8 @@ class Trainer:
                  max_graphs: int = 12, recompute: str = "auto", memory_bytes: int | None = None,
                  world=None, max_eval_graphs: int = MAX_EVAL_GRAPHS):
         """``memory_bytes``: what ``recompute="auto"`` may plan a step for, weights included
-        (``train.memory_gib``); None: what the device has free (pytrain.train.memory).
-        ``world``: the data-parallel ranks a step is shared by (pytrain.train.distributed;
+        (``train.memory_gib``); None: what the device has free (pytrain.step.free_memory).
+        ``world``: the data-parallel ranks a step is shared by (pytrain.step.distributed;
         None: this process alone)."""
         self.world = world or World()
         self.model, self.adapter, self.hp = model, adapter, hp

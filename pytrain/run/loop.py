@@ -6,8 +6,8 @@ or inf loss stops the run naming the step and keeps the last good adapter.
 
 ``train`` reads top to bottom as the run's phases: set up, start fresh or resume, the step
 loop (validation and the checkpoint policy inside it), the finish.  Its parts beside it:
-``resume`` (the checkpoint continued from, the folder cut back), ``run_log`` (metrics.jsonl,
-samples.jsonl and the callbacks), ``signals`` (Ctrl-C and SIGTERM), ``run_errors``.  What a
+``resume`` (the checkpoint continued from, the folder cut back), ``log`` (metrics.jsonl,
+samples.jsonl and the callbacks), ``signals`` (Ctrl-C and SIGTERM), ``errors``.  What a
 run opens goes on one ``ExitStack`` as it opens, closed in reverse on every way out.
 """
 from __future__ import annotations
@@ -23,17 +23,17 @@ from typing import Callable, Iterator
 
 from pytrain import ggml
 from pytrain.formats import atomic
-from pytrain.train import checkpoint as ckpt
-from pytrain.train import resume as resume_mod
-from pytrain.train import run_log
-from pytrain.train import samples as samples_mod
-from pytrain.train import signals
-from pytrain.train.best import Best
-from pytrain.train.distributed import (RanksDisagree, World, agree, check_agreement,
+from pytrain.run import checkpoint as ckpt
+from pytrain.run import resume as resume_mod
+from pytrain.run import log as run_log
+from pytrain.run import samples as samples_mod
+from pytrain.run import signals
+from pytrain.run.best import Best
+from pytrain.step.distributed import (RanksDisagree, World, agree, check_agreement,
                                        forget_messages, on_main, world as get_world)
-from pytrain.train.interrupt import Interrupt
-from pytrain.train.run_dir import RunDir, RunDirError, drop_replaced
-from pytrain.train.run_log import RunLog
+from pytrain.run.interrupt import Interrupt
+from pytrain.run.folder import RunDir, RunDirError, drop_replaced
+from pytrain.run.log import RunLog
 from pytrain.models import lora as lora_mod
 from pytrain.formats.adapter_gguf import write_lora_gguf
 from pytrain.config import Config
@@ -42,14 +42,14 @@ from pytrain.data.preference import load_pair_data, make_pair_batches
 from pytrain.models.lora_targets import LoraTargetError, select_targets
 from pytrain.models.model import Model, load_model
 from pytrain.models.precision import ComputeTypeError
-from pytrain.train.optimizer import AdamWSettings, schedule
-from pytrain.train.planning import context_warning
-from pytrain.train.preference import PreferenceSettings, PreferenceTrainer
-from pytrain.train.trainer import NonFiniteLoss, Trainer
-from pytrain.train.type_choice import for_training
-from pytrain.train.resume import MICRO_BATCHES
+from pytrain.step.optimizer import AdamWSettings, schedule
+from pytrain.step.graph_memory import context_warning
+from pytrain.step.preference import PreferenceSettings, PreferenceTrainer
+from pytrain.step.trainer import NonFiniteLoss, Trainer
+from pytrain.run.type_choice import for_training
+from pytrain.run.resume import MICRO_BATCHES
 # the errors, still importable from here (the command line catches run.Interrupted)
-from pytrain.train.run_errors import Interrupted, NonFiniteStop, RunError  # noqa: F401
+from pytrain.run.errors import Interrupted, NonFiniteStop, RunError  # noqa: F401
 
 
 @dataclass
@@ -297,7 +297,7 @@ class Loop:
         self.records = RunLog(s.out, s.log, self.main)      # metrics.jsonl, the callbacks
         stack.callback(self.records.close)
         if self.main and s.cfg.output.tensorboard:
-            from pytrain.train.tensorboard import TensorBoard
+            from pytrain.run.tensorboard import TensorBoard
             resumed = start.checkpoint is not None     # its first step purges later events
             self.records.add(TensorBoard(s.out, resume_step=self.step + 1 if resumed else None))
         if progress and sys.stderr.isatty():     # a log file gets the periodic lines only
@@ -504,9 +504,9 @@ class Loop:
 def train(cfg: Config, progress: bool = True, log=print, resume: str | bool | None = None,
           overwrite: bool = False) -> RunResult:
     """``resume``: True for the newest checkpoint of the run folder, or a checkpoint path.
-    ``overwrite``: a fresh run may replace an earlier run left in ``output.dir`` (run_dir).
+    ``overwrite``: a fresh run may replace an earlier run left in ``output.dir`` (folder.py).
     Under an MPI launcher every rank calls this; rank 0 alone writes (distributed).
-    Ctrl-C and SIGTERM are handled as ``pytrain.train.signals`` says, on the main thread
+    Ctrl-C and SIGTERM are handled as ``pytrain.run.signals`` says, on the main thread
     only: called from another thread, the run handles no signal (and says so).
 
     Everything the run opens goes on one ``ExitStack`` as it opens: the signal handlers, the
@@ -553,7 +553,7 @@ def _claim_and_train(cfg: Config, w: World, log, progress: bool, resume, overwri
 
 def _refuse_unsupported(cfg: Config, resume, overwrite: bool) -> None:
     if cfg.output.tensorboard:
-        from pytrain.train.tensorboard import available
+        from pytrain.run.tensorboard import available
         if available() is not None:
             raise cfg.error("output", "tensorboard", available())
     if resume and overwrite:

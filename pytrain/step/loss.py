@@ -215,7 +215,7 @@ class SequenceCE(MaskedCE):
     (``select_sequence_rows``), block b's CE is -(its summed target log-probabilities) /
     rows_per_seq, an output, and the loss is sum_b CE_b * weight_b with the weights a run-time
     input.  Why: a preference loss is a function of per-sequence log-probabilities, so its
-    gradient is the per-sequence gradients weighted by its derivatives (train/preference.py).
+    gradient is the per-sequence gradients weighted by its derivatives (step/preference.py).
     The blocks are views of one logits tensor, whose view gradients add in place (patch
     0010), so the backward costs what the single CE's does."""
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from pytrain import ggml
 from pytrain.ggml import ffi, lib
-from pytrain.train import run
+from pytrain.run import loop as run
 
 HEAD, LORA, INPUTS = "LM head + CE", "LoRA", "inputs"
 NOOP = {"NONE", "VIEW", "RESHAPE", "PERMUTE", "TRANSPOSE"}   # no compute: left out

@@ -11,11 +11,11 @@ from __future__ import annotations
 import numpy as np
 
 from pytrain import ggml
-from pytrain.train import loss as loss_mod
+from pytrain.step import loss as loss_mod
 from pytrain.ggml import lib
 from pytrain.models.lora import LoraAdapter
 from pytrain.models.model import Model
-from pytrain.train.optimizer import OptimizerState
+from pytrain.step.optimizer import OptimizerState
 
 
 def bucket_length(model: Model, T: int) -> int:

@@ -31,10 +31,10 @@ import numpy as np
 
 from pytrain.data.preference import PairBatch, make_pair_batches
 from pytrain.formats import atomic
-from pytrain.train import loss as loss_mod
-from pytrain.train import preference_loss as pl
-from pytrain.train.graphs import EvalGraph, GradGraph, bucket_length
-from pytrain.train.trainer import StepResult, Trainer
+from pytrain.step import loss as loss_mod
+from pytrain.step import preference_loss as pl
+from pytrain.step.graphs import EvalGraph, GradGraph, bucket_length
+from pytrain.step.trainer import StepResult, Trainer
 
 REFERENCE_FILE = "reference_logps.npz"
 

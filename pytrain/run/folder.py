@@ -9,7 +9,7 @@ the wrong one.  So:
   stops a second run in the same folder;
 * a fresh run into a folder with an earlier run's checkpoints, metrics or adapter is refused
   unless resumed (``--resume``) or replaced (``--overwrite``).  ``--overwrite`` touches nothing
-  until the new run has been checked whole (config, data, model, targets: ``run.train``), then
+  until the new run has been checked whole (config, data, model, targets: ``loop.train``), then
   moves the earlier run's files into ``replaced-TIME/`` and deletes that once the new run has
   written its first checkpoint: a new run that fails early leaves the earlier one complete;
 * an earlier run that stopped before it wrote a checkpoint (killed, or an error at its first

@@ -18,9 +18,9 @@ import numpy as np
 from pytrain.data import make_batches
 from pytrain.models.lora import LoraAdapter
 from pytrain.models.model import Model
-from pytrain.train import loss as loss_mod
-from pytrain.train.distributed import World
-from pytrain.train.graphs import EvalGraph, bucket_length
+from pytrain.step import loss as loss_mod
+from pytrain.step.distributed import World
+from pytrain.step.graphs import EvalGraph, bucket_length
 
 MAX_EVAL_GRAPHS = 4
 

@@ -12,7 +12,7 @@ in place; a kill in between is repaired by the next ``latest`` or ``save``.
 ``state.json`` also records what the saved data position means (``resume_key``: the training
 examples' digest, batch size, accumulation, packing, seeds, adapter shapes), so a resume with
 other batches is refused instead of silently continuing somewhere else, and the run's id: a
-run prunes only its own checkpoints (``run_dir``).  Each checkpoint keeps the run's resolved
+run prunes only its own checkpoints (``folder``).  Each checkpoint keeps the run's resolved
 ``config.toml`` as well.
 
 Which checkpoint is newest goes by save order (``TrainState.saved``, one more than any
@@ -59,8 +59,8 @@ class TrainState:
     adam_t: int          # AdamW's step counter (bias correction)
     base_fingerprint: dict
     total_steps: int | None = None   # the run's length when saved (the LR schedule's horizon)
-    resume_key: dict | None = None   # what the position means (see pytrain.train.run.Session)
-    run_id: str | None = None        # the run the checkpoint belongs to (run_dir)
+    resume_key: dict | None = None   # what the position means (see pytrain.run.loop.Session)
+    run_id: str | None = None        # the run the checkpoint belongs to (folder.py)
     format: int = FORMAT
     saved: int | None = None         # save order in its folder (set by ``save``)
     best: dict | None = None         # the best validation and early-stopping count (train.best)

@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Callable
 
 from pytrain.formats import atomic
-from pytrain.train import samples as samples_mod
-from pytrain.train.callbacks import Callback
-from pytrain.train.metrics import plot_losses
+from pytrain.run import samples as samples_mod
+from pytrain.run.callbacks import Callback
+from pytrain.run.metrics import plot_losses
 
 METRICS_FILE = "metrics.jsonl"
 

@@ -1,13 +1,13 @@
 """The errors a training run ends with, each a ``PytrainError`` the command line reports as
 one line (``Interrupted`` with exit status 130).
 
-They sit below the modules that raise them (``run``, ``resume``, ``signals``), so that each
-imports them without importing the run; ``pytrain.train.run`` re-exports them.
+They sit below the modules that raise them (``loop``, ``resume``, ``signals``), so that each
+imports them without importing the run; ``pytrain.run.loop`` re-exports them.
 """
 from __future__ import annotations
 
 from pytrain.errors import PytrainError
-from pytrain.train.distributed import CollectiveError
+from pytrain.step.distributed import CollectiveError
 
 
 class RunError(PytrainError, RuntimeError):

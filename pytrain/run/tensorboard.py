@@ -8,7 +8,7 @@ import math
 import time
 from pathlib import Path
 
-from pytrain.train.callbacks import Callback
+from pytrain.run.callbacks import Callback
 
 # metrics.jsonl keys shown as scalars (the rewards of preference runs too)
 SCALARS = ("loss", "lr", "grad_norm", "tokens_per_s", "accuracy", "perplexity", "drift",

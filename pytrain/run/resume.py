@@ -14,14 +14,14 @@ from pathlib import Path
 from typing import Callable
 
 from pytrain.formats import atomic
-from pytrain.train import checkpoint as ckpt
-from pytrain.train import samples as samples_mod
-from pytrain.train.best import Best
-from pytrain.train.distributed import on_main
-from pytrain.train.metrics import read_metrics
-from pytrain.train.optimizer import schedule
-from pytrain.train.run_dir import RunDir, new_run_id
-from pytrain.train.run_errors import RunError
+from pytrain.run import checkpoint as ckpt
+from pytrain.run import samples as samples_mod
+from pytrain.run.best import Best
+from pytrain.step.distributed import on_main
+from pytrain.run.metrics import read_metrics
+from pytrain.step.optimizer import schedule
+from pytrain.run.folder import RunDir, new_run_id
+from pytrain.run.errors import RunError
 
 # the resume key's name for the micro-batches of one step (a single process's train.grad_accum
 # before data-parallel runs): a run may resume with other ranks if the product is the same

@@ -10,15 +10,15 @@ from pytrain.ggml import lib
 from pytrain.models import lora
 from pytrain.models.lora_targets import lora_param_count, select_targets
 from pytrain.models.model import Model
-from pytrain.train import loss as loss_mod
-from pytrain.train.graphs import GradGraph
-from pytrain.train.memory import available_bytes
-from pytrain.train.optimizer import OptimizerState
-from pytrain.train.planning import (compute_bytes, context_warning, file_shape_model,
+from pytrain.step import loss as loss_mod
+from pytrain.step.graphs import GradGraph
+from pytrain.step.free_memory import available_bytes
+from pytrain.step.optimizer import OptimizerState
+from pytrain.step.graph_memory import (compute_bytes, context_warning, file_shape_model,
                                      needs_recompute)
-from pytrain.train.recompute import RecomputeGraph
-from pytrain.train.trainer import bucket_length
-from pytrain.train import type_choice
+from pytrain.step.recompute import RecomputeGraph
+from pytrain.step.trainer import bucket_length
+from pytrain.run import type_choice
 from pytrain.models import precision
 
 
@@ -96,7 +96,7 @@ def _weight_groups(files: dict[str, tuple[str, str, int]], model: Model) -> list
 
 
 def preference_step_buffer(model: Model, adapter, opt_state, B: int, T: int) -> int:
-    """Compute buffer of a preference step (train/preference.py): its forward-and-backward
+    """Compute buffer of a preference step (step/preference.py): its forward-and-backward
     graph of B sequences with every position a target, per-sequence loss; the policy's
     forward-only pass and the reference pass before training need less (no backward)."""
     g = GradGraph(model, adapter, B, T, opt_state=opt_state, rows_per_seq=T, measure_only=True)

@@ -20,12 +20,12 @@ import re
 import numpy as np
 
 from pytrain import ggml
-from pytrain.train import loss as loss_mod
+from pytrain.step import loss as loss_mod
 from pytrain.ggml import lib
-from pytrain.train.graphs import pad_batch
+from pytrain.step.graphs import pad_batch
 from pytrain.models.lora import LoraAdapter
 from pytrain.models.model import Model
-from pytrain.train.optimizer import OptimizerState
+from pytrain.step.optimizer import OptimizerState
 
 _BLOCK = re.compile(r"^blk\.(\d+)\.")
 HEAD_CHUNK_BYTES = 256 << 20      # one [V, chunk] F32 tensor of the head and loss at most

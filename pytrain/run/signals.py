@@ -14,10 +14,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
-from pytrain.train import checkpoint as ckpt
-from pytrain.train.distributed import World
-from pytrain.train.interrupt import Interrupt
-from pytrain.train.run_errors import Interrupted
+from pytrain.run import checkpoint as ckpt
+from pytrain.step.distributed import World
+from pytrain.run.interrupt import Interrupt
+from pytrain.run.errors import Interrupted
 
 
 def handling(log: Callable[[str], None], world: World) -> Interrupt:

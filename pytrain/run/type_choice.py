@@ -29,7 +29,7 @@ from pytrain import ggml
 from pytrain.ggml import lib
 from pytrain.formats.gguf_tensors import TensorInfo
 from pytrain.models.weights import F16, F32, load_type
-from pytrain.train.memory import available_bytes
+from pytrain.step.free_memory import available_bytes
 
 # dequantize when the kept type's step takes at least this much longer: a step's time is a sum
 # over its matmuls, so a file whose types are each kept below FASTER steps within FASTER of
