@@ -56,6 +56,37 @@ def f32_bound(measured_error: float, value) -> float:
     return F32_SPREAD * max(float(measured_error), ulps(value))
 
 
+# --------------------------------------------------------------------------- made elsewhere
+
+# A committed golden was made on another machine: its float32 values carry that machine's
+# rounding, which may be several times this machine's (a TRL float32 golden made on an AMD
+# EPYC was 1.23e-6 from its float64 run where the same script on an Intel AMX machine gave
+# 2.2e-7).  Two float32 evaluations made on different machines differ by up to both of their
+# errors, so a comparison with a committed float32 value is bounded by both, never by one
+# run's alone.
+
+def f32_pair_bound(err_a: float, err_b: float, value) -> float:
+    """The allowed difference between two float32 evaluations of ``value`` made on different
+    machines (or by different programs), whose distances from the exact value were measured
+    as ``err_a`` and ``err_b``: ``f32_bound`` of each, added."""
+    return f32_bound(err_a, value) + f32_bound(err_b, value)
+
+
+def reference_bounds(own: float, ref_error: float, exact) -> tuple[float, float]:
+    """(allowed distance from the exact value, allowed distance from the reference's float32
+    value) of pytrain's float32 result, compared with a committed golden: a reference's
+    float32 run and its float64 run ``exact`` (the exact answer for the model pytrain runs).
+
+    ``ref_error``: max |reference float32 - exact|, which the golden holds exactly (the
+    rounding of the machine that made it); ``own``: pytrain's own float32 rounding of the
+    same value, measured now on this machine (``step_rounding.measure``,
+    ``perturbation.logprob_rounding``).  Each is a measurement of this computation's float32
+    rounding; pytrain may be ``f32_bound`` of the larger from the exact value, and from the
+    reference's float32 value that plus the reference's own distance from it."""
+    ours = f32_bound(max(float(own), float(ref_error)), exact)
+    return ours, ours + float(ref_error)
+
+
 # --------------------------------------------------------------------------- kept types
 
 def log_softmax(x) -> np.ndarray:
