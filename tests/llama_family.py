@@ -1,6 +1,7 @@
 """What the parity tests of the Llama-family GGUFs (llama, qwen2, qwen3: one graph,
 ``models/llama.py``) share: the fixture files of scripts/make_llama_fixtures.py, the error
 measure against a golden, and pytrain's loss and LoRA gradients on a PEFT golden's batch."""
+import functools
 from pathlib import Path
 
 import numpy as np
@@ -10,6 +11,7 @@ from pytrain.models import lora
 from pytrain.models.lora_targets import select_targets
 from pytrain.step import loss as L
 from pytrain.step.graphs import GradGraph
+from step_rounding import measure
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 RANK, ALPHA = 4, 8                      # the PEFT goldens' adapter
@@ -47,24 +49,43 @@ def peft_step(gguf: Path, gold: dict, targets: tuple[str, ...]) -> tuple[list[st
         tgt = L.shift_targets(tokens, labels != L.IGNORE, seg)
         g = GradGraph(m, ad, B=tokens.shape[0], T=tokens.shape[1])
         try:
-            return names, g.run(tokens, seg, tgt)
+            out = g.run(tokens, seg, tgt)
         finally:
             g.close()
+        out["own"] = measure(m, ad, tokens.shape[0], tokens.shape[1], tokens, seg, tgt)
+        return names, out
     finally:
         m.close()
 
 
-def worst_gradient_error(gold: dict, names: list[str], out: dict, suffix: str) -> tuple:
-    """(max over tensors of max |Δ grad| / max |golden grad|, that tensor)."""
+def assert_step_matches_peft(gold: dict, names: list[str], out: dict, ref: str, measured,
+                             label: str) -> None:
+    """pytrain's loss and LoRA gradients (``peft_step``) against PEFT's float32 (``ref``
+    "f32") or float64 ("f64") values in ``gold``, within ``bounds.reference_bounds`` of PEFT
+    float32's own rounding in the golden and pytrain's own measured now (``out["own"]``).
+    Gradient errors are per tensor, max |Δ| / max |golden gradient|."""
+    from bounds import reference_bounds
+    side = ref == "f32"
+    exact = float(gold["loss64"])
+    bound = reference_bounds(out["own"]["loss"], abs(float(gold["loss"]) - exact), exact)[side]
+    want_loss = float(gold["loss" if side else "loss64"])
+    measured(f"{label} loss vs PEFT {ref}, |Δ|", abs(out["loss"] - want_loss), bound)
+    assert abs(out["loss"] - want_loss) <= bound, (out["loss"], want_loss, bound)
     worst = (0.0, "")
     for n in names:
         for s in (".lora_a", ".lora_b"):
-            want = gold[n + s + suffix].astype(np.float64)
+            exact = gold[n + s + ".grad64"].astype(np.float64)
+            want = gold[n + s + (".grad" if side else ".grad64")].astype(np.float64)
             got = out["grads"][n + s].astype(np.float64)
-            scale = np.abs(want).max()
+            scale = np.abs(exact).max()
             assert scale > 1e-3, (n + s, scale)
-            worst = max(worst, (float(np.abs(got - want).max() / scale), n + s))
-    return worst
+            peft = float(np.abs(gold[n + s + ".grad"] - exact).max())
+            b = reference_bounds(out["own"]["grads"][n + s], peft, exact)[side] / scale
+            err = float(np.abs(got - want).max()) / scale
+            worst = max(worst, (err / b, n + s))
+            assert err <= b, (n + s, err, b)
+    measured(f"{label} LoRA gradients vs PEFT {ref}: worst error / bound ({worst[1]})",
+             worst[0], 1.0)
 
 
 def assert_kv_cache_matches(path: Path, gold) -> None:
@@ -94,14 +115,30 @@ def assert_kv_cache_matches(path: Path, gold) -> None:
 
 def f32_bound(fix: Path, model: str, gold) -> tuple[float, float]:
     """(bound, HF's rounding) for pytrain in float32 against the float64 forward of a file
-    of ``model`` (tests/bounds.py): HF's rounding is HF float32's distance from the float64
-    forward of the F32 file on the same sequences (this network's float32 rounding, measured
-    by another implementation, in the goldens), and the bound F32_SPREAD times it, at least a
-    few ulps of the log-probabilities.  Against HF float32 itself, bound + HF's rounding."""
-    from bounds import F32_SPREAD, ulps
+    of ``model`` (tests/bounds.py, ``reference_bounds``): HF's rounding is HF float32's
+    distance from the float64 forward of the F32 file on the same sequences (this network's
+    float32 rounding on the machine that made the golden), pytrain's own is measured now by
+    perturbation on the same sequences (``own_rounding``), and the bound is F32_SPREAD times
+    the larger, at least a few ulps of the log-probabilities.  Against HF float32 itself,
+    bound + HF's rounding."""
+    from bounds import reference_bounds
     truth = np.load(fix / f"{model}-f32.f64.npz")["logprobs64"]
     real = [(i, int(n)) for i, n in enumerate(gold["lengths"])]
     hf_rounding = max(float(np.abs(gold["logprobs"][i, :n] - truth[i, :n]).max())
                       for i, n in real)
     values = np.concatenate([truth[i, :n].ravel() for i, n in real])
-    return F32_SPREAD * max(hf_rounding, ulps(values)), hf_rounding
+    return reference_bounds(own_rounding(fix, model), hf_rounding, values)[0], hf_rounding
+
+
+@functools.cache
+def own_rounding(fix: Path, model: str) -> float:
+    """pytrain's own float32 rounding of ``model``'s log-probabilities on its golden's
+    sequences, measured now: the F32 file against its copy with every weight one float32 step
+    off (tests/perturbation.py)."""
+    from perturbation import logprob_rounding
+    gold = np.load(fix / f"{model}.npz")
+
+    def logprobs(m):
+        got = log_softmax(m.logits(gold["tokens"], seg=padded_seg(gold)))
+        return np.concatenate([got[i, :n] for i, n in enumerate(gold["lengths"])])
+    return logprob_rounding(fix / f"{model}-f32.gguf", logprobs)

@@ -45,7 +45,7 @@ def measure(model, adapter, B: int, T: int, tokens, seg, targets,
     try:
         from pytrain.models import lora
         ad = lora.create(other.runtime, other.config, sorted(adapter.names), adapter.rank,
-                         adapter.alpha, seed=0)
+                         adapter.alpha, seed=0, rslora=adapter.rslora)
         ad.set(adapter.get())
         rev = _step(other, ad, B, T, tokens[::-1].copy(), seg[::-1].copy(),
                     targets[::-1].copy())
