@@ -138,7 +138,7 @@ def own_rounding(fix: Path, model: str) -> float:
     from perturbation import logprob_rounding
     gold = np.load(fix / f"{model}.npz")
 
-    def logprobs(m):
+    def logprobs(m, _):
         got = log_softmax(m.logits(gold["tokens"], seg=padded_seg(gold)))
         return np.concatenate([got[i, :n] for i, n in enumerate(gold["lengths"])])
     return logprob_rounding(fix / f"{model}-f32.gguf", logprobs)

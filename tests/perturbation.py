@@ -49,19 +49,20 @@ def adapter_bounds(path: Path, tmp: Path, toks, ours_base, ours_lora,
 
 
 def logprob_rounding(path: Path, logprobs_of) -> float:
-    """pytrain's own float32 rounding of ``logprobs_of(model)`` (an array) for the model at
-    ``path``, measured now: max |Δ| between that model and its copy with every F32 weight one
-    float32 step off, both loaded as F32 (``bounds.reference_bounds`` takes it beside a
-    reference's rounding made on another machine)."""
+    """pytrain's own float32 rounding of ``logprobs_of(model, perturbed)`` (an array) for the
+    model at ``path``, measured now: max |Δ| between that model and its copy with every F32
+    weight one float32 step off, both loaded as F32 (``perturbed`` says which: an adapter of
+    the caller's is nudged with it).  ``bounds.reference_bounds`` takes it beside a
+    reference's rounding made on another machine."""
     import tempfile
 
     import pytrain
     with tempfile.TemporaryDirectory() as tmp:
         got = []
-        for p in (Path(path), perturbed_model(path, Path(tmp))):
+        for bent, p in ((False, Path(path)), (True, perturbed_model(path, Path(tmp)))):
             m = pytrain.load_model(p, device="cpu", threads=2, type_policy="f32")
             try:
-                got.append(np.asarray(logprobs_of(m), np.float64))
+                got.append(np.asarray(logprobs_of(m, bent), np.float64))
             finally:
                 m.close()
     return float(np.abs(got[0] - got[1]).max())
