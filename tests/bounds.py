@@ -2,7 +2,7 @@
 
 The same tests run on different x86-64 CPUs, ggml-cpu variants (AVX2 to AVX-512 and AMX),
 with and without the BLAS backend, on 1 or 2 threads.  Each of those sums float32 values in
-another order, so no bound may be a number one machine happened to print.  Three kinds of
+another order, so no bound may be a number one machine happened to print.  Four kinds of
 bound are used, each derived here:
 
 * **float32 rounding, calibrated on the same input.**  Two float32 evaluations of the same
@@ -28,6 +28,11 @@ bound are used, each derived here:
   moves by a rounding-sized fraction of that.  Two runs that should be equal are compared
   with that hard per-element bound, and in rms against a calibration run of the same
   training rounded otherwise (``assert_adamw_close``).
+
+* **Both runs' errors, for a value made on another machine.**  A committed golden's float32
+  value carries the rounding of the machine that made it; it is compared with a value made
+  now by both runs' measured errors, never by one run's (``f32_pair_bound``,
+  ``reference_bounds``).
 """
 from __future__ import annotations
 
