@@ -320,13 +320,14 @@ def test_accumulated_micro_batches_equal_one_batch(model, pairs, objective):
 
 # --------------------------------------------------------------------------- whole runs
 
-def write_pref_run(folder: Path, name: str = "run", **train) -> Path:
+def write_pref_run(folder: Path, name: str = "run", model: Path = FIX / "gqa-f32.gguf",
+                   **train) -> Path:
     write_jsonl(folder / "train.jsonl", pair_records() * 4)
     write_jsonl(folder / "valid.jsonl", pair_records())
     t = {"objective": "dpo", "max_steps": 6, "batch_size": 2, "lr": 5e-3, "eval_every": 3,
          "save_every": 0, **train}
     cfg = folder / f"{name}.toml"
-    cfg.write_text(f'[model]\npath = "{FIX / "gqa-f32.gguf"}"\ndevice = "cpu"\nthreads = 1\n'
+    cfg.write_text(f'[model]\npath = "{model}"\ndevice = "cpu"\nthreads = 1\n'
                    f'[data]\ntrain = "train.jsonl"\nvalidation = "valid.jsonl"\n'
                    f'[lora]\nrank = 4\nalpha = 8.0\n[train]\n'
                    + "".join(f"{k} = {json.dumps(v)}\n" for k, v in t.items())
@@ -406,6 +407,59 @@ def test_interrupted_and_resumed_equals_uninterrupted(tmp_path, monkeypatch, cap
         np.testing.assert_array_equal(resumed[k], v, err_msg=k)
     steps, _ = metrics_of(tmp_path / "again")
     assert [r["step"] for r in steps] == list(range(1, 7))
+
+
+# --------------------------------------------------------------------------- the reference cache
+
+def reweighted_copy(src: Path, dst: Path) -> None:
+    """``src`` with every weight scaled by a random factor near 1: the same header and size
+    (the same tensor index and types), other values."""
+    from pytrain.formats.gguf_tensors import open_reader
+    start = open_reader(src).data_offset
+    raw = bytearray(src.read_bytes())
+    w = np.frombuffer(raw, np.float32, offset=start, count=(len(raw) - start) // 4).copy()
+    w *= np.random.default_rng(0).uniform(0.7, 1.3, w.size).astype(np.float32)
+    raw[start:start + 4 * w.size] = w.tobytes()
+    dst.write_bytes(bytes(raw))
+
+
+def cached_elsewhere(tmp_path: Path, model: Path, first: Path, then, capsys) -> tuple:
+    """A DPO run on ``first`` copied to ``model``; then ``then(model)`` changes that file, and a
+    new run at the same path finds the first run's reference_logps.npz in its folder (as one
+    left by a run that stopped before its first checkpoint, or set aside with it):
+    (its step-0 validation, its log)."""
+    import shutil
+    shutil.copyfile(first, model)
+    cfg = write_pref_run(tmp_path, model=model, max_steps=1, eval_every=1)
+    assert main(["train", str(cfg), "--no-progress"]) == 0
+    again = tmp_path / "again"
+    again.mkdir()
+    shutil.copyfile(tmp_path / "run" / "reference_logps.npz", again / "reference_logps.npz")
+    then(model)
+    capsys.readouterr()
+    assert main(["train", str(cfg), "--no-progress", "--set", f"output.dir={again}"]) == 0
+    return metrics_of(again)[1][0], capsys.readouterr().out
+
+
+@pytest.mark.parametrize("change", ["another model", "other weights, same header"])
+def test_a_reference_cache_made_for_another_model_file_is_recomputed(tmp_path, capsys, change):
+    """The reference is the base model: a cache of another model at the same path (or the same
+    file rewritten with other weights) would give the new run a reward margin at step 0, where
+    the policy is the reference (DPO's loss log 2, margin 0, as a fresh folder gives)."""
+    import shutil
+    model = tmp_path / "model.gguf"
+    if change == "another model":
+        first = FIX / "untied-f32.gguf"
+        then = lambda m: shutil.copyfile(FIX / "gqa-f32.gguf", m)      # noqa: E731
+    else:
+        first = FIX / "gqa-f32.gguf"
+        then = lambda m: reweighted_copy(FIX / "gqa-f32.gguf", m)      # noqa: E731
+    step0, log = cached_elsewhere(tmp_path, model, first, then, capsys)
+    assert step0["step"] == 0
+    assert step0["rewards/margins"] == 0.0 and step0["rewards/accuracies"] == 0.0
+    assert step0["loss"] == pytest.approx(np.log(2.0), abs=1e-12)
+    assert "recomputed: made for another model file" in log, log
+    assert "reference log-probabilities of 40 pairs" in log
 
 
 @pytest.mark.slow

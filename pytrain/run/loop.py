@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sys
 import time
 from contextlib import ExitStack
@@ -573,6 +574,21 @@ def _run_facts(s: Session) -> dict[str, str]:
                                                info.get("ffi_sha256")]).encode()).hexdigest()[:16]}
 
 
+def reference_key(s: Session, fingerprint: dict) -> dict:
+    """What the cached reference log-probabilities depend on besides the pairs: the model
+    file's content (its fingerprint, and its modification time: a file rewritten in place
+    with other weights keeps its header and size), the types its weights were loaded as, the
+    objective, and the adapter's initial state (the policy the reference stands for at step
+    0).  A cache made for anything else is recomputed (``PreferenceTrainer``)."""
+    c = s.cfg
+    return {"model file": {**fingerprint, "mtime_ns": os.stat(c.model.path).st_mtime_ns},
+            "weight types": sorted({f"{r.file_type}->{r.loaded_type}"
+                                    for r in s.model.weights.report.values()}),
+            "objective": c.train.objective,
+            "adapter": {"init": c.lora.init, "seed": c.lora.seed, "rank": c.lora.rank,
+                        "alpha": c.lora.alpha, "tensors": sorted(s.adapter.names)}}
+
+
 def _train(s: Session, progress: bool, resume: str | bool | None, interrupt: Interrupt,
            stack: ExitStack, replaced: Path | None = None) -> RunResult:
     total = s.total_steps()
@@ -591,7 +607,8 @@ def _train(s: Session, progress: bool, resume: str | bool | None, interrupt: Int
         if resumed:
             resume_mod.restore_best(s, loop, start)
         if s.preference:
-            s.trainer.load_or_compute_reference(s.out, s.splits, s.cfg.train.batch_size, s.log)
+            s.trainer.load_or_compute_reference(s.out, s.splits, s.cfg.train.batch_size, s.log,
+                                                reference_key(s, loop.fingerprint))
         if not resumed:
             loop.validate()                    # the base model's metrics: the "before"
             loop.sample()

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,6 +58,37 @@ def pair_digest(pairs: Sequence) -> str:
             h.update(np.int64(a.size).tobytes())
             h.update(a.tobytes())
     return h.hexdigest()
+
+
+# what a cache made for something else was made for, in the words of the log line
+# (the most telling first)
+_MADE_FOR = {"model file": "another model file", "weight types": "weights loaded as other types",
+             "pairs": "other pairs", "objective": "another objective",
+             "adapter": "another adapter initialisation"}
+
+
+def reference_key(parts: dict[str, Sequence], made_for: dict) -> dict:
+    """What a cache of reference log-probabilities holds values of: the pairs of each split
+    (their tokens) and ``made_for``, as JSON values (so that a key read back compares equal)."""
+    pairs = hashlib.sha256("".join(pair_digest(p) for p in parts.values()).encode())
+    return json.loads(json.dumps({"pairs": pairs.hexdigest(), **made_for}, sort_keys=True))
+
+
+def read_reference(path: Path | None, key: dict, parts: dict[str, Sequence]
+                   ) -> tuple[dict | None, str | None]:
+    """(the cached values of ``parts``, None), or (None, why the cache at ``path`` cannot be
+    used: what it was made for that differs from ``key``); (None, None) when there is none."""
+    if path is None or not path.exists():
+        return None, None
+    with np.load(path) as z:
+        was = json.loads(str(z["made_for"]))
+        differs = sorted((k for k in set(key) | set(was) if key.get(k) != was.get(k)),
+                         key=lambda k: (list(_MADE_FOR).index(k) if k in _MADE_FOR
+                                        else len(_MADE_FOR), k))
+        if differs:
+            return None, "made for " + ", ".join(_MADE_FOR.get(k, f"another {k}")
+                                                for k in differs)
+        return {k: (z[f"{k}_chosen"], z[f"{k}_rejected"]) for k in parts}, None
 
 
 class _Sums:
@@ -170,28 +202,26 @@ class PreferenceTrainer(Trainer):
         self.ref_graphs.clear()
         self.reference[name] = (ref[:n], ref[n:])
 
-    def load_or_compute_reference(self, out: Path | None, splits, batch_size: int, log) -> None:
+    def load_or_compute_reference(self, out: Path | None, splits, batch_size: int, log,
+                                  made_for: dict | None = None) -> None:
         """The reference log-probabilities of the train and validation pairs: read from the
-        run folder's cache when it was made for these very pairs and this base model, else
-        computed (and cached by rank 0)."""
+        run folder's cache when it was made for these very pairs and everything in
+        ``made_for`` (what else the values depend on: the model file's identity, the types
+        its weights were loaded as, ...; the run's ``reference_key``), else computed (and
+        cached by rank 0).  A cache that does not match is recomputed, and the log says why:
+        a path alone does not say which model made it."""
         parts = {"train": splits.train, "valid": splits.valid}
-        digest = hashlib.sha256("".join(pair_digest(p) for p in parts.values()).encode()
-                                + self.model.path.encode()).hexdigest()
+        key = reference_key(parts, made_for or {})
         path = out / REFERENCE_FILE if out is not None else None
-
-        def cached():
-            if path is None or not path.exists():
-                return None
-            with np.load(path) as z:
-                if str(z["digest"]) != digest:
-                    return None
-                return {k: (z[f"{k}_chosen"], z[f"{k}_rejected"]) for k in parts}
         w = self.world
-        found = w.bcast(cached() if w.is_main else None) if w.size > 1 else cached()
+        found, why = (w.bcast(read_reference(path, key, parts) if w.is_main else None)
+                      if w.size > 1 else read_reference(path, key, parts))
         if found is not None:
             self.reference.update(found)
             log(f"reference log-probabilities: read from {path}")
             return
+        if why:
+            log(f"reference log-probabilities: {path} recomputed: {why}")
         t0 = time.perf_counter()
         for k, pairs in parts.items():
             if pairs:
@@ -203,7 +233,7 @@ class PreferenceTrainer(Trainer):
             f"{time.perf_counter() - t0:.1f} s")
         if path is not None and self.world.is_main:
             buf = io.BytesIO()
-            np.savez(buf, digest=np.array(digest),
+            np.savez(buf, made_for=np.array(json.dumps(key, sort_keys=True)),
                      **{f"{k}_{s}": v for k, (c, r) in self.reference.items()
                         for s, v in (("chosen", c), ("rejected", r))})
             atomic.write_bytes(path, buf.getvalue())
