@@ -462,6 +462,57 @@ def test_a_reference_cache_made_for_another_model_file_is_recomputed(tmp_path, c
     assert "reference log-probabilities of 40 pairs" in log
 
 
+def spoil(path: Path, how: str) -> None:
+    """A reference_logps.npz this version cannot use: cut short, another program's npz, this
+    project's earlier format (keyed by a digest alone), or not an archive at all."""
+    import io
+    good = path.read_bytes()
+    buf = io.BytesIO()
+    if how == "truncated":
+        path.write_bytes(good[:len(good) // 2])
+        return
+    if how == "foreign npz":
+        np.savez(buf, weights=np.ones(3))
+    elif how == "earlier format":
+        with np.load(path) as z:
+            np.savez(buf, digest=np.array("0" * 64),
+                     **{k: z[k] for k in z.files if k != "made_for"})
+    else:
+        buf.write(b"not an archive\n")
+    path.write_bytes(buf.getvalue())
+
+
+@pytest.mark.parametrize("how", ["truncated", "foreign npz", "earlier format", "not an archive"])
+def test_an_unusable_reference_cache_is_recomputed_and_said(model, pairs, tmp_path, how):
+    """The cache is the run's own file, but a disk filled up, a copy cut short or another
+    program can leave anything under its name: it is recomputed (the same values as the
+    first computation, which used the same graphs on the same pairs), never a traceback."""
+    from pytrain.data.records import DataSplits
+    from pytrain.step.preference import REFERENCE_FILE
+    splits = DataSplits(pairs[:5], pairs[5:], None, None)
+
+    def reference(log):
+        tr = PreferenceTrainer(model, adapted(model), AdamWSettings(lr=1e-3),
+                               PreferenceSettings("dpo"))
+        try:
+            tr.load_or_compute_reference(tmp_path, splits, 4, log)
+            return tr.reference
+        finally:
+            tr.close()
+    first = reference(print)
+    spoil(tmp_path / REFERENCE_FILE, how)
+    said: list[str] = []
+    again = reference(said.append)
+    assert any(f"{tmp_path / REFERENCE_FILE} recomputed: " in m for m in said), said
+    assert any("reference log-probabilities of 8 pairs" in m for m in said), said
+    for k in ("train", "valid"):
+        for a, b in zip(first[k], again[k]):
+            np.testing.assert_array_equal(a, b)
+    said.clear()
+    reference(said.append)                 # the recomputed cache is read back
+    assert said == [f"reference log-probabilities: read from {tmp_path / REFERENCE_FILE}"]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("objective", ["dpo", "orpo"])
 def test_two_ranks_equal_one_process_accumulating_two(tmp_path, objective):

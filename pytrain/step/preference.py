@@ -24,6 +24,7 @@ import hashlib
 import io
 import json
 import time
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -77,18 +78,40 @@ def reference_key(parts: dict[str, Sequence], made_for: dict) -> dict:
 def read_reference(path: Path | None, key: dict, parts: dict[str, Sequence]
                    ) -> tuple[dict | None, str | None]:
     """(the cached values of ``parts``, None), or (None, why the cache at ``path`` cannot be
-    used: what it was made for that differs from ``key``); (None, None) when there is none."""
+    used: unreadable, not this project's record, made for something else); (None, None) when
+    there is none.  Whatever is under the file's name (cut short by a full disk, another
+    program's npz, an earlier version's), the answer is to compute it again, not to fail."""
     if path is None or not path.exists():
         return None, None
-    with np.load(path) as z:
-        was = json.loads(str(z["made_for"]))
-        differs = sorted((k for k in set(key) | set(was) if key.get(k) != was.get(k)),
-                         key=lambda k: (list(_MADE_FOR).index(k) if k in _MADE_FOR
-                                        else len(_MADE_FOR), k))
-        if differs:
-            return None, "made for " + ", ".join(_MADE_FOR.get(k, f"another {k}")
-                                                for k in differs)
-        return {k: (z[f"{k}_chosen"], z[f"{k}_rejected"]) for k in parts}, None
+    if not zipfile.is_zipfile(path):           # np.load would try it as a pickle
+        return None, "unreadable: not an npz archive (cut short, or another kind of file)"
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            if "made_for" not in z.files:
+                return None, ("it holds no record of what it was made for (another program's "
+                              "file, or an earlier version's)")
+            was = json.loads(str(z["made_for"]))
+            if not isinstance(was, dict):
+                return None, "its record of what it was made for is not one"
+            differs = sorted((k for k in set(key) | set(was) if key.get(k) != was.get(k)),
+                             key=lambda k: (list(_MADE_FOR).index(k) if k in _MADE_FOR
+                                            else len(_MADE_FOR), k))
+            if differs:
+                return None, "made for " + ", ".join(_MADE_FOR.get(k, f"another {k}")
+                                                    for k in differs)
+            found = {}
+            for k, pairs in parts.items():
+                names = (f"{k}_chosen", f"{k}_rejected")
+                vals = [z[n] if n in z.files else None for n in names]
+                bad = [n for n, v in zip(names, vals)
+                       if v is None or v.shape != (len(pairs),) or v.dtype != np.float64]
+                if bad:
+                    return None, (f"incomplete: no {', '.join(bad)} values for "
+                                  f"{len(pairs)} pairs")
+                found[k] = tuple(vals)
+            return found, None
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
+        return None, f"unreadable ({type(e).__name__}: {e})"
 
 
 class _Sums:
