@@ -11,7 +11,7 @@ import pytrain
 from bounds import F32_SPREAD, f32_bound, ulps
 from pytrain.cli import main
 from pytrain.data.examples import DataError
-from pytrain.data.preference import load_pairs, make_pair_batches, pair_batch
+from pytrain.data.preference import encode_pair, load_pairs, make_pair_batches, pair_batch
 from pytrain.models import lora
 from pytrain.models.lora_targets import select_targets
 from pytrain.step import loss as L
@@ -177,6 +177,35 @@ def test_a_prompt_that_leaves_no_completion_is_skipped_and_counted(model, tmp_pa
         "no_targets"][0]
     pairs, stats = load_pairs(path, model.tokenizer, max_seq_len=16, truncation="drop")
     assert stats.skipped == {"too_long": 1}
+
+
+@pytest.mark.parametrize("truncation", ["right", "left"])
+def test_a_pair_that_truncation_makes_equal_is_skipped_and_counted(model, tmp_path, truncation):
+    """Completions that differ only past max_seq_len (right) or only before the last
+    max_seq_len tokens (left) become the same tokens once cut: a pair with nothing to prefer,
+    held at loss log 2 for ever, diluting every step it is in.  Skipped and counted, as a pair
+    with no completion token left is, in the stats and the run log's summary line."""
+    tok = model.tokenizer
+    same = " the cow says moo and the dog says woof and the cat says meow" * 2
+    if truncation == "right":
+        rec = {"prompt": "Animals: " * 8, "chosen": same + " yes", "rejected": same + " no"}
+    else:
+        rec = {"prompt": "Animals:", "chosen": "Yes," + same, "rejected": "No," + same}
+    short = {"prompt": "The cow says", "chosen": " moo", "rejected": " woof"}
+    path = write_jsonl(tmp_path / "t.jsonl", [short, rec])
+    p, c, r = encode_pair(tok, rec)
+    assert c != r
+    cut = len(p) + 6 if truncation == "right" else len(c) - 3     # both end in EOS and `same`
+    assert len(p) + max(len(c), len(r)) > cut
+    pairs, stats = load_pairs(path, tok, max_seq_len=cut, truncation=truncation)
+    assert len(pairs) == 1 and stats.skipped == {"equal_after_truncation": 1}, stats.skipped
+    assert stats.records == stats.examples + sum(stats.skipped.values())
+    msg = stats.skip_messages["equal_after_truncation"][0]
+    assert msg.startswith(f"{path}:2: chosen and rejected are the same") and f"{cut}" in msg
+    assert "skipped equal_after_truncation 1" in stats.summary()
+    assert stats.to_dict()["skipped"] == {"equal_after_truncation": 1}
+    pairs, stats = load_pairs(path, tok, max_seq_len=4096, truncation=truncation)
+    assert len(pairs) == 2 and not stats.skipped          # whole, they differ
 
 
 def test_pairs_are_never_split_across_micro_batches(pairs, model):

@@ -14,8 +14,9 @@ naming ``file:line`` (``on_error="stop"``) or counted by reason in :class:`DataS
 Reasons: ``malformed_json``, ``not_an_object``, ``unrecognised_record``, ``other_format``
 (a record of another format than the file's: one file holds one format), ``bad_field``,
 ``unknown_role``, ``template_error`` (errors, subject to ``on_error``) and
-``no_assistant_turn``, ``too_long`` (truncation "drop"), ``no_targets`` (always skipped and
-counted: they are valid records with nothing to train).
+``no_assistant_turn``, ``too_long`` (truncation "drop"), ``no_targets`` and, for preference
+pairs, ``equal_after_truncation`` (always skipped and counted: they are valid records with
+nothing to train).
 """
 
 from pytrain.data.batches import make_batches, pad_token_id

@@ -13,7 +13,7 @@ from pytrain.errors import PytrainError
 ROLES = ("system", "user", "assistant", "tool")
 ERROR_REASONS = ("malformed_json", "not_an_object", "unrecognised_record", "other_format",
                  "bad_field", "unknown_role", "template_error")
-SKIP_REASONS = ("no_assistant_turn", "too_long", "no_targets")
+SKIP_REASONS = ("no_assistant_turn", "too_long", "no_targets", "equal_after_truncation")
 _KEEP_MESSAGES = 3  # first messages kept per skip reason, for the report
 
 

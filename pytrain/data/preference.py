@@ -17,7 +17,8 @@ sequence here and there:
 Only completion tokens are targets (the shared prompt is masked); chosen and rejected of a pair
 always sit in the same micro-batch, chosen rows first (TRL's layout).  Truncation follows
 ``data.truncation``: right (TRL's ``keep_start``: prompt + completion cut to max_seq_len), left,
-or drop; a pair whose prompt leaves no completion token is skipped and counted.
+or drop; a pair whose prompt leaves no completion token, or whose completions become the same
+tokens once cut, is skipped and counted.
 """
 from __future__ import annotations
 
@@ -175,7 +176,9 @@ def load_pairs(path: str | os.PathLike[str], tokenizer: "Tokenizer", *, max_seq_
     """Read one JSONL file of preference records.  Errors name ``file:line``: a missing or
     mistyped field, chosen equal to rejected (identical text or tokens: nothing to prefer); a
     pair with no completion token left after truncation is skipped and counted (``too_long``
-    under truncation = drop, else ``no_targets``)."""
+    under truncation = drop, else ``no_targets``), and so is one whose completions truncation
+    makes the same tokens (``equal_after_truncation``: nothing left to prefer, its loss would
+    stay at log 2 and dilute every step it is in)."""
     path = os.fspath(path)
     stats = DataStats(path=path, format="preference", mask="completion_only")
     pairs: list[Pair] = []
@@ -214,6 +217,11 @@ def load_pairs(path: str | os.PathLike[str], tokenizer: "Tokenizer", *, max_seq_
             why = "the prompt leaves no completion token" if p else "no completion target"
             stats.skip("no_targets", f"{where}: {why} after truncation to max_seq_len "
                                      f"{max_seq_len} ({full} tokens)")
+            continue
+        if c == r:                     # they differed only in what was cut off
+            stats.skip("equal_after_truncation",
+                       f"{where}: chosen and rejected are the same tokens after truncation to "
+                       f"max_seq_len {max_seq_len} ({full} tokens): nothing to prefer")
             continue
         stats.truncated += was_cut
         pair = Pair(np.asarray(p, np.int32), np.asarray(c, np.int32), np.asarray(r, np.int32),
