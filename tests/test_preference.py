@@ -104,6 +104,63 @@ def test_loss_derivatives_are_the_loss_functions_own(objective, loss_type):
         assert abs(dr - t.d_rejected[i]) <= 1e-7 * max(1.0, abs(dr)), (i, dr, t.d_rejected[i])
 
 
+def orpo_chosen_limit(beta, a_r, n_c):
+    """d loss / d pi_c of ORPO as the chosen mean log-probability a_c goes to 0 (the chosen
+    completion certain): the odds-ratio term's sigmoid(-L) goes to 0 as fast as
+    d L / d a_c = 1 / (1 - exp(a_c)) grows, and their product has the limit
+    1 / (exp(-a_r) - 1)."""
+    return -beta / (n_c * np.expm1(-a_r))
+
+
+@pytest.mark.parametrize("a_c", [0.0, -1e-30, -0.0])
+def test_orpo_derivative_is_finite_where_the_chosen_completion_is_certain(a_c):
+    """A chosen completion whose every token the policy gives probability 1 (a mean
+    log-probability of exactly 0.0 in float64, which float32 log-softmax reaches): the loss
+    is 0 and its derivative the finite limit, not 0 x inf; its rejected derivative is 0.
+    One-sided differences of the loss itself check the limit (the loss is defined for
+    a_c <= 0 only; truncation error O(h))."""
+    beta, n_c, n_r = 0.1, 4, 5
+    a_r = np.array([-0.5, -2.0, -1e-3])
+    pc, pr = np.full(3, a_c * n_c), a_r * n_r
+    t = pl.orpo_terms(beta, pc, pr, np.full(3, n_c), np.full(3, n_r))
+    assert np.isfinite(t.d_chosen).all() and np.isfinite(t.d_rejected).all(), (t.d_chosen,
+                                                                                t.d_rejected)
+    want = orpo_chosen_limit(beta, a_r, n_c)
+    np.testing.assert_allclose(t.d_chosen, want, rtol=4 * np.finfo(float).eps)
+    # d_r = beta sigmoid(-L) / (1 - exp(a_r)) / n_r, with sigmoid(-L) = exp(-L) to first
+    # order in a_c: exactly 0 at a_c = 0
+    e = np.exp(a_r)
+    np.testing.assert_allclose(t.d_rejected, beta * -a_c * e / (-np.expm1(a_r)) ** 2 / n_r,
+                               rtol=1e-12, atol=0)
+    # the loss beta log(1 + exp(-L)): 0 at a_c = 0, beta exp(-L) to first order
+    np.testing.assert_allclose(t.loss, beta * -a_c * e / -np.expm1(a_r), rtol=1e-12, atol=0)
+    # one-sided: truncation error h * |f''| / 2 relative to f' is about h / (2 (1 - exp(a_r)))
+    h = 1e-10
+    below = pl.orpo_terms(beta, pc - h * n_c, pr, np.full(3, n_c), np.full(3, n_r)).loss
+    one_sided = (t.loss - below) / (h * n_c)
+    np.testing.assert_allclose(one_sided, want, rtol=1e-6)
+
+
+def test_orpo_derivative_form_agrees_with_the_old_where_that_was_finite():
+    """Away from a_c = 0, the finite form and sigmoid(-L) * (-1 / expm1(a_c)) are the same
+    function: equal to float64 rounding over ordinary and extreme points; the loss is the
+    very same computation."""
+    rng = np.random.default_rng(1)
+    a_c = -np.concatenate([rng.uniform(1e-6, 8, 200), [1e-12, 1e-9, 30.0, 100.0]])
+    a_r = -np.concatenate([rng.uniform(1e-6, 8, 200), [5.0, 1e-9, 1e-12, 0.5]])
+    n_c, n_r = np.full(a_c.size, 3), np.full(a_c.size, 7)
+    pc, pr = a_c * n_c, a_r * n_r
+    t = pl.orpo_terms(0.2, pc, pr, n_c, n_r)
+    a_c, a_r = pc / n_c, pr / n_r                   # as orpo_terms has them
+    log_odds = (a_c - a_r) - (pl.log1mexp(a_c) - pl.log1mexp(a_r))
+    old_c = -0.2 * pl.sigmoid(-log_odds) * (-1.0 / np.expm1(a_c)) / n_c
+    # the old form's exp(log_sigmoid(-L)) carries log_sigmoid's absolute rounding as a
+    # relative error: about (|L| + 1) ulps; the rest is a few ulps each
+    bound = (np.abs(log_odds) + 8) * np.finfo(float).eps * np.abs(old_c)
+    assert (np.abs(t.d_chosen - old_c) <= bound).all(), np.max(np.abs(t.d_chosen - old_c) / bound)
+    np.testing.assert_array_equal(t.loss, -0.2 * pl.log_sigmoid(log_odds))
+
+
 def test_dpo_sigmoid_at_the_reference_is_log2_and_no_reward():
     t = pl.dpo_terms("sigmoid", 0.1, 0.0, [-3.0], [-5.0], [-3.0], [-5.0], [4], [4])
     assert t.loss[0] == pytest.approx(np.log(2.0), rel=1e-15)

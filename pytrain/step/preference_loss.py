@@ -81,10 +81,16 @@ def orpo_terms(beta: float, pi_c, pi_r, n_c, n_r) -> PairTerms:
     log-probabilities (``n_*``: completion targets); the NLL term is ``orpo_nll_weight``'s."""
     n_c, n_r = np.asarray(n_c, np.float64), np.asarray(n_r, np.float64)
     a_c, a_r = np.asarray(pi_c, np.float64) / n_c, np.asarray(pi_r, np.float64) / n_r
-    log_odds = (a_c - a_r) - (log1mexp(a_c) - log1mexp(a_r))
+    with np.errstate(divide="ignore"):         # a certain completion: log(1 - 1) = -inf
+        log_odds = (a_c - a_r) - (log1mexp(a_c) - log1mexp(a_r))
     loss = -beta * log_sigmoid(log_odds)
     dl = -beta * sigmoid(-log_odds)                # d loss / d log_odds
-    # d log_odds / d a = 1 + exp(a) / (1 - exp(a)) = -1 / expm1(a)
-    d_c = dl * (-1.0 / np.expm1(a_c)) / n_c
-    d_r = dl * (1.0 / np.expm1(a_r)) / n_r
+    # d log_odds / d a_c = 1 + exp(a) / (1 - exp(a)) = -1 / expm1(a_c), which is infinite
+    # where the chosen completion is certain (a_c = 0, float32's log-softmax reaches it) while
+    # sigmoid(-log_odds) is 0 there: their product, written with exp(log_odds) =
+    # exp(a_c - a_r) (1 - exp(a_r)) / (1 - exp(a_c)), is
+    # 1 / ((1 - exp(a_c)) + exp(a_c - a_r) (1 - exp(a_r))), a sum of two non-negative terms:
+    # finite at a_c = 0 (the limit 1 / expm1(-a_r)) and without cancellation elsewhere
+    d_c = -beta / (n_c * (-np.expm1(a_c) + np.exp(a_c - a_r) * -np.expm1(a_r)))
+    d_r = dl * (1.0 / np.expm1(a_r)) / n_r        # d log_odds / d a_r = 1 / expm1(a_r)
     return PairTerms(loss, d_c, d_r, beta * a_c, beta * a_r)
