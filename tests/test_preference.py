@@ -446,13 +446,55 @@ def test_a_preference_run_learns_the_preference_and_exports(tmp_path, capsys, ob
     else:
         assert all("nll_loss" in r for r in steps + valid)
     text = capsys.readouterr().out
-    assert "reward accuracy" in text and "reference log-probabilities of 40 pairs" in text
-    assert (out / "loss.png").stat().st_size > 0 and (out / "reference_logps.npz").exists()
+    assert "reward accuracy" in text
+    # DPO's reference pass and its cache; ORPO has no reference (test_orpo_runs_no_reference_pass)
+    assert ("reference log-probabilities of 40 pairs" in text) == (objective == "dpo")
+    assert (out / "reference_logps.npz").exists() == (objective == "dpo")
+    assert (out / "loss.png").stat().st_size > 0
     from pytrain.formats.adapter_gguf import read_lora_gguf
     from pytrain.formats.adapter_peft import read_peft_adapter
     gguf = read_lora_gguf(out / "adapter.gguf")[2]
     peft = read_peft_adapter(out / "peft", arch="qwen35")[0]
     assert set(gguf) and set(peft)
+
+
+def test_orpo_runs_no_reference_pass(tmp_path, capsys):
+    """ORPO's loss has no reference model: a run computes no base-model log-probabilities,
+    writes no cache of them and says nothing of them (the pass cost 103 s of a 144 s run on
+    100 pairs of SmolLM2)."""
+    cfg = write_pref_run(tmp_path, objective="orpo", max_steps=2, eval_every=1)
+    assert main(["train", str(cfg), "--no-progress"]) == 0
+    text = capsys.readouterr().out
+    assert "reference log-probabilities" not in text, text
+    assert not (tmp_path / "run" / "reference_logps.npz").exists()
+    steps, valid = metrics_of(tmp_path / "run")
+    assert len(steps) == 2 and [v["step"] for v in valid] == [0, 1, 2]
+    assert all(np.isfinite(r["loss"]) and "nll_loss" in r for r in steps + valid)
+
+
+def test_orpo_results_do_not_depend_on_a_reference_pass(model, pairs):
+    """What ORPO computes never reads the reference: a step with the reference pass run
+    before it and one without give the same loss, sums and gradient, bit for bit."""
+    values = adapted(model).get()
+    out = []
+    for with_reference in (True, False):
+        ad = adapted(model)
+        ad.set(values)
+        tr = PreferenceTrainer(model, ad, AdamWSettings(lr=1e-3),
+                               PreferenceSettings("orpo", 0.1, "sigmoid", 0.0))
+        try:
+            assert not tr.uses_reference
+            if with_reference:
+                tr.compute_reference("train", pairs, 4)
+            loss, v = tr.accumulate([pair_batch(pairs, [0, 1, 2], model.pad_id),
+                                     pair_batch(pairs, [5, 6], model.pad_id)])
+            out.append((loss, v, tr.opt_state.grads()))
+        finally:
+            tr.close()
+    (l1, v1, g1), (l2, v2, g2) = out
+    assert l1 == l2 and v1 == v2
+    for k, g in g1.items():
+        np.testing.assert_array_equal(g2[k], g, err_msg=k)
 
 
 def interrupt_at(monkeypatch, n: int):
@@ -473,8 +515,8 @@ def interrupt_at(monkeypatch, n: int):
 @pytest.mark.parametrize("objective", ["dpo", "orpo"])
 def test_interrupted_and_resumed_equals_uninterrupted(tmp_path, monkeypatch, capsys, objective):
     """Bound: zero (as tests/test_train_run.py's resume test says why): the resumed run reads
-    the reference log-probabilities back from the run folder and repeats the same float32
-    operations, across an epoch boundary (4 steps an epoch)."""
+    the reference log-probabilities (DPO's) back from the run folder and repeats the same
+    float32 operations, across an epoch boundary (4 steps an epoch)."""
     from pytrain.formats.adapter_gguf import read_lora_gguf
     cfg = write_pref_run(tmp_path, objective=objective, max_steps=6, batch_size=8,
                          eval_every=0, schedule="cosine", warmup=1)
@@ -486,7 +528,9 @@ def test_interrupted_and_resumed_equals_uninterrupted(tmp_path, monkeypatch, cap
     assert "interrupted by SIGINT after step 3" in capsys.readouterr().err
     monkeypatch.setattr(PreferenceTrainer, "step", real)
     assert main(["train", str(cfg), "--no-progress", "--set", other, "--resume"]) == 0
-    assert "reference log-probabilities: read from" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert ("reference log-probabilities: read from" in said) == (objective == "dpo"), said
+    assert objective == "dpo" or "reference log-probabilities" not in said
     resumed = read_lora_gguf(tmp_path / "again" / "adapter.gguf")[2]
     assert sorted(resumed) == sorted(straight)
     for k, v in straight.items():

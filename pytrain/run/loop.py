@@ -606,7 +606,7 @@ def _train(s: Session, progress: bool, resume: str | bool | None, interrupt: Int
     try:
         if resumed:
             resume_mod.restore_best(s, loop, start)
-        if s.preference:
+        if s.preference and s.trainer.uses_reference:
             s.trainer.load_or_compute_reference(s.out, s.splits, s.cfg.train.batch_size, s.log,
                                                 reference_key(s, loop.fingerprint))
         if not resumed:

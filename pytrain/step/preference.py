@@ -13,10 +13,11 @@ A step over micro-batches of pairs (``PairBatch``: chosen rows, then rejected ro
      CE_s = -pi_s / R, w_s = -R * dL/dpi_s: its gradient is sum_s dL/dpi_s * grad(pi_s), the
      preference loss's gradient.
 
-The reference is the base model (the adapter off, as TRL's reference for a PEFT model): its
+DPO's reference is the base model (the adapter off, as TRL's reference for a PEFT model): its
 log-probabilities are computed once per pair before training (TRL's
 ``precompute_ref_log_probs``), in a fixed order independent of the run's batch order, and
-cached in the run folder, so a resumed run uses the very same numbers.
+cached in the run folder, so a resumed run uses the very same numbers.  ORPO has no
+reference, and its run no reference pass.
 """
 from __future__ import annotations
 
@@ -168,6 +169,12 @@ class PreferenceTrainer(Trainer):
         self.fwd_graphs: dict[tuple, EvalGraph] = {}
         self.ref_graphs: dict[tuple, EvalGraph] = {}
         self.reference: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+
+    @property
+    def uses_reference(self) -> bool:
+        """DPO's loss compares the policy with the reference; ORPO's has none, so its run
+        skips the reference pass (a forward over every pair, most of a short ORPO run)."""
+        return self.settings.objective == "dpo"
 
     # ---------------------------------------------------------------- graphs
     def _shape(self, pb: PairBatch, targets: np.ndarray) -> tuple[int, int, int]:
