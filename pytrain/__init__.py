@@ -14,11 +14,12 @@ that needs it, so ``import pytrain.config`` stays cheap.
 """
 from pytrain.formats import hf_layout as _hf_layout
 from pytrain._version import __version__
-from pytrain.api import (EvalResult, ExportOutputError, ExportResult, LoadedModel, RunResult,
-                         export, load, resolve_config, train)
+from pytrain.api import (EvalResult, ExportOutputError, ExportResult, LoadedModel,
+                         PreferenceEvalResult, RunResult, export, load, resolve_config, train)
 
-__all__ = ["EvalResult", "ExportOutputError", "ExportResult", "LoadedModel", "RunResult",
-           "__version__", "export", "load", "load_model", "resolve_config", "train"]
+__all__ = ["EvalResult", "ExportOutputError", "ExportResult", "LoadedModel",
+           "PreferenceEvalResult", "RunResult", "__version__", "export", "load", "load_model",
+           "resolve_config", "train"]
 
 
 def _registry_layouts(name=None):

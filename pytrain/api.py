@@ -33,8 +33,9 @@ if TYPE_CHECKING:                  # names for the annotations only: importing t
     from pytrain.models.model import Model
     from pytrain.run.loop import RunResult as _RunOutcome
 
-__all__ = ["EvalResult", "ExportOutputError", "ExportResult", "LoadedModel", "RunResult",
-           "export", "load", "load_adapter", "resolve_config", "train"]
+__all__ = ["EvalResult", "ExportOutputError", "ExportResult", "LoadedModel",
+           "PreferenceEvalResult", "RunResult", "export", "load", "load_adapter",
+           "resolve_config", "train"]
 
 EXPORT_FORMATS = ("peft", "gguf-merged")
 
@@ -149,6 +150,37 @@ class EvalResult:
                 "n_valid": self.n_valid}
 
 
+@dataclass
+class PreferenceEvalResult:
+    """DPO or ORPO validation metrics over preference pairs: the objective's loss and TRL's
+    reward metrics, the numbers a run's validation computes for the same adapter."""
+    objective: str                   # "dpo" or "orpo"
+    loss: float                      # the objective's loss, a mean over pairs (+ ORPO's NLL)
+    rewards_chosen: float            # TRL's rewards/chosen, a mean over pairs
+    rewards_rejected: float
+    rewards_margins: float
+    rewards_accuracies: float        # share of pairs whose chosen reward is the higher
+    pairs: int                       # pairs evaluated
+    nll_loss: float | None = None    # ORPO: the chosen completions' NLL per token
+    split: str | None = None         # "validation" or "training" for a [data] section
+
+    @classmethod
+    def of(cls, m: Mapping[str, Any], objective: str, split: str | None
+           ) -> PreferenceEvalResult:
+        """From the metrics of ``PreferenceEvaluator.evaluate`` (TRL's names)."""
+        return cls(objective, m["loss"], m["rewards/chosen"], m["rewards/rejected"],
+                   m["rewards/margins"], m["rewards/accuracies"], m["pairs"],
+                   m.get("nll_loss"), split)
+
+    def to_dict(self) -> dict:
+        """TRL's names, as a run's validation records in metrics.jsonl have them."""
+        return {"loss": self.loss, "rewards/chosen": self.rewards_chosen,
+                "rewards/rejected": self.rewards_rejected,
+                "rewards/margins": self.rewards_margins,
+                "rewards/accuracies": self.rewards_accuracies, "pairs": self.pairs,
+                **({"nll_loss": self.nll_loss} if self.nll_loss is not None else {})}
+
+
 def load_adapter(model: Model, path: str | os.PathLike[str]) -> LoraAdapter:
     """The adapter GGUF or PEFT folder at ``path``, checked against ``model`` and loaded onto
     its device (a rank per pair is allowed, as llama.cpp reads them)."""
@@ -255,7 +287,9 @@ class LoadedModel:
         return logits[np.arange(n), ids[1:]] - lse[:n]
 
     def eval(self, data: str | os.PathLike[str] | Iterable[Mapping[str, Any]] | DataConfig, *,
-             batch_size: int = 4, **data_options: Any) -> EvalResult:
+             batch_size: int = 4, objective: str = "sft", beta: float = 0.1,
+             loss_type: str = "sigmoid", label_smoothing: float = 0.0,
+             **data_options: Any) -> EvalResult | PreferenceEvalResult:
         """Validation loss, token accuracy and perplexity over the targets of ``data``, masked
         as training masks them, as ``pytrain eval`` computes them.
 
@@ -263,8 +297,19 @@ class LoadedModel:
         ``{"prompt", "completion"}``, ``{"text"}``), or a config's ``[data]`` section (its
         validation examples, else its training examples: what ``pytrain eval`` reads).
         ``data_options``: keys of ``[data]`` for a file or records (``format``, ``mask``,
-        ``max_seq_len``, ``truncation``, ``packing``, ``chat_template``, ``on_error``)."""
+        ``max_seq_len``, ``truncation``, ``packing``, ``chat_template``, ``on_error``).
+
+        ``objective`` "dpo" or "orpo" (with ``beta``, ``loss_type``, ``label_smoothing``: the
+        ``[train]`` keys): ``data`` holds preference pairs, and the result is a
+        ``PreferenceEvalResult``, the objective's loss and reward metrics as a run's
+        validation computes them (DPO's reference: this model without the adapter)."""
         from pytrain.config import DataConfig
+        if objective != "sft":
+            pref = {"objective": objective, "beta": beta, "loss_type": loss_type,
+                    "label_smoothing": label_smoothing}
+            if not isinstance(data, (DataConfig, str, os.PathLike)):
+                return self._eval_records(data, batch_size, {**data_options, **pref})
+            return self._eval_pairs(data, batch_size, pref, data_options)
         from pytrain.data import load_data
         from pytrain.step.evaluate import evaluate_examples
         template = self.chat_template if self._own_template else None
@@ -287,6 +332,36 @@ class LoadedModel:
                                packing=cfg.packing, max_seq_len=cfg.max_seq_len)
         return EvalResult(ev["loss"], ev["accuracy"], ev["perplexity"], ev["n_valid"],
                           len(examples), split)
+
+    def _eval_pairs(self, data: str | os.PathLike[str] | DataConfig, batch_size: int,
+                    settings: dict, options: dict) -> PreferenceEvalResult:
+        """``eval`` of preference pairs: their batches, DPO's reference pass and the metrics,
+        by a run's own validation code (``PreferenceEvaluator``), so the numbers are the
+        run's."""
+        from pytrain.config import DataConfig
+        from pytrain.data.preference import load_pair_data, make_pair_batches
+        from pytrain.step.preference import PreferenceEvaluator, PreferenceSettings
+        if isinstance(data, DataConfig):
+            if options:
+                raise TypeError(f"eval of a [data] section takes no data options, got "
+                                f"{', '.join(sorted(options))}")
+            cfg = data
+        else:
+            cfg = _data_config(data, options)
+        template = self.chat_template if self._own_template and not cfg.chat_template else None
+        splits = load_pair_data(cfg, self.tokenizer, template)
+        pairs = splits.valid or splits.train
+        split = ("validation" if splits.valid else "training") \
+            if isinstance(data, DataConfig) else None
+        batches = make_pair_batches(pairs, batch_size, shuffle=False, pad_id=self.model.pad_id)
+        ev = PreferenceEvaluator(self.model, self.adapter, PreferenceSettings(**settings))
+        try:
+            if ev.uses_reference:            # evaluate() reads the "valid" split's
+                ev.compute_reference("valid", pairs, batch_size)
+            m = ev.evaluate(batches)
+        finally:
+            ev.close()
+        return PreferenceEvalResult.of(m, settings["objective"], split)
 
     def _eval_records(self, records: Iterable[Mapping[str, Any]], batch_size: int,
                       options: dict) -> EvalResult:

@@ -497,6 +497,36 @@ def test_orpo_results_do_not_depend_on_a_reference_pass(model, pairs):
         np.testing.assert_array_equal(g2[k], g, err_msg=k)
 
 
+@pytest.mark.parametrize("objective", ["dpo", "orpo"])
+def test_pytrain_eval_of_a_preference_config_is_the_runs_validation(tmp_path, capsys, objective):
+    """`pytrain eval` of a DPO or ORPO config evaluates its validation pairs with the config's
+    objective: the run's own validation numbers for the same adapter, exactly (the same
+    batches, the same reference pass, the same graphs); without --adapter, the base model's
+    (step 0: DPO's log 2 and margin 0).  The Python API's eval is the same path."""
+    cfg = write_pref_run(tmp_path, objective=objective, max_steps=3, eval_every=3)
+    assert main(["train", str(cfg), "--no-progress"]) == 0
+    _, valid = metrics_of(tmp_path / "run")
+    adapter = tmp_path / "run" / "adapter.gguf"
+    capsys.readouterr()
+    for rec, more in ((valid[-1], ["--adapter", str(adapter)]), (valid[0], [])):
+        assert main(["eval", str(cfg), *more]) == 0
+        line = capsys.readouterr().out.strip().splitlines()[-1]
+        assert line.startswith(f"validation set ({rec['pairs']} pairs, {objective}): "), line
+        assert (f"loss {rec['loss']:.4f}  reward accuracy {rec['rewards/accuracies']:.3f}  "
+                f"margin {rec['rewards/margins']:.4f}") in line, line
+    c = pytrain.resolve_config(cfg)
+    t = c.train
+    with pytrain.load(c.model.path, adapter, device="cpu", threads=1) as m:
+        ev = m.eval(c.data, batch_size=t.batch_size, objective=t.objective, beta=t.beta,
+                    loss_type=t.loss_type, label_smoothing=t.label_smoothing)
+        records = [json.loads(x) for x in (tmp_path / "valid.jsonl").read_text().splitlines()]
+        on_records = m.eval(records, batch_size=t.batch_size, objective=t.objective)
+    got = ev.to_dict()
+    assert ev.split == "validation" and got == {k: valid[-1][k] for k in got}, (got, valid[-1])
+    assert "nll_loss" in got if objective == "orpo" else "nll_loss" not in got
+    assert on_records.to_dict() == got          # the file's records, given as records
+
+
 def interrupt_at(monkeypatch, n: int):
     """SIGINT to this process during the n-th preference step."""
     import os

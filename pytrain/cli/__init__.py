@@ -103,9 +103,24 @@ def _eval(args: argparse.Namespace) -> int:
     m = cfg.model
     with api.load(m.path, args.adapter, device=m.device, threads=m.threads,
                   type_policy=m.type_policy) as model:
+        if cfg.train.objective != "sft":           # preference pairs: the objective's metrics
+            return _eval_preference(model, cfg)
         ev = model.eval(cfg.data, batch_size=cfg.train.batch_size)
     print(f"{ev.split} set ({ev.examples} examples, {ev.n_valid} target tokens): "
           f"loss {ev.loss:.4f}  accuracy {ev.accuracy:.3f}  perplexity {ev.perplexity:.2f}")
+    return 0
+
+
+def _eval_preference(model, cfg) -> int:
+    """A DPO or ORPO config's validation pairs: its objective's loss and reward metrics, the
+    run's own validation numbers for the same adapter."""
+    t = cfg.train
+    ev = model.eval(cfg.data, batch_size=t.batch_size, objective=t.objective, beta=t.beta,
+                    loss_type=t.loss_type, label_smoothing=t.label_smoothing)
+    nll = f"  nll {ev.nll_loss:.4f}" if ev.nll_loss is not None else ""
+    print(f"{ev.split} set ({ev.pairs} pairs, {ev.objective}): loss {ev.loss:.4f}  reward "
+          f"accuracy {ev.rewards_accuracies:.3f}  margin {ev.rewards_margins:.4f}  chosen "
+          f"{ev.rewards_chosen:.4f}  rejected {ev.rewards_rejected:.4f}{nll}")
     return 0
 
 
@@ -192,7 +207,8 @@ def build_parser() -> argparse.ArgumentParser:
     profile.add_arguments(p)
     p.set_defaults(func=_profile)
     p = sub.add_parser("eval", help="validation loss, token accuracy and perplexity over the "
-                       "valid targets of the config's data")
+                       "valid targets of the config's data (dpo, orpo: the objective's loss "
+                       "and reward metrics over its pairs)")
     config_args(p)
     p.add_argument("--adapter", help="adapter GGUF to evaluate (default: the base model)")
     p.set_defaults(func=_eval)

@@ -237,11 +237,12 @@ def load_pairs(path: str | os.PathLike[str], tokenizer: "Tokenizer", *, max_seq_
     return pairs, stats
 
 
-def load_pair_data(cfg: "DataConfig", tokenizer: "Tokenizer") -> DataSplits:
+def load_pair_data(cfg: "DataConfig", tokenizer: "Tokenizer", template: str | None = None
+                   ) -> DataSplits:
     """Training and validation pairs as the [data] section describes them (DataSplits holding
-    pairs in place of examples)."""
-    template = None
-    if cfg.chat_template:
+    pairs in place of examples); conversational records rendered with ``template``, else
+    ``data.chat_template``'s file, else the model's."""
+    if template is None and cfg.chat_template:
         try:
             template, _ = read_template(cfg.chat_template, "data.chat_template")
         except ChatTemplateError as e:

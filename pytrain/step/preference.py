@@ -36,6 +36,7 @@ from pytrain.data.preference import PairBatch, make_pair_batches
 from pytrain.formats import atomic
 from pytrain.step import loss as loss_mod
 from pytrain.step import preference_loss as pl
+from pytrain.step.distributed import World
 from pytrain.step.graphs import EvalGraph, GradGraph, bucket_length
 from pytrain.step.trainer import StepResult, Trainer
 
@@ -155,17 +156,23 @@ def metrics(v: dict, objective: str) -> dict:
     return out
 
 
-class PreferenceTrainer(Trainer):
-    """``Trainer`` with the preference step, validation over pairs and the reference pass.
-    The one-graph step only: layer-wise recompute has no per-sequence loss yet."""
+def _check_objective(settings: PreferenceSettings) -> None:
+    if settings.objective not in ("dpo", "orpo"):
+        raise ValueError(f"objective must be dpo or orpo, got {settings.objective!r}")
 
-    def __init__(self, model, adapter, hp, settings: PreferenceSettings, world=None,
+
+class PreferenceEvaluator:
+    """The per-sequence log-probabilities over pairs, DPO's reference pass and the validation
+    loss and reward metrics, with no optimizer: a run's validation (``PreferenceTrainer``)
+    and ``pytrain eval`` of a preference config compute the same numbers by the same code.
+    ``adapter`` None: the base model (no LoRA in the graph)."""
+
+    def __init__(self, model, adapter, settings: PreferenceSettings, world=None,
                  max_graphs: int = 12):
-        super().__init__(model, adapter, hp, recompute="off", world=world,
-                         max_graphs=max_graphs)
-        if settings.objective not in ("dpo", "orpo"):
-            raise ValueError(f"objective must be dpo or orpo, got {settings.objective!r}")
-        self.settings = settings
+        _check_objective(settings)
+        self.model, self.adapter, self.settings = model, adapter, settings
+        self.world = world or World()
+        self.max_graphs = max_graphs
         self.fwd_graphs: dict[tuple, EvalGraph] = {}
         self.ref_graphs: dict[tuple, EvalGraph] = {}
         self.reference: dict[str, tuple[np.ndarray, np.ndarray]] = {}
@@ -199,11 +206,6 @@ class PreferenceTrainer(Trainer):
                          lambda: EvalGraph(self.model, adapter, B, T, None, rows_per_seq=R))
         b = pb.batch
         return g.sequence_logps(b.tokens, b.seg, targets)
-
-    def _grad(self, pb: PairBatch, targets: np.ndarray) -> GradGraph:
-        B, T, R = self._shape(pb, targets)
-        return self._cached(self.graphs, (B, T, R), lambda: GradGraph(
-            self.model, self.adapter, B, T, opt_state=self.opt_state, rows_per_seq=R))
 
     @staticmethod
     def targets_of(pb: PairBatch) -> np.ndarray:
@@ -281,6 +283,48 @@ class PreferenceTrainer(Trainer):
         return pl.dpo_terms(s.loss_type, s.beta, s.label_smoothing, pc, pr,
                             ref_c[pb.pairs], ref_r[pb.pairs], lens[:n], lens[n:])
 
+    def evaluate(self, batches: list) -> dict:
+        """The loss and TRL's reward metrics over the validation pairs (this rank's share of
+        the batches, summed over ranks)."""
+        w, orpo = self.world, self.settings.objective == "orpo"
+        mine = batches[w.rank::w.size]
+        sums = _Sums(w, -(-len(batches) // w.size))
+        for i, pb in enumerate(mine):
+            tg = self.targets_of(pb)
+            lp = self.sequence_logps(pb, tg)
+            terms = self.pair_terms(pb, lp, "valid", tg)
+            sums.add(i, terms, -float(lp[:pb.n_pairs].sum()) if orpo else 0.0,
+                     int((tg[:pb.n_pairs] >= 0).sum()), pb.n_tokens)
+        v = sums.reduce()
+        n = max(v["pairs"], 1.0)
+        loss = v["loss"] / n + (v["nll"] / max(v["chosen_targets"], 1.0) if orpo else 0.0)
+        return {"loss": loss, **metrics(v, self.settings.objective)}
+
+    def close(self) -> None:
+        for cache in (self.fwd_graphs, self.ref_graphs):
+            for g in cache.values():
+                g.close()
+            cache.clear()
+
+
+class PreferenceTrainer(PreferenceEvaluator, Trainer):
+    """``Trainer`` with the preference step, and validation over pairs and the reference pass
+    (``PreferenceEvaluator``'s).  The one-graph step only: layer-wise recompute has no
+    per-sequence loss yet."""
+
+    def __init__(self, model, adapter, hp, settings: PreferenceSettings, world=None,
+                 max_graphs: int = 12):
+        _check_objective(settings)          # before anything is allocated
+        Trainer.__init__(self, model, adapter, hp, recompute="off", world=world,
+                         max_graphs=max_graphs)
+        PreferenceEvaluator.__init__(self, model, adapter, settings, self.world, max_graphs)
+
+    def _grad(self, pb: PairBatch, targets: np.ndarray) -> GradGraph:
+        B, T, R = self._shape(pb, targets)
+        return self._cached(self.graphs, (B, T, R), lambda: GradGraph(
+            self.model, self.adapter, B, T, opt_state=self.opt_state, rows_per_seq=R))
+
+    # ---------------------------------------------------------------- the step
     def accumulate(self, micro_batches: list) -> tuple[float, dict] | None:
         """The step's loss and summed metrics, its gradient left in the accumulators (summed
         over ranks); None when the whole step holds no pair."""
@@ -325,26 +369,6 @@ class PreferenceTrainer(Trainer):
         r.extra = metrics(v, self.settings.objective)
         return r
 
-    def evaluate(self, batches: list) -> dict:
-        """The loss and TRL's reward metrics over the validation pairs (this rank's share of
-        the batches, summed over ranks)."""
-        w, orpo = self.world, self.settings.objective == "orpo"
-        mine = batches[w.rank::w.size]
-        sums = _Sums(w, -(-len(batches) // w.size))
-        for i, pb in enumerate(mine):
-            tg = self.targets_of(pb)
-            lp = self.sequence_logps(pb, tg)
-            terms = self.pair_terms(pb, lp, "valid", tg)
-            sums.add(i, terms, -float(lp[:pb.n_pairs].sum()) if orpo else 0.0,
-                     int((tg[:pb.n_pairs] >= 0).sum()), pb.n_tokens)
-        v = sums.reduce()
-        n = max(v["pairs"], 1.0)
-        loss = v["loss"] / n + (v["nll"] / max(v["chosen_targets"], 1.0) if orpo else 0.0)
-        return {"loss": loss, **metrics(v, self.settings.objective)}
-
     def close(self) -> None:
-        for cache in (self.fwd_graphs, self.ref_graphs):
-            for g in cache.values():
-                g.close()
-            cache.clear()
-        super().close()
+        PreferenceEvaluator.close(self)
+        Trainer.close(self)
