@@ -128,3 +128,27 @@ def test_tensorboard_missing_names_the_extra(tmp_path, monkeypatch, capsys):
     err = capsys.readouterr().err
     assert "run.toml" in err and "output.tensorboard" in err and "pytrain[tensorboard]" in err
     assert not (tmp_path / "out" / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("kind", ["conversational", "standard"])
+def test_configured_prompts_of_a_preference_run_follow_its_records(tmp_path, kind):
+    """DPO on conversational pairs trains on chat-template renderings: a configured sample
+    prompt is asked the same way (a user turn and the assistant header), as for SFT chat
+    records; on standard (plain-text) pairs it is raw text, as they are."""
+    from test_preference import pair_records, write_jsonl, write_pref_run
+    cfg = write_pref_run(tmp_path, max_steps=1, eval_every=0, sample_every=1,
+                         sample_max_tokens=4, sample_prompts=["Hello there?"])
+    if kind == "standard":
+        plain = [{"prompt": f"Q: {r['prompt'][-1]['content']}\nA:",
+                  "chosen": " " + r["chosen"][0]["content"],
+                  "rejected": " " + r["rejected"][0]["content"]} for r in pair_records()]
+        write_jsonl(tmp_path / "train.jsonl", plain * 4)
+        write_jsonl(tmp_path / "valid.jsonl", plain)
+    assert main(["train", str(cfg), "--no-progress"]) == 0
+    got = samples(tmp_path / "run")
+    assert [g["step"] for g in got] == [0, 1]
+    if kind == "conversational":
+        assert got[0]["prompt"].startswith("<|im_start|>user\nHello there?<|im_end|>\n"
+                                           "<|im_start|>assistant"), got[0]["prompt"]
+    else:
+        assert got[0]["prompt"] == "Hello there?", got[0]["prompt"]

@@ -185,7 +185,9 @@ class TrainConfig:
                              check=_non_negative)
     sample_prompts: list[str] | None = _opt(None, "the prompts of the samples: a user message "
                                             "each (through the chat template when the "
-                                            "training data is chat records, else raw text); "
+                                            "training records are: chat records, "
+                                            "conversational preference pairs; else raw "
+                                            "text); "
                                             "unset: the prompts of the first sample_count "
                                             "validation examples (training examples without "
                                             "validation data)")

@@ -96,6 +96,9 @@ class DataStats:
     padding_share: float | None = None  # set by record_batches
     held_out: int = 0                 # examples moved to the validation split (data.split)
     split_of: str | None = None       # a validation split: the file it was held out from
+    # the records were rendered with the chat template (chat records, conversational
+    # preference pairs): a prompt given as text is asked through it too (train.sample_prompts)
+    templated: bool = False
 
     @property
     def dropped(self) -> int:
@@ -129,7 +132,8 @@ class DataStats:
         return cls(path=source.path, format=source.format, mask=source.mask,
                    records=len(examples), examples=len(examples),
                    tokens=sum(len(e) for e in examples),
-                   target_tokens=sum(e.n_targets for e in examples), split_of=source.path)
+                   target_tokens=sum(e.n_targets for e in examples), split_of=source.path,
+                   templated=source.templated)
 
     def summary(self) -> str:
         """One line for the run log."""

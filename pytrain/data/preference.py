@@ -192,6 +192,7 @@ def load_pairs(path: str | os.PathLike[str], tokenizer: "Tokenizer", *, max_seq_
                 raise DataError(f"{where}: conversational preference records need a chat "
                                 f"template and the model has none: "
                                 f"{no_template_hint('data.chat_template')}")
+            stats.templated |= kind == "conversational"
             if obj["chosen"] == obj["rejected"]:
                 raise _RecordError("bad_field", "\"chosen\" equals \"rejected\": nothing to "
                                                 "prefer")
@@ -263,7 +264,8 @@ def load_pair_data(cfg: "DataConfig", tokenizer: "Tokenizer", template: str | No
                        records=len(valid), examples=len(valid),
                        tokens=sum(2 * len(p.prompt) + len(p.chosen) + len(p.rejected)
                                   for p in valid),
-                       target_tokens=sum(p.n_targets for p in valid), split_of=tstats.path)
+                       target_tokens=sum(p.n_targets for p in valid), split_of=tstats.path,
+                       templated=tstats.templated)
     return DataSplits(train, valid, tstats, vstats)
 
 

@@ -165,7 +165,7 @@ def load_examples(path: str | os.PathLike[str], tokenizer: "Tokenizer", *, forma
         if f == "chat" and not (template or tokenizer.chat_template):
             raise DataError(f"{path}: chat records need a chat template and the model has "
                             f"none: {no_template_hint('data.chat_template')}")
-        stats.format, stats.mask = f, m
+        stats.format, stats.mask, stats.templated = f, m, f == "chat"
 
     if fmt is not None:
         set_format(fmt, None)

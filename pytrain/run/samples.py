@@ -2,8 +2,9 @@
 quickest way to see what the adapter is learning, as TRL's and axolotl's sample callbacks.
 
 The prompts are ``train.sample_prompts`` (a user message each, through the chat template when
-the training data is chat records, else raw text), or the prompts of the first validation examples: their
-tokens up to the first target, exactly what the model is asked there."""
+the training records went through it: chat records, conversational preference pairs; else raw
+text), or the prompts of the first validation examples: their tokens up to the first target,
+exactly what the model is asked there."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -30,7 +31,7 @@ def prompts_for(cfg: "Config", model: "Model", splits: "DataSplits") -> list[Pro
     training) examples'."""
     t, tok = cfg.train, model.tokenizer
     if t.sample_prompts:
-        if splits.train_stats.format == "chat":
+        if splits.train_stats.templated:       # as the training records were rendered
             from pytrain.data.chat_template import encode_chat
             from pytrain.data.template_files import read_template
             template = read_template(cfg.data.chat_template, "data.chat_template")[0] \
