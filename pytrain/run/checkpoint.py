@@ -39,11 +39,13 @@ from pytrain.errors import PytrainError
 from pytrain.formats.adapter_gguf import read_lora_gguf, write_lora_gguf
 from pytrain.formats.atomic import fsync_dir
 from pytrain.formats.gguf_tensors import open_reader
+from pytrain.run.folder import run_file
 
 FORMAT = 4          # 4: saved (save order); 3: run_id, config.toml; 2: total_steps and
                     # resume_key; 1 to 3 still load
 
 
+FOLDER = run_file("checkpoints", "the checkpoints (output.keep_checkpoints)")
 BEST = "best.gguf"      # in a checkpoint: the best validation's adapter, when not its own
 
 

@@ -15,9 +15,11 @@ from typing import Callable
 from pytrain.formats import atomic
 from pytrain.run import samples as samples_mod
 from pytrain.run.callbacks import Callback
+from pytrain.run.folder import run_file
 from pytrain.run.metrics import plot_losses
 
-METRICS_FILE = "metrics.jsonl"
+METRICS_FILE = run_file("metrics.jsonl", "a line per step and validation")
+PLOT_FILE = run_file("loss.png", "the loss plot, drawn when the run ends")
 
 
 def start_fresh(out: Path) -> None:
@@ -61,7 +63,7 @@ class RunLog:
         the error the run ends with."""
         try:
             if self.file is not None:
-                png = self.out / "loss.png"
+                png = self.out / PLOT_FILE
                 try:
                     self.file.close()
                     plot_losses(self.out / METRICS_FILE, png)

@@ -28,11 +28,12 @@ from pytrain.run import resume as resume_mod
 from pytrain.run import log as run_log
 from pytrain.run import samples as samples_mod
 from pytrain.run import signals
+from pytrain.run import tensorboard as _tensorboard  # noqa: F401  (declares its event files)
 from pytrain.run.best import Best
 from pytrain.step.distributed import (RanksDisagree, World, agree, check_agreement,
                                        forget_messages, on_main, world as get_world)
 from pytrain.run.interrupt import Interrupt
-from pytrain.run.folder import RunDir, RunDirError, drop_replaced
+from pytrain.run.folder import RunDir, RunDirError, SetAside, drop_replaced, run_file
 from pytrain.run.log import RunLog
 from pytrain.models import lora as lora_mod
 from pytrain.formats.adapter_gguf import write_lora_gguf
@@ -44,7 +45,7 @@ from pytrain.models.model import Model, load_model
 from pytrain.models.precision import ComputeTypeError
 from pytrain.step.optimizer import AdamWSettings, schedule
 from pytrain.step.graph_memory import context_warning
-from pytrain.step.preference import PreferenceSettings, PreferenceTrainer
+from pytrain.step.preference import REFERENCE_FILE, PreferenceSettings, PreferenceTrainer
 from pytrain.step.trainer import NonFiniteLoss, Trainer
 from pytrain.run.type_choice import for_training
 from pytrain.run.resume import MICRO_BATCHES
@@ -62,7 +63,18 @@ class RunResult:
     early_stop: str | None = None     # why the run stopped early, if it did
 
 
-BEST_ADAPTER, BEST_PEFT = "adapter.best.gguf", "peft-best"
+# the files this module writes into the run folder, and those its parts write there (declared
+# here for them: they take the folder from the run)
+ADAPTER = run_file("adapter.gguf", "the adapter (llama.cpp GGUF)")
+PEFT = run_file("peft", "the adapter in PEFT's format (output.formats)")
+BEST_ADAPTER = run_file("adapter.best.gguf", "the best validation's adapter")
+BEST_PEFT = run_file("peft-best", "the best validation's adapter in PEFT's format")
+CONFIG = run_file("config.toml", "the run's resolved config")
+DATA_STATS = run_file("data_stats.json", "what the data loading kept and skipped")
+PROBE = run_file(".write-test", "output_dir's check that the folder is writable")
+run_file(REFERENCE_FILE, "the reference log-probabilities of a DPO run (PreferenceTrainer)")
+run_file("error.log", "the error a run of several ranks ended with (distributed)")
+run_file("error-rank-*.log", "the error one rank aborted with (distributed)")
 
 
 def run_folder(cfg: Config) -> Path:
@@ -74,7 +86,7 @@ def output_dir(cfg: Config) -> Path:
     out = run_folder(cfg)
     try:
         out.mkdir(parents=True, exist_ok=True)
-        probe = out / ".write-test"
+        probe = out / PROBE
         probe.write_text("ok")
         probe.unlink()
     except OSError as e:
@@ -83,7 +95,7 @@ def output_dir(cfg: Config) -> Path:
 
 
 def save_adapter(model: Model, adapter, path: Path, formats=("gguf",), tensors=None,
-                 peft_dir: str = "peft") -> Path:
+                 peft_dir: str = PEFT) -> Path:
     """The adapter in each requested format: llama.cpp GGUF at ``path``, and a PEFT folder
     (adapter_config.json + adapter_model.safetensors) beside it in ``peft_dir``.
     ``tensors``: other values of the adapter's tensors (the best validation's)."""
@@ -273,16 +285,16 @@ class Loop:
     """The step loop's state and the things it writes: metrics, checkpoints, validation."""
 
     def __init__(self, s: Session, total: int, start: resume_mod.Start, stack: ExitStack,
-                 progress: bool = False, replaced: Path | None = None):
+                 progress: bool = False, replaced: SetAside | None = None):
         """Opens what the loop writes to (the run log, its callbacks, the progress bar), each
         on the run's ``stack`` as it opens, so that an error from here on closes them.
-        ``replaced``: an earlier run moved aside by ``--overwrite``, deleted once this run
+        ``replaced``: an earlier run moved aside (``--overwrite``), deleted once this run
         has a checkpoint."""
         self.s, self.total, self.step, self.run_id = s, total, start.step, start.run_id
         self.replaced = replaced
         self.main = s.world.is_main                # one writer: rank 0
-        self.ckpt_dir = s.out / "checkpoints"
-        self.adapter_path = s.out / "adapter.gguf"
+        self.ckpt_dir = s.out / ckpt.FOLDER
+        self.adapter_path = s.out / ADAPTER
         self.fingerprint = ckpt.base_fingerprint(s.cfg.model.path)
         # step of the newest checkpoint written (a resumed run's exists: not written again)
         self.saved_step: int | None = start.step if start.checkpoint is not None else None
@@ -491,11 +503,11 @@ class Loop:
         self.bar = None                          # later lines go to the log
 
     def say_replaced_kept(self) -> None:
-        """On the way out: an earlier run moved aside by ``--overwrite`` and not yet deleted
+        """On the way out: an earlier run moved aside (``--overwrite``) and not yet deleted
         (this run wrote no checkpoint) is kept, and where."""
         if self.replaced is not None and self.main:
-            self.s.log(f"--overwrite: this run stopped before its first checkpoint; the "
-                       f"earlier run is kept in {self.replaced}")
+            self.s.log(f"{self.replaced.why}: this run stopped before its first checkpoint; "
+                       f"the earlier run is kept in {self.replaced.path}")
             self.replaced = None
 
 
@@ -547,7 +559,8 @@ def _claim_and_train(cfg: Config, w: World, log, progress: bool, resume, overwri
     stack.callback(s.close)
     if w.size > 1:
         check_agreement(w, _run_facts(s))
-    replaced = on_main(w, lambda: run_dir.set_aside(log)) if replace else None
+    why = "--overwrite" if overwrite else "new run"
+    replaced = on_main(w, lambda: run_dir.set_aside(log, why)) if replace else None
     return _train(s, progress, resume, interrupt, stack, replaced)
 
 
@@ -574,17 +587,20 @@ def _run_facts(s: Session) -> dict[str, str]:
 
 
 def _train(s: Session, progress: bool, resume: str | bool | None, interrupt: Interrupt,
-           stack: ExitStack, replaced: Path | None = None) -> RunResult:
+           stack: ExitStack, replaced: SetAside | None = None) -> RunResult:
     total = s.total_steps()
     main = s.world.is_main
     # checked against the checkpoint before anything of the run is rewritten
     start = resume_mod.start(s, resume, total)
     resumed = start.checkpoint is not None
+    if resume and not resumed:       # an earlier run with no checkpoint, started again
+        replaced = on_main(s.world, lambda: RunDir(s.out).set_aside(
+            s.log, "--resume", keep=(ckpt.FOLDER,)))     # no checkpoint, maybe a timeline's
     if main:
         if not resumed:
             run_log.start_fresh(s.out)
-        atomic.write_bytes(s.out / "config.toml", s.cfg.to_toml().encode())
-        atomic.write_bytes(s.out / "data_stats.json",
+        atomic.write_bytes(s.out / CONFIG, s.cfg.to_toml().encode())
+        atomic.write_bytes(s.out / DATA_STATS,
                            (json.dumps(s.stats, indent=2) + "\n").encode())
     loop = Loop(s, total, start, stack, progress, replaced)
     try:
