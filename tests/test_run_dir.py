@@ -375,3 +375,46 @@ def test_a_fresh_run_sets_aside_what_a_run_that_never_trained_left(tmp_path, cap
     assert len(top_names(out) - but_events(top_names(out))) == 1, top_names(out)
     assert but_events(top_names(out)) == but_events(top_names(tmp_path / "a")) | {"notes.txt"}
     assert (out / "notes.txt").read_text() == "mine"
+
+
+# ------------------------------------------------------------------ the LoRA section on resume
+@pytest.mark.parametrize("change, named", [
+    ("lora.use_rslora=false", "lora.use_rslora: True -> False"),
+    ("lora.dropout=0", "lora.dropout: 0.1 -> 0.0")])
+def test_resume_refuses_turning_rslora_or_dropout_off(tmp_path, capsys, change, named):
+    """rsLoRA and dropout were in the resume check only when on, so turning either off on
+    resume was accepted: the scale went from alpha/sqrt(r) to alpha/r without a word (the
+    validation loss jumped at lr 1e-12), and training went on without dropout.  Now the
+    resolved LoRA settings are compared whole; an unchanged resume goes on."""
+    cfg = write_run(tmp_path, max_steps=2)
+    cfg.write_text(cfg.read_text().replace("[lora]\n", "[lora]\nuse_rslora = true\n"
+                                                       "dropout = 0.1\n"))
+    assert main(["train", str(cfg), "--no-progress"]) == 0
+    capsys.readouterr()
+    assert main(["train", str(cfg), "--no-progress", "--resume", "--set", "train.max_steps=3",
+                 "--set", change]) == 1
+    err = capsys.readouterr().err
+    assert "cannot resume from" in err and named in err, err
+    assert main(["train", str(cfg), "--no-progress", "--resume", "--set",
+                 "train.max_steps=3"]) == 0
+    assert steps_of(tmp_path / "out")[-1] == "step-0000003"
+
+
+def test_a_checkpoint_without_the_newer_lora_keys_had_them_at_their_defaults(tmp_path, capsys):
+    """A checkpoint saved before the LoRA section was compared whole has no lora.use_rslora
+    or lora.dropout in its resume key: it was made with them off, so it resumes with them
+    off and is refused with rsLoRA on."""
+    cfg = write_run(tmp_path, max_steps=2)
+    assert main(["train", str(cfg), "--no-progress"]) == 0
+    state = tmp_path / "out" / "checkpoints" / "step-0000002" / "state.json"
+    saved = json.loads(state.read_text())
+    for k in ("lora.use_rslora", "lora.dropout", "train.objective"):
+        saved["resume_key"].pop(k, None)
+    state.write_text(json.dumps(saved))
+    capsys.readouterr()
+    assert main(["train", str(cfg), "--no-progress", "--resume", "--set", "train.max_steps=3",
+                 "--set", "lora.use_rslora=true"]) == 1
+    assert "lora.use_rslora: False -> True" in capsys.readouterr().err
+    assert main(["train", str(cfg), "--no-progress", "--resume", "--set",
+                 "train.max_steps=3"]) == 0
+    assert steps_of(tmp_path / "out")[-1] == "step-0000003"

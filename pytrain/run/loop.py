@@ -174,8 +174,10 @@ class Session:
         return t.max_steps if t.max_steps else t.epochs * len(self.epoch_steps(0))
 
     def resume_key(self) -> dict:
-        """What the saved data position means: a resumed run must see the same training
-        examples cut into the same batches in the same order, and the same adapter shapes.
+        """What the saved state means: a resumed run must see the same training examples cut
+        into the same batches in the same order, train the same objective, and apply the
+        saved adapter as it was trained (``lora_key``).  Every key is present whatever its
+        value: a setting recorded only when on let a resume turn it off unseen.
         The examples' digest is computed once: they do not change during a run, and hashing
         every token again at each checkpoint cost time proportional to the data set."""
         if self._examples_digest is None:
@@ -191,12 +193,21 @@ class Session:
                 "train.batch_size": c.train.batch_size,
                 MICRO_BATCHES: c.train.grad_accum * self.world.size,
                 "data.packing": c.data.packing, "data.max_seq_len": c.data.max_seq_len,
-                "batch order seed": self.seed, "lora.rank": c.lora.rank,
-                "lora.alpha": c.lora.alpha, "adapted tensors": sorted(self.adapter.names),
-                **({"lora.use_rslora": True} if c.lora.use_rslora else {}),
-                **({"lora.dropout": c.lora.dropout} if c.lora.dropout else {}),
+                "batch order seed": self.seed, **self.lora_key(),
                 "train.loss_bug_repro": c.train.loss_bug_repro,
-                **({"train.objective": c.train.objective} if self.preference else {})}
+                "train.objective": c.train.objective}
+
+    def lora_key(self) -> dict:
+        """The resolved LoRA settings that change what the saved A and B mean: the shapes
+        (rank, the adapted tensors as targets and skip_ssm resolve them), the scale (alpha,
+        use_rslora: alpha/r against alpha/sqrt(r)) and the training graph (dropout).  Not
+        here: init and seed (the initial A and B, replaced by the saved ones; dropout masks
+        are drawn from seed and step, another stream as a changed lr is another step size),
+        and loraplus_lr_ratio (B's learning rate: it may change as train.lr may)."""
+        lo = self.cfg.lora
+        return {"lora.rank": lo.rank, "lora.alpha": lo.alpha,
+                "adapted tensors": sorted(self.adapter.names),
+                "lora.use_rslora": lo.use_rslora, "lora.dropout": lo.dropout}
 
     def close(self) -> None:
         try:

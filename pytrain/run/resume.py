@@ -26,6 +26,12 @@ from pytrain.run.errors import RunError
 # the resume key's name for the micro-batches of one step (a single process's train.grad_accum
 # before data-parallel runs): a run may resume with other ranks if the product is the same
 MICRO_BATCHES = "micro-batches per step (train.grad_accum x ranks)"
+# resume-key entries that earlier checkpoints recorded only when not at these values (the
+# LoRA options when on, the objective when not SFT): a key missing from a checkpoint's
+# resume key had this value when it was saved
+UNRECORDED_DEFAULTS = {"lora.use_rslora": False, "lora.dropout": 0.0, "train.objective": "sft"}
+# entries whose change means the saved adapter would be applied otherwise than it was trained
+ADAPTER_KEYS = ("lora.", "adapted tensors")
 
 
 @dataclass
@@ -138,15 +144,24 @@ def _check_resume_key(s, where: Path, loaded: tuple):
         s.log(f"warning: {where} predates resume checks; the data and batch settings cannot "
               f"be compared with the checkpoint's")
     else:
+        saved = {**UNRECORDED_DEFAULTS, **state.resume_key}
         now = s.resume_key()
-        changed = [k for k in now if state.resume_key.get(k) != now[k]]
+        changed = [k for k in now if saved.get(k) != now[k]]
         if changed:
-            what = "; ".join(
-                f"{k}: {_short(state.resume_key.get(k))} -> {_short(now[k])}" for k in changed)
+            what = "; ".join(f"{k}: {_short(saved.get(k))} -> {_short(now[k])}"
+                             for k in changed)
+            adapter = [k for k in changed if k.startswith(ADAPTER_KEYS)]
+            why = []
+            if len(adapter) < len(changed):
+                why.append("The checkpoint's position in the data would point at other "
+                           "batches.")
+            if adapter:
+                why.append("The checkpoint's adapter was trained with the earlier LoRA "
+                           "settings: resumed with these, its scale, shapes or training "
+                           "graph would change.")
             raise RunError(
-                f"cannot resume from {where}: {what}. The checkpoint's position in the data "
-                f"would point at other batches. Restore the setting, or start a new run "
-                f"(another output.dir)")
+                f"cannot resume from {where}: {what}. {' '.join(why)} Restore the setting, "
+                f"or start a new run (another output.dir)")
     return loaded
 
 
