@@ -363,7 +363,9 @@ class Loop:
             self.keep_best(s.adapter.get())
         self.record({"step": self.step, "split": "valid", **ev, "best_step": self.best.step,
                      "best_loss": self.best.loss, "drift": s.adapter.drift()})
-        if self.best.exhausted(t.early_stopping_patience):
+        # the patience spent at the last step stops nothing: the run ends there anyway (the
+        # count goes into the checkpoint; a resume that extends the run carries it on)
+        if self.best.exhausted(t.early_stopping_patience) and self.step < self.total:
             self.early_stop = self.best.why(t.early_stopping_patience,
                                             t.early_stopping_min_delta)
         if s.preference:
@@ -429,7 +431,8 @@ class Loop:
         epoch, index = self.position
         state = ckpt.TrainState(self.step, epoch, index, s.trainer.opt.t, self.fingerprint,
                                 total_steps=self.total, resume_key=s.resume_key(),
-                                run_id=self.run_id, best=self.best.to_dict())
+                                run_id=self.run_id, best=self.best.to_dict(),
+                                stopped_early=self.early_stop is not None)
         own = self.best.step in (None, self.step)        # the best is this step's adapter
         where = ckpt.save(self.ckpt_dir, self.step, s.adapter, s.trainer.opt_state.moments(),
                           state, keep=s.cfg.output.keep_checkpoints, arch=s.model.arch.name,

@@ -43,6 +43,7 @@ class Start:
     checkpoint: Path | None = None              # the checkpoint resumed from (None: fresh)
     best: Best = field(default_factory=Best)    # its best validation
     best_tensors: dict | None = None            # that validation's adapter, when kept apart
+    stopped_early: bool | None = None           # the run stopped early there (None: unknown)
 
 
 def start(s, resume: str | bool | None, total: int) -> Start:
@@ -58,7 +59,7 @@ def start(s, resume: str | bool | None, total: int) -> Start:
         s.log(f"the run is already at step {state.step} of {total}: nothing to train (raise "
               f"train.max_steps or train.epochs to continue it)")
     return Start(state.step, (state.epoch, state.position), state.run_id, where,
-                 Best.from_dict(state.best), best_tensors)
+                 Best.from_dict(state.best), best_tensors, state.stopped_early)
 
 
 def find_checkpoint(out: Path, resume: str | bool, log: Callable[[str], None]) -> Path | None:
@@ -171,13 +172,16 @@ def _short(v) -> str:
 
 def restore_best(s, loop, start: Start) -> None:
     """The checkpoint's best validation, its adapter written again (the files may hold a
-    later best of a timeline the resume abandons), and early stopping when it was due (like
-    TRL's callback state: a run that stopped early stays stopped unless the patience grows)."""
+    later best of a timeline the resume abandons), and early stopping when the run stopped
+    early there (like TRL's callback state: it stays stopped unless the patience grows).  A
+    run that reached its last step with the patience spent did not stop early: extended, it
+    goes on.  A checkpoint saved before the stop was recorded: the count decides, as then."""
     loop.best = start.best
     if start.best_tensors is not None:
         loop.keep_best(start.best_tensors)
     t = s.cfg.train
-    if start.best.exhausted(t.early_stopping_patience):
+    stopped = start.stopped_early is not False      # None: not recorded
+    if stopped and start.best.exhausted(t.early_stopping_patience):
         loop.early_stop = start.best.why(t.early_stopping_patience, t.early_stopping_min_delta)
         s.log(f"the run stopped early at step {loop.step}: {loop.early_stop}; nothing to "
               f"train (raise train.early_stopping_patience to continue it)")
