@@ -219,3 +219,33 @@ def test_ctrl_c_during_generate_or_eval_is_one_line_and_status_130(tmp_path, com
     r = held_run(tmp_path, hold_at, "repeat", *args)
     assert r.returncode == 130, (r.returncode, r.stderr[-3000:])
     assert r.stderr.splitlines() == [f"error: pytrain {command} interrupted"], r.stderr[-3000:]
+
+
+def test_sigterm_during_the_last_step_ends_the_run_as_finished(tmp_path, monkeypatch, capsys):
+    """SIGTERM during the last of 3 steps: the step finished, and with it the run, yet it
+    said "interrupted by SIGTERM after step 3 ... (resume with --resume)" with status 130,
+    beside a written adapter and plot.  Now it ends as finished: status 0, the normal
+    report, a line saying the signal came at the end; the final validation (which a signal
+    asks not to wait for) is skipped and the last checkpoint written."""
+    from pytrain.step.trainer import Trainer
+    write_data(tmp_path)
+    cfg = write_config(tmp_path, max_steps=3, eval_every=1)
+    real, calls = Trainer.step, []
+
+    def step(self, micro, lr):
+        calls.append(1)
+        if len(calls) == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(self, micro, lr)
+    monkeypatch.setattr(Trainer, "step", step)
+    capsys.readouterr()
+    assert main(["train", str(cfg), "--no-progress"]) == 0
+    said = capsys.readouterr()
+    assert "interrupted" not in said.err + said.out and "resume with" not in said.err, said
+    assert "SIGTERM came during the last step: the run is complete at step 3" in said.out, \
+        said.out
+    assert "adapter:" in said.out and "plot:" in said.out
+    out = tmp_path / "out"
+    assert checkpoint_steps(out / "checkpoints") == [3]
+    assert [r["step"] for r in step_records(out)] == [1, 2, 3]
+    assert ckpt.load(out / "checkpoints" / "step-0000003", str(MODEL))[0].step == 3

@@ -315,6 +315,7 @@ class Loop:
         self.best = Best()                       # the best validation (train.best)
         self.best_tensors: dict | None = None    # its adapter
         self.early_stop: str | None = None       # why the run stops early, once it does
+        self.signalled_at_end: str | None = None  # a signal came during the run's last step
         self.bar = None
         stack.callback(self.say_replaced_kept)   # the last of the loop's to close
         self.records = RunLog(s.out, s.log, self.main)      # metrics.jsonl, the callbacks
@@ -466,7 +467,11 @@ class Loop:
             else:
                 self.finished(r, epoch, lr)
             if signals.requested(interrupt, w):     # every rank stops after this step
-                raise signals.after_step(interrupt, self.step, self.saved())
+                if self.step >= self.total or self.early_stop:
+                    # the step was the run's last: it ends as finished, not interrupted
+                    self.signalled_at_end = signals.name(interrupt)
+                else:
+                    raise signals.after_step(interrupt, self.step, self.saved())
             if self.early_stop:
                 self.record({"step": self.step, "early_stop": self.early_stop})
                 self.say(self.early_stop)
@@ -629,10 +634,15 @@ def _train(s: Session, progress: bool, resume: str | bool | None, interrupt: Int
         s.trainer.hold = interrupt.holding
         loop.run(start.position, interrupt)
         # a resumed run with nothing left to do writes nothing new; one stopped early has
-        # just been validated
-        if (loop.step > start.step or not resumed) and not loop.early_stop:
-            loop.validate()
-        if loop.step > start.step or not resumed:
+        # just been validated; one asked to stop during its last step is complete, and
+        # neither validated nor sampled again (what the signal asked not to wait for)
+        if loop.signalled_at_end:
+            s.log(f"{loop.signalled_at_end} came during the last step: the run is complete at "
+                  f"step {loop.step}; the final validation and samples are skipped")
+            loop.last_eval = None
+        elif loop.step > start.step or not resumed:
+            if not loop.early_stop:
+                loop.validate()
             loop.sample()
         if loop.saved_step != loop.step:
             loop.checkpoint()
