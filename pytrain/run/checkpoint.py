@@ -37,7 +37,7 @@ import numpy as np
 
 from pytrain.errors import PytrainError
 from pytrain.formats.adapter_gguf import read_lora_gguf, write_lora_gguf
-from pytrain.formats.atomic import fsync_dir
+from pytrain.formats.atomic import fsync_dir, named
 from pytrain.formats.gguf_tensors import open_reader
 from pytrain.run.folder import run_file
 
@@ -117,9 +117,12 @@ def save(folder: Path, step: int, adapter, moments: dict[str, np.ndarray], state
         os.replace(tmp, final)
         fsync_dir(folder)
         shutil.rmtree(aside, ignore_errors=True)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         recover(folder)
+        # a failed write names the checkpoint's file, not the temporary folder's
+        if isinstance(e, OSError) and (new := named(e, final, tmp)) is not e:
+            raise new from e
         raise
     if keep:
         own = sorted((p for p in folder.glob("step-*") if run_id_of(p) == state.run_id),

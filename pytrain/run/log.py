@@ -44,16 +44,23 @@ class RunLog:
 
     def record(self, rec: dict) -> None:
         if self.file is not None:
-            self.file.write(json.dumps(rec) + "\n")
-            self.file.flush()
+            try:
+                self.file.write(json.dumps(rec) + "\n")
+                self.file.flush()
+            except OSError as e:          # a full disk: say which file
+                raise atomic.named(e, self.out / METRICS_FILE) from e
         for cb in self.callbacks:
             cb.on_record(rec)
 
     def samples(self, step: int, got: list[dict]) -> None:
         """Greedy generations at ``step``: into samples.jsonl and to the callbacks."""
-        with open(self.out / samples_mod.SAMPLES_FILE, "a") as f:
-            for i, g in enumerate(got):
-                f.write(json.dumps({"step": step, "index": i, **g}) + "\n")
+        path = self.out / samples_mod.SAMPLES_FILE
+        try:
+            with open(path, "a") as f:
+                for i, g in enumerate(got):
+                    f.write(json.dumps({"step": step, "index": i, **g}) + "\n")
+        except OSError as e:              # a full disk: say which file
+            raise atomic.named(e, path) from e
         for cb in self.callbacks:
             cb.on_samples(step, got)
 

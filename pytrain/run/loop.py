@@ -12,6 +12,7 @@ run opens goes on one ``ExitStack`` as it opens, closed in reverse on every way 
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import sys
@@ -310,6 +311,7 @@ class Loop:
         # step of the newest checkpoint written (a resumed run's exists: not written again)
         self.saved_step: int | None = start.step if start.checkpoint is not None else None
         self.position = (0, 0)                   # (epoch, index) of the next step
+        self.adapter_step: int | None = None     # the step adapter.gguf holds, once written
         self.last_eval: dict | None = None
         self.tokens_seen = 0
         self.best = Best()                       # the best validation (train.best)
@@ -429,6 +431,7 @@ class Loop:
             self.saved_step = self.step
             return where
         save_adapter(s.model, s.adapter, self.adapter_path, s.cfg.output.formats)
+        self.adapter_step = self.step
         epoch, index = self.position
         state = ckpt.TrainState(self.step, epoch, index, s.trainer.opt.t, self.fingerprint,
                                 total_steps=self.total, resume_key=s.resume_key(),
@@ -615,14 +618,15 @@ def _train(s: Session, progress: bool, resume: str | bool | None, interrupt: Int
     if resume and not resumed:       # an earlier run with no checkpoint, started again
         replaced = on_main(s.world, lambda: RunDir(s.out).set_aside(
             s.log, "--resume", keep=(ckpt.FOLDER,)))     # no checkpoint, maybe a timeline's
-    if main:
-        if not resumed:
-            run_log.start_fresh(s.out)
-        atomic.write_bytes(s.out / CONFIG, s.cfg.to_toml().encode())
-        atomic.write_bytes(s.out / DATA_STATS,
-                           (json.dumps(s.stats, indent=2) + "\n").encode())
-    loop = Loop(s, total, start, stack, progress, replaced)
+    loop = None
     try:
+        if main:
+            if not resumed:
+                run_log.start_fresh(s.out)
+            atomic.write_bytes(s.out / CONFIG, s.cfg.to_toml().encode())
+            atomic.write_bytes(s.out / DATA_STATS,
+                               (json.dumps(s.stats, indent=2) + "\n").encode())
+        loop = Loop(s, total, start, stack, progress, replaced)
         if resumed:
             resume_mod.restore_best(s, loop, start)
         if s.preference:
@@ -648,17 +652,51 @@ def _train(s: Session, progress: bool, resume: str | bool | None, interrupt: Int
             loop.checkpoint()
         elif main and not loop.adapter_path.exists():
             save_adapter(s.model, s.adapter, loop.adapter_path, s.cfg.output.formats)
+            loop.adapter_step = loop.step
     except NonFiniteLoss as e:
         _stop_on_nan(s, loop, e)
     except KeyboardInterrupt:                  # a second Ctrl-C / SIGTERM dropped a step
-        if not signals.can_save(interrupt, s.world):
+        if loop is None or not signals.can_save(interrupt, s.world):
             raise
-        loop.stop_at_once(interrupt)
+        try:
+            loop.stop_at_once(interrupt)
+        except OSError as e:
+            raise _write_failed(s, loop, e) from e
+    except OSError as e:                       # a full disk, the file size limit
+        raise _write_failed(s, loop, e) from e
     b = loop.best
     return RunResult(s.out, loop.adapter_path, loop.step, loop.last_eval,
                      best=None if b.step is None else {"step": b.step, "loss": b.loss,
                                                        "adapter": s.out / BEST_ADAPTER},
                      early_stop=loop.early_stop)
+
+
+# what to do before resuming, after a write failed with this errno
+_WRITE_FIX = {errno.ENOSPC: "there is space on its disk again",
+              errno.EDQUOT: "there is room in your disk quota again",
+              errno.EFBIG: "the file size limit (ulimit -f) allows the file"}
+
+
+def _write_failed(s: Session, loop: Loop | None, e: OSError) -> RunError:
+    """A write of the run failed (a full disk, a quota, the file size limit): the error that
+    names the file, the run folder and what is kept.  Every file is written atomically, so
+    the step in flight is all that is lost: the last complete checkpoint is whole."""
+    what = (f"could not write {e.filename}: {e.strerror or e}" if e.filename
+            else f"a write failed: {e.strerror or e}")
+    try:
+        latest = ckpt.latest(s.out / ckpt.FOLDER)
+    except OSError:
+        latest = None
+    done = f"The run trained to step {loop.step}; " if loop is not None else ""
+    fix = _WRITE_FIX.get(e.errno, "the cause is fixed")
+    if latest is not None:
+        kept = (f"{'t' if done else 'T'}he last complete checkpoint is {latest} (step {ckpt.step_of(latest)}): "
+                f"--resume continues from it once {fix}")
+    else:
+        kept = f"No checkpoint was written: --resume starts the run again once {fix}"
+    if loop is not None and loop.adapter_step is not None:
+        kept += f"; {loop.adapter_path} holds step {loop.adapter_step}"
+    return RunError(f"{what} (run folder {s.out}). {done}{kept}")
 
 
 def _stop_on_nan(s: Session, loop: Loop, e: NonFiniteLoss) -> None:
@@ -668,6 +706,7 @@ def _stop_on_nan(s: Session, loop: Loop, e: NonFiniteLoss) -> None:
     try:
         if s.world.is_main:
             save_adapter(s.model, s.adapter, loop.adapter_path, s.cfg.output.formats)
+            loop.adapter_step = loop.step
         loop.record({"step": loop.step + 1, "stopped": stopped})
     except Exception as err:
         stopped = f"{stopped} (but it could not be written: {err})"
