@@ -46,14 +46,10 @@ def run_file(pattern: str, what: str) -> str:
     """Declare that runs write ``pattern`` (a name, or a glob such as TensorBoard's
     ``events.out.tfevents.*``) into their folder, ``what`` saying which part of the run:
     the file goes aside with the run it belongs to.  Returns ``pattern``, so that the writer
-    names its file by this call."""
+    names its file by this call.  Declared at import: the run's module imports every module
+    that writes into the folder before it sets a run aside."""
     _RUN_FILES[pattern] = what
     return pattern
-
-
-def run_files() -> dict[str, str]:
-    """Every declared run file (pattern -> what writes it)."""
-    return dict(_RUN_FILES)
 
 
 def is_run_file(name: str) -> bool:

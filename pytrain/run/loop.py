@@ -674,15 +674,19 @@ def _train(s: Session, progress: bool, resume: str | bool | None, interrupt: Int
 # what to do before resuming, after a write failed with this errno
 _WRITE_FIX = {errno.ENOSPC: "there is space on its disk again",
               errno.EDQUOT: "there is room in your disk quota again",
-              errno.EFBIG: "the file size limit (ulimit -f) allows the file"}
+              errno.EFBIG: "the file size limit (ulimit -f) allows the file",
+              errno.EROFS: "its file system is writable again"}
 
 
 def _write_failed(s: Session, loop: Loop | None, e: OSError) -> RunError:
     """A write of the run failed (a full disk, a quota, the file size limit): the error that
     names the file, the run folder and what is kept.  Every file is written atomically, so
     the step in flight is all that is lost: the last complete checkpoint is whole."""
-    what = (f"could not write {e.filename}: {e.strerror or e}" if e.filename
-            else f"a write failed: {e.strerror or e}")
+    if e.errno in _WRITE_FIX or e.errno is None:     # errno None: numpy's short write
+        what = (f"could not write {e.filename}: " if e.filename else "a write failed: ")
+    else:
+        what = f"{e.filename}: " if e.filename else ""
+    what += str(e.strerror or e)
     try:
         latest = ckpt.latest(s.out / ckpt.FOLDER)
     except OSError:
