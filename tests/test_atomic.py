@@ -75,3 +75,37 @@ def test_a_write_killed_after_the_swap_leaves_no_old_folder(tmp_path):
     np.testing.assert_array_equal(back["blk.1.attn_q.weight.lora_a"],
                                   tensors(5.0)["blk.1.attn_q.weight.lora_a"])
     assert not leftover.exists()
+
+
+def test_a_failed_write_names_the_file_it_was_for(tmp_path):
+    """A full disk fails a write() or fsync() with an OSError that names no file ("[Errno 28]
+    No space left on device"); a write into a folder being replaced names the temporary
+    folder's file.  Both now name the file they were for; an error about another file keeps
+    its own name; the earlier file or folder is intact."""
+    import errno
+    import pytest
+    from pytrain.formats import atomic
+    target = tmp_path / "a.bin"
+    target.write_bytes(b"old")
+
+    def full(*_):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    with pytest.raises(OSError) as got:
+        with atomic.replacing(target) as tmp:
+            tmp.write_bytes(b"new")
+            full()
+    assert (got.value.errno, got.value.filename) == (errno.ENOSPC, str(target))
+    assert target.read_bytes() == b"old" and sorted(tmp_path.iterdir()) == [target]
+    folder = tmp_path / "f"
+    folder.mkdir()
+    (folder / "x").write_bytes(b"old")
+    with pytest.raises(OSError) as got:
+        with atomic.replacing_folder(folder) as tmp:
+            open(tmp / "x", "wb").close()
+            raise OSError(errno.EDQUOT, os.strerror(errno.EDQUOT), str(tmp / "x"))
+    assert (got.value.errno, got.value.filename) == (errno.EDQUOT, str(folder / "x"))
+    assert (folder / "x").read_bytes() == b"old"
+    with pytest.raises(FileNotFoundError) as got:
+        with atomic.replacing(target):
+            open(tmp_path / "missing")
+    assert got.value.filename == str(tmp_path / "missing")

@@ -187,3 +187,50 @@ def test_early_stopping_without_validations_is_a_config_error(tmp_path, capsys):
     assert main(["train", str(cfg), "--no-progress"]) == 1
     err = capsys.readouterr().err
     assert "train.early_stopping_patience" in err and "data.validation or data.split" in err
+
+
+def test_a_run_that_reached_its_last_step_did_not_stop_early(tmp_path, capsys):
+    """Patience 2 and min_delta 100 (no validation improves enough): the validations at
+    steps 0 and 2 and the final one at step 4 exhaust the patience at the last step.  The run
+    printed "stopped: early stopping: ..." although it reached step 4/4 (metrics.jsonl held no
+    early_stop record), and `--resume` with max_steps = 8 said "the run stopped early at step
+    4 ... nothing to train".  Now the final validation stops nothing, the checkpoint records
+    that the run did not stop early, and the resume trains on (its next validation, the
+    count carried on, stops it)."""
+    cfg = write_overfitting_run(tmp_path, max_steps=4, early_stopping_patience=2,
+                                early_stopping_min_delta=100.0)
+    assert main(["train", str(cfg), "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    out = tmp_path / "out"
+    assert "stopped:" not in printed and "early stopping" not in printed, printed
+    assert not any("early_stop" in r for r in records(out))
+    assert [r["step"] for r in valid_records(out)] == [0, 2, 4]
+    state = json.loads((out / "checkpoints" / "step-0000004" / "state.json").read_text())
+    assert state["best"]["bad_evals"] == 2 and state["stopped_early"] is False
+    assert main(["train", str(cfg), "--no-progress", "--resume",
+                 "--set", "train.max_steps=8"]) == 0
+    printed = capsys.readouterr().out
+    assert "the run stopped early" not in printed, printed
+    steps = [r["step"] for r in records(out) if "loss" in r and "split" not in r]
+    assert steps == [1, 2, 3, 4, 5, 6], steps
+    assert records(out)[-1]["step"] == 6 and "early_stop" in records(out)[-1]
+    assert "stopped:  early stopping: 3 validations" in printed, printed
+
+
+def test_a_checkpoint_without_the_early_stop_record_derives_it_as_before(tmp_path, capsys):
+    """A checkpoint saved before the early stop was recorded: its best's count decides, as
+    it did then (a run at its patience stopped early)."""
+    cfg = write_overfitting_run(tmp_path, max_steps=4, early_stopping_patience=2,
+                                early_stopping_min_delta=100.0)
+    assert main(["train", str(cfg), "--no-progress"]) == 0
+    path = tmp_path / "out" / "checkpoints" / "step-0000004" / "state.json"
+    state = json.loads(path.read_text())
+    del state["stopped_early"]
+    state["format"] = 4
+    path.write_text(json.dumps(state))
+    before = records(tmp_path / "out")
+    capsys.readouterr()
+    assert main(["train", str(cfg), "--no-progress", "--resume",
+                 "--set", "train.max_steps=8"]) == 0
+    assert "the run stopped early at step 4" in capsys.readouterr().out
+    assert records(tmp_path / "out") == before

@@ -219,3 +219,112 @@ def test_ctrl_c_during_generate_or_eval_is_one_line_and_status_130(tmp_path, com
     r = held_run(tmp_path, hold_at, "repeat", *args)
     assert r.returncode == 130, (r.returncode, r.stderr[-3000:])
     assert r.stderr.splitlines() == [f"error: pytrain {command} interrupted"], r.stderr[-3000:]
+
+
+def test_sigterm_during_the_last_step_ends_the_run_as_finished(tmp_path, monkeypatch, capsys):
+    """SIGTERM during the last of 3 steps: the step finished, and with it the run, yet it
+    said "interrupted by SIGTERM after step 3 ... (resume with --resume)" with status 130,
+    beside a written adapter and plot.  Now it ends as finished: status 0, the normal
+    report, a line saying the signal came at the end; the final validation (which a signal
+    asks not to wait for) is skipped and the last checkpoint written."""
+    from pytrain.step.trainer import Trainer
+    write_data(tmp_path)
+    cfg = write_config(tmp_path, max_steps=3, eval_every=1)
+    real, calls = Trainer.step, []
+
+    def step(self, micro, lr):
+        calls.append(1)
+        if len(calls) == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(self, micro, lr)
+    monkeypatch.setattr(Trainer, "step", step)
+    capsys.readouterr()
+    assert main(["train", str(cfg), "--no-progress"]) == 0
+    said = capsys.readouterr()
+    assert "interrupted" not in said.err + said.out and "resume with" not in said.err, said
+    assert "SIGTERM came during the last step: the run is complete at step 3" in said.out, \
+        said.out
+    assert "adapter:" in said.out and "plot:" in said.out
+    out = tmp_path / "out"
+    assert checkpoint_steps(out / "checkpoints") == [3]
+    assert [r["step"] for r in step_records(out)] == [1, 2, 3]
+    assert ckpt.load(out / "checkpoints" / "step-0000003", str(MODEL))[0].step == 3
+
+
+# ------------------------------------------------------------------ a full disk
+@pytest.mark.parametrize("target", ["adapter", "checkpoint"])
+def test_a_full_disk_names_the_file_the_run_and_what_was_kept(tmp_path, monkeypatch, capsys,
+                                                             target):
+    """The disk fills at step 4's save (save_every 2): the write of the run's adapter.gguf,
+    or of the checkpoint's own adapter, fails with ENOSPC (planted in the atomic writes).
+    The run said "error: [Errno 28] No space left on device": neither the file nor the run,
+    nor what was kept.  Now the one line names the file, the run folder, the last complete
+    checkpoint (step 2, intact: it resumes) and which step adapter.gguf holds."""
+    import errno
+    from pytrain.formats import atomic
+    write_data(tmp_path)
+    cfg = write_config(tmp_path, max_steps=6, save_every=2)
+    out = tmp_path / "out"
+    real, seen = atomic.new_temp_file, []
+
+    def full_disk(p):
+        ours = p.name == "adapter.gguf" and \
+            (p.parent == out if target == "adapter" else p.parent.name.startswith(".tmp-"))
+        if ours:
+            seen.append(p)
+            if len(seen) == 2:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(p)
+    monkeypatch.setattr(atomic, "new_temp_file", full_disk)
+    capsys.readouterr()
+    assert main(["train", str(cfg), "--no-progress"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    monkeypatch.undo()
+    assert len(err) == 1, err
+    failed = out / "adapter.gguf" if target == "adapter" else \
+        out / "checkpoints" / "step-0000004" / "adapter.gguf"
+    kept = out / "checkpoints" / "step-0000002"
+    assert f"could not write {failed}: No space left on device" in err[0], err
+    assert f"(run folder {out}). The run trained to step 4" in err[0], err
+    assert f"the last complete checkpoint is {kept} (step 2)" in err[0], err
+    holds = 2 if target == "adapter" else 4
+    assert f"{out / 'adapter.gguf'} holds step {holds}" in err[0], err
+    assert checkpoint_steps(out / "checkpoints") == [2]
+    assert not list((out / "checkpoints").glob(".tmp-*"))
+    assert main(["train", str(cfg), "--no-progress", "--resume"]) == 0
+    assert f"resuming from {kept} at step 2" in capsys.readouterr().out
+    assert checkpoint_steps(out / "checkpoints") == [2, 4, 6]
+    assert [r["step"] for r in step_records(out)] == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_write_past_the_file_size_limit_is_reported_the_same_way(tmp_path, capsys):
+    """A real failing write, in a process whose file size limit (ulimit -f) is below the
+    adapter's size: resuming a run saved at step 2 fails at its first adapter write (the
+    best validation's, restored from the checkpoint; EFBIG, which numpy reports as "1024
+    requested and 0 written"), and says which file, which run and what was kept; the step 2
+    checkpoint stays whole."""
+    import resource
+    write_data(tmp_path)
+    cfg = write_config(tmp_path, max_steps=2, save_every=2)
+    assert main(["train", str(cfg), "--no-progress"]) == 0
+    out = tmp_path / "out"
+    limit = (out / "adapter.gguf").stat().st_size // 2
+    assert (out / "config.toml").stat().st_size < limit
+
+    def small_files():
+        at_a_terminal()
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    r = subprocess.run([sys.executable, "-m", "pytrain", "train", str(cfg), "--no-progress",
+                        "--resume", "--set", "train.max_steps=3"], cwd=tmp_path,
+                       env=subprocess_env(), preexec_fn=small_files, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 1, r.stdout + r.stderr
+    err = r.stderr.strip().splitlines()
+    assert len(err) == 1 and \
+        f"could not write {out / 'adapter.best.gguf'}: File too large" in err[0], r.stderr
+    kept = out / "checkpoints" / "step-0000002"
+    assert f"the last complete checkpoint is {kept} (step 2)" in err[0], err
+    assert checkpoint_steps(out / "checkpoints") == [2]
+    assert main(["train", str(cfg), "--no-progress", "--resume", "--set",
+                 "train.max_steps=3"]) == 0
+    assert checkpoint_steps(out / "checkpoints") == [2, 3]

@@ -256,3 +256,165 @@ def test_overwrite_keeps_the_earlier_run_until_the_new_one_has_a_checkpoint(
     assert "--overwrite: deleted the earlier run" in said
     assert sorted(out.glob("replaced-*")) == aside          # the failed run's went, not that
     assert steps_of(out) == ["step-0000002", "step-0000004"]
+
+
+# ------------------------------------------------------------------ every file of a run
+PAIR = {"prompt": [{"role": "user", "content": "What does the cow say?"}],
+        "chosen": [{"role": "assistant", "content": "The cow says moo."}],
+        "rejected": [{"role": "assistant", "content": "The cow says woof."}]}
+
+
+def write_full_run(folder: Path) -> Path:
+    """A DPO run that writes everything a run can: validation and the best adapter, samples,
+    TensorBoard events, the PEFT format, the reference log-probabilities' cache."""
+    (folder / "pairs.jsonl").write_text((json.dumps(PAIR) + "\n") * 4)
+    cfg = folder / "full.toml"
+    cfg.write_text(f'[model]\npath = "{MODEL}"\ndevice = "cpu"\nthreads = 1\n'
+                   f'[data]\ntrain = "pairs.jsonl"\nvalidation = "pairs.jsonl"\n'
+                   f'[lora]\nrank = 4\nalpha = 8.0\n[train]\nobjective = "dpo"\nmax_steps = 2\n'
+                   f'batch_size = 2\nlr = 1e-3\neval_every = 1\nsave_every = 1\n'
+                   f'sample_every = 1\nsample_max_tokens = 2\n'
+                   f'[output]\ndir = "out"\nformats = ["gguf", "peft"]\ntensorboard = true\n')
+    return cfg
+
+
+def top_names(out: Path) -> set[str]:
+    return {p.name for p in out.iterdir()} - {".pytrain.lock"}
+
+
+def test_overwrite_leaves_only_the_new_runs_files(tmp_path, capsys):
+    """A full-featured run replaced by a plain one (no validation, samples, TensorBoard, PEFT)
+    with --overwrite kept the earlier run's adapter.best.gguf, peft-best/, samples.jsonl,
+    TensorBoard events and reference_logps.npz beside the new run's files.  Now every file
+    of the earlier run is moved aside with it: the folder holds what the plain run writes into
+    an empty folder, and nothing else.  The new run is a separate process, so that nothing
+    imported by the first run helps the second know its files."""
+    full = write_full_run(tmp_path)
+    assert main(["train", str(full), "--no-progress"]) == 0
+    out = tmp_path / "out"
+    earlier = top_names(out)
+    assert {"adapter.best.gguf", "peft-best", "samples.jsonl", "reference_logps.npz"} <= earlier
+    assert any(n.startswith("events.out.tfevents.") for n in earlier), earlier
+    plain = write_run(tmp_path)                                # output.dir "out" too
+    r = cli_train(plain, "--overwrite")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "--overwrite: deleted the earlier run" in r.stdout, r.stdout
+    r = cli_train(plain, "--set", f"output.dir={tmp_path / 'fresh'}")
+    assert r.returncode == 0, r.stdout + r.stderr
+    fresh = tmp_path / "fresh"
+    assert top_names(out) == top_names(fresh), sorted(top_names(out) ^ top_names(fresh))
+    assert sorted(tree_bytes(out)) == sorted(tree_bytes(fresh))
+
+
+def test_every_file_a_run_writes_is_known_to_the_folder(tmp_path):
+    """What --overwrite moves aside is what the run's modules declare they write
+    (folder.run_file): a file a run writes without declaring it would outlive a replaced run.
+    A full-featured run writes only declared files."""
+    from pytrain.run import folder
+    assert main(["train", str(write_full_run(tmp_path)), "--no-progress"]) == 0
+    unknown = [n for n in top_names(tmp_path / "out") if not folder.is_run_file(n)]
+    assert unknown == [], unknown
+
+
+def test_a_resume_that_starts_again_from_step_0_sets_the_earlier_files_aside(
+        tmp_path, capsys, monkeypatch):
+    """A run that stopped before its first checkpoint (a NaN loss at step 3, save_every = 0)
+    left samples.jsonl, TensorBoard events and adapter.best.gguf; `--resume` started again
+    from step 0 on top of them (samples.jsonl with both attempts' lines, two event files).
+    Now they go aside as with --overwrite."""
+    from pytrain.step.preference import PreferenceTrainer as Trainer
+    from pytrain.step.trainer import NonFiniteLoss
+    full = write_full_run(tmp_path)
+    full.write_text(full.read_text().replace("save_every = 1", "save_every = 0")
+                    .replace("max_steps = 2", "max_steps = 3"))
+    real, calls = Trainer.step, []
+
+    def nan_at_3(self, micro, lr):
+        calls.append(1)
+        if len(calls) == 3:
+            raise NonFiniteLoss("loss is nan")
+        return real(self, micro, lr)
+    monkeypatch.setattr(Trainer, "step", nan_at_3)
+    assert main(["train", str(full), "--no-progress"]) == 1
+    monkeypatch.undo()
+    out = tmp_path / "out"
+    assert steps_of(out) == [] and (out / "samples.jsonl").exists()
+    capsys.readouterr()
+    assert main(["train", str(full), "--no-progress", "--resume"]) == 0
+    assert "starting it again from step 0" in capsys.readouterr().out
+    steps = [json.loads(x)["step"] for x in (out / "samples.jsonl").read_text().splitlines()]
+    assert steps == sorted(steps) and steps.count(0) == steps.count(3), steps
+    assert len([n for n in top_names(out) if n.startswith("events.out.tfevents.")]) == 1
+    assert list(out.glob("replaced-*")) == []
+
+
+def test_a_fresh_run_sets_aside_what_a_run_that_never_trained_left(tmp_path, capsys):
+    """A run stopped before its first step's record (in the base validation: config.toml,
+    data_stats.json, an empty metrics.jsonl, TensorBoard's first events, the reference cache)
+    is no earlier run to refuse, but its files are not the new run's either: a fresh run
+    moved none of them, and TensorBoard showed two event files.  Now they go aside, and a
+    file of the user's in the folder stays."""
+    full = write_full_run(tmp_path)
+    assert main(["train", str(full), "--no-progress", "--set",
+                 f"output.dir={tmp_path / 'a'}"]) == 0
+    out = tmp_path / "out"
+    out.mkdir()
+    for name in top_names(tmp_path / "a"):
+        if name.startswith("events.") or name in ("config.toml", "data_stats.json",
+                                                   "reference_logps.npz"):
+            (out / name).write_bytes((tmp_path / "a" / name).read_bytes())
+    (out / "metrics.jsonl").write_text("")
+    (out / "notes.txt").write_text("mine")
+    capsys.readouterr()
+    assert main(["train", str(full), "--no-progress"]) == 0
+    said = capsys.readouterr().out
+    assert "moved the earlier run" in said and "deleted the earlier run" in said, said
+    def but_events(names):
+        return {n for n in names if not n.startswith("events.")}
+    assert top_names(out) - but_events(top_names(out)) != set()
+    assert len(top_names(out) - but_events(top_names(out))) == 1, top_names(out)
+    assert but_events(top_names(out)) == but_events(top_names(tmp_path / "a")) | {"notes.txt"}
+    assert (out / "notes.txt").read_text() == "mine"
+
+
+# ------------------------------------------------------------------ the LoRA section on resume
+@pytest.mark.parametrize("change, named", [
+    ("lora.use_rslora=false", "lora.use_rslora: True -> False"),
+    ("lora.dropout=0", "lora.dropout: 0.1 -> 0.0")])
+def test_resume_refuses_turning_rslora_or_dropout_off(tmp_path, capsys, change, named):
+    """rsLoRA and dropout were in the resume check only when on, so turning either off on
+    resume was accepted: the scale went from alpha/sqrt(r) to alpha/r without a word (the
+    validation loss jumped at lr 1e-12), and training went on without dropout.  Now the
+    resolved LoRA settings are compared whole; an unchanged resume goes on."""
+    cfg = write_run(tmp_path, max_steps=2)
+    cfg.write_text(cfg.read_text().replace("[lora]\n", "[lora]\nuse_rslora = true\n"
+                                                       "dropout = 0.1\n"))
+    assert main(["train", str(cfg), "--no-progress"]) == 0
+    capsys.readouterr()
+    assert main(["train", str(cfg), "--no-progress", "--resume", "--set", "train.max_steps=3",
+                 "--set", change]) == 1
+    err = capsys.readouterr().err
+    assert "cannot resume from" in err and named in err, err
+    assert main(["train", str(cfg), "--no-progress", "--resume", "--set",
+                 "train.max_steps=3"]) == 0
+    assert steps_of(tmp_path / "out")[-1] == "step-0000003"
+
+
+def test_a_checkpoint_without_the_newer_lora_keys_had_them_at_their_defaults(tmp_path, capsys):
+    """A checkpoint saved before the LoRA section was compared whole has no lora.use_rslora
+    or lora.dropout in its resume key: it was made with them off, so it resumes with them
+    off and is refused with rsLoRA on."""
+    cfg = write_run(tmp_path, max_steps=2)
+    assert main(["train", str(cfg), "--no-progress"]) == 0
+    state = tmp_path / "out" / "checkpoints" / "step-0000002" / "state.json"
+    saved = json.loads(state.read_text())
+    for k in ("lora.use_rslora", "lora.dropout", "train.objective"):
+        saved["resume_key"].pop(k, None)
+    state.write_text(json.dumps(saved))
+    capsys.readouterr()
+    assert main(["train", str(cfg), "--no-progress", "--resume", "--set", "train.max_steps=3",
+                 "--set", "lora.use_rslora=true"]) == 1
+    assert "lora.use_rslora: False -> True" in capsys.readouterr().err
+    assert main(["train", str(cfg), "--no-progress", "--resume", "--set",
+                 "train.max_steps=3"]) == 0
+    assert steps_of(tmp_path / "out")[-1] == "step-0000003"

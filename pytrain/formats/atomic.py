@@ -6,6 +6,7 @@ full disk at any moment leaves the previous file intact.
 """
 from __future__ import annotations
 
+import errno
 import os
 import secrets
 from contextlib import contextmanager
@@ -26,6 +27,61 @@ def new_temp_file(p: Path) -> Path:
     raise OSError(f"{p}: cannot create a temporary file in {p.parent}")
 
 
+def named(e: OSError, path: str | os.PathLike, tmp: Path | None = None) -> OSError:
+    """``e``, a failed write, naming the file it was for: ``path`` where ``e`` names no file
+    (a failed ``write`` or ``fsync``: a full disk is "[Errno 28] No space left on device" and
+    nothing more) or the temporary ``tmp`` (file, or folder: its file under ``path``); any
+    other file ``e`` names is its own, and ``e`` is returned as it is.  numpy's short write
+    ("1024 requested and 0 written", without errno) gets its likely cause, when one shows."""
+    p, where = Path(path), e.filename
+    if where is not None:
+        if tmp is None:
+            return e
+        f = Path(os.fsdecode(where))
+        if f == tmp:
+            where = p
+        elif tmp in f.parents:
+            where = p / f.relative_to(tmp)
+        else:
+            return e
+    else:
+        where = p
+    if e.errno is not None:
+        new = OSError(e.errno, e.strerror or os.strerror(e.errno), str(where))
+    else:
+        code = _short_write_cause(Path(where))
+        new = OSError(code, f"{os.strerror(code)} ({e})", str(where)) if code else OSError(str(e))
+        new.filename = str(where)
+    return new
+
+
+def _raise_named(e: BaseException, path: Path, tmp: Path | None = None) -> None:
+    """Raise ``e`` again (in an ``except`` block), an OSError as ``named`` names it."""
+    new = named(e, path, tmp) if isinstance(e, OSError) else e
+    if new is e:
+        raise e
+    raise new from e
+
+
+def _short_write_cause(path: Path) -> int | None:
+    """Why a write came short, when this process can tell: the file size limit (``ulimit
+    -f``) or a full disk."""
+    try:
+        import resource
+        soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+        if soft != resource.RLIM_INFINITY:
+            return errno.EFBIG
+    except (ImportError, OSError, ValueError):
+        pass
+    try:
+        st = os.statvfs(path.parent)
+        if st.f_bavail * st.f_frsize < 2**20:
+            return errno.ENOSPC
+    except OSError:
+        pass
+    return None
+
+
 def fsync_dir(d: Path) -> None:
     """Make a rename in ``d`` durable (some filesystems cannot fsync a folder: ignored)."""
     try:
@@ -43,16 +99,19 @@ def replacing(path: str | os.PathLike) -> Iterator[Path]:
     """``with replacing(p) as tmp: write tmp`` — on success tmp is fsync'ed and renamed over
     ``p``; on any exception it is removed and ``p`` is untouched."""
     p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = new_temp_file(p)
+    try:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        tmp = new_temp_file(p)
+    except OSError as e:
+        _raise_named(e, p)
     try:
         yield tmp
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, p)
-    except BaseException:
+    except BaseException as e:
         tmp.unlink(missing_ok=True)
-        raise
+        _raise_named(e, p, tmp)
     fsync_dir(p.parent)
 
 
@@ -125,9 +184,9 @@ def replacing_folder(path: str | os.PathLike) -> Iterator[Path]:
             os.replace(p, aside)
             os.replace(tmp, p)
             shutil.rmtree(aside, ignore_errors=True)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        _raise_named(e, p, tmp)
     fsync_dir(p.parent)
 
 

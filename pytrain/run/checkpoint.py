@@ -37,13 +37,15 @@ import numpy as np
 
 from pytrain.errors import PytrainError
 from pytrain.formats.adapter_gguf import read_lora_gguf, write_lora_gguf
-from pytrain.formats.atomic import fsync_dir
+from pytrain.formats.atomic import fsync_dir, named
 from pytrain.formats.gguf_tensors import open_reader
+from pytrain.run.folder import run_file
 
-FORMAT = 4          # 4: saved (save order); 3: run_id, config.toml; 2: total_steps and
-                    # resume_key; 1 to 3 still load
+FORMAT = 5          # 5: stopped_early; 4: saved (save order); 3: run_id, config.toml;
+                    # 2: total_steps and resume_key; 1 to 4 still load
 
 
+FOLDER = run_file("checkpoints", "the checkpoints (output.keep_checkpoints)")
 BEST = "best.gguf"      # in a checkpoint: the best validation's adapter, when not its own
 
 
@@ -64,6 +66,8 @@ class TrainState:
     format: int = FORMAT
     saved: int | None = None         # save order in its folder (set by ``save``)
     best: dict | None = None         # the best validation and early-stopping count (train.best)
+    # whether the run stopped early here (None: saved before it was recorded; the count says)
+    stopped_early: bool | None = None
 
 
 def base_fingerprint(path: str | os.PathLike) -> dict:
@@ -113,9 +117,12 @@ def save(folder: Path, step: int, adapter, moments: dict[str, np.ndarray], state
         os.replace(tmp, final)
         fsync_dir(folder)
         shutil.rmtree(aside, ignore_errors=True)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         recover(folder)
+        # a failed write names the checkpoint's file, not the temporary folder's
+        if isinstance(e, OSError) and (new := named(e, final, tmp)) is not e:
+            raise new from e
         raise
     if keep:
         own = sorted((p for p in folder.glob("step-*") if run_id_of(p) == state.run_id),
@@ -203,7 +210,7 @@ def load(path: Path, model_path: str) -> tuple[TrainState, dict, dict]:
         state = TrainState(**json.loads((path / "state.json").read_text()))
     except (OSError, ValueError, TypeError) as e:
         raise CheckpointError(f"{path}: not a usable checkpoint ({e})") from e
-    if state.format not in (1, 2, 3, FORMAT):
+    if state.format not in (1, 2, 3, 4, FORMAT):
         raise CheckpointError(f"{path}: checkpoint format {state.format}, expected {FORMAT}")
     now = base_fingerprint(model_path)
     if now != state.base_fingerprint:

@@ -16,23 +16,63 @@ the wrong one.  So:
   step) has nothing to continue from: ``--resume`` starts it again from step 0, and a fresh
   run is told so;
 * each run has an id, written into every checkpoint's ``state.json``; a run prunes only its
-  own checkpoints (``checkpoint.save``).
+  own checkpoints (``checkpoint.save``);
+* what is an earlier run's is what the run's modules declare they write (``run_file``, next to
+  the code that writes each file): a replaced run, or one started again from step 0, goes
+  aside whole (its best adapter, samples, TensorBoard events, caches too), and a file of the
+  user's in the folder stays where it is.  A run writing an undeclared file is a bug that
+  tests/test_run_dir.py catches.
 """
 from __future__ import annotations
 
 import fcntl
+import fnmatch
 import os
 import shutil
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 from pytrain.errors import PytrainError
 
 LOCK = ".pytrain.lock"
-# what a run writes into its folder (an earlier run is any of them present)
-RUN_FILES = ("checkpoints", "metrics.jsonl", "adapter.gguf", "peft", "loss.png",
-             "data_stats.json", "config.toml")
+
+# name or glob pattern -> what writes it: every file or folder a run writes into its folder
+_RUN_FILES: dict[str, str] = {}
+
+
+def run_file(pattern: str, what: str) -> str:
+    """Declare that runs write ``pattern`` (a name, or a glob such as TensorBoard's
+    ``events.out.tfevents.*``) into their folder, ``what`` saying which part of the run:
+    the file goes aside with the run it belongs to.  Returns ``pattern``, so that the writer
+    names its file by this call.  Declared at import: the run's module imports every module
+    that writes into the folder before it sets a run aside."""
+    _RUN_FILES[pattern] = what
+    return pattern
+
+
+def is_run_file(name: str) -> bool:
+    """``name`` (in a run folder) is a run's: declared, or the temporary file or folder an
+    atomic write of one leaves when killed (pytrain.formats.atomic: ``.NAME.PID.HEX.tmp``,
+    ``.NAME.RANDOM.tmp``, ``.NAME.HEX.old``)."""
+    if _declared(name):
+        return True
+    return name.startswith(".") and name.endswith((".tmp", ".old")) and \
+        any(_declared(name[1:].rsplit(".", k)[0]) for k in (2, 3))
+
+
+def _declared(name: str) -> bool:
+    return any(fnmatch.fnmatchcase(name, p) for p in _RUN_FILES)
+
+
+@dataclass
+class SetAside:
+    """An earlier run's files moved into ``path`` (``replaced-TIME/``) by ``RunDir.set_aside``
+    for ``why`` (``--overwrite``, ``--resume``, a fresh run), deleted once the new run has a
+    checkpoint (``drop_replaced``)."""
+    path: Path
+    why: str
 
 
 class RunDirError(PytrainError, RuntimeError):
@@ -93,43 +133,52 @@ class RunDir:
 
     def check_fresh(self, overwrite: bool) -> bool:
         """Before a fresh (not resumed) run: refuse an earlier run's folder unless
-        ``overwrite``.  True when there is an earlier run to replace (``set_aside``, once the
-        new run is checked)."""
+        ``overwrite``.  True when there are files of an earlier run to move aside
+        (``set_aside``, once the new run is checked): a replaced run's, or what a run that
+        never trained a step left (its config.toml, a cache, TensorBoard's first events)."""
         earlier = self.earlier_run()
-        if earlier is None:
-            return False
-        if overwrite:
-            return True
-        if not self.has_checkpoint():
+        if earlier is not None and not overwrite:
+            if not self.has_checkpoint():
+                raise RunDirError(
+                    f"{self.out} holds an earlier run that stopped before writing a checkpoint "
+                    f"({earlier}): start it again from step 0 with --resume, replace it with "
+                    f"--overwrite, or set another output.dir")
             raise RunDirError(
-                f"{self.out} holds an earlier run that stopped before writing a checkpoint "
-                f"({earlier}): start it again from step 0 with --resume, replace it with "
-                f"--overwrite, or set another output.dir")
-        raise RunDirError(
-            f"{self.out} holds an earlier run ({earlier}): continue it with --resume, "
-            f"replace it with --overwrite (deletes its checkpoints, metrics and adapter), "
-            f"or set another output.dir")
+                f"{self.out} holds an earlier run ({earlier}): continue it with --resume, "
+                f"replace it with --overwrite (deletes its checkpoints, metrics and adapter), "
+                f"or set another output.dir")
+        return bool(self.run_files_here())
 
-    def set_aside(self, log) -> Path:
-        """Move the earlier run's files into ``replaced-TIME/`` (deleted by ``drop_replaced``
-        once the new run has a checkpoint)."""
+    def run_files_here(self, keep: tuple[str, ...] = ()) -> list[str]:
+        """The names in the folder that a run wrote (``is_run_file``), but those in ``keep``;
+        never the lock, an earlier ``replaced-*`` folder or a file of the user's."""
+        if not self.out.is_dir():
+            return []
+        return sorted(p.name for p in self.out.iterdir()
+                      if p.name != LOCK and p.name not in keep and is_run_file(p.name))
+
+    def set_aside(self, log, why: str, keep: tuple[str, ...] = ()) -> SetAside | None:
+        """Move every file of the earlier run (all run files here but ``keep``) into
+        ``replaced-TIME/``, deleted by ``drop_replaced`` once the new run has a checkpoint;
+        None when there is none.  ``why``: what the user asked for, for the messages."""
+        names = self.run_files_here(keep)
+        if not names:
+            return None
         aside = self.out / time.strftime("replaced-%Y%m%d-%H%M%S")
         n = 1
         while aside.exists():
             n += 1
             aside = self.out / time.strftime(f"replaced-%Y%m%d-%H%M%S-{n}")
         aside.mkdir()
-        moved = []
-        for name in RUN_FILES:
-            if (self.out / name).exists():
-                os.replace(self.out / name, aside / name)
-                moved.append(name)
-        log(f"--overwrite: moved the earlier run in {self.out} ({', '.join(moved)}) to {aside}; "
+        for name in names:
+            os.replace(self.out / name, aside / name)
+        log(f"{why}: moved the earlier run in {self.out} ({', '.join(names)}) to {aside}; "
             f"it is deleted when this run writes its first checkpoint")
-        return aside
+        return SetAside(aside, why)
 
 
-def drop_replaced(aside: Path, log) -> None:
+def drop_replaced(aside: SetAside, log) -> None:
     """The new run has a checkpoint: the earlier run it replaces goes."""
-    shutil.rmtree(aside, ignore_errors=True)
-    log(f"--overwrite: deleted the earlier run ({aside}) now that this run has a checkpoint")
+    shutil.rmtree(aside.path, ignore_errors=True)
+    log(f"{aside.why}: deleted the earlier run ({aside.path}) now that this run has a "
+        f"checkpoint")

@@ -15,9 +15,11 @@ from typing import Callable
 from pytrain.formats import atomic
 from pytrain.run import samples as samples_mod
 from pytrain.run.callbacks import Callback
+from pytrain.run.folder import run_file
 from pytrain.run.metrics import plot_losses
 
-METRICS_FILE = "metrics.jsonl"
+METRICS_FILE = run_file("metrics.jsonl", "a line per step and validation")
+PLOT_FILE = run_file("loss.png", "the loss plot, drawn when the run ends")
 
 
 def start_fresh(out: Path) -> None:
@@ -42,16 +44,23 @@ class RunLog:
 
     def record(self, rec: dict) -> None:
         if self.file is not None:
-            self.file.write(json.dumps(rec) + "\n")
-            self.file.flush()
+            try:
+                self.file.write(json.dumps(rec) + "\n")
+                self.file.flush()
+            except OSError as e:          # a full disk: say which file
+                raise atomic.named(e, self.out / METRICS_FILE) from e
         for cb in self.callbacks:
             cb.on_record(rec)
 
     def samples(self, step: int, got: list[dict]) -> None:
         """Greedy generations at ``step``: into samples.jsonl and to the callbacks."""
-        with open(self.out / samples_mod.SAMPLES_FILE, "a") as f:
-            for i, g in enumerate(got):
-                f.write(json.dumps({"step": step, "index": i, **g}) + "\n")
+        path = self.out / samples_mod.SAMPLES_FILE
+        try:
+            with open(path, "a") as f:
+                for i, g in enumerate(got):
+                    f.write(json.dumps({"step": step, "index": i, **g}) + "\n")
+        except OSError as e:              # a full disk: say which file
+            raise atomic.named(e, path) from e
         for cb in self.callbacks:
             cb.on_samples(step, got)
 
@@ -61,7 +70,7 @@ class RunLog:
         the error the run ends with."""
         try:
             if self.file is not None:
-                png = self.out / "loss.png"
+                png = self.out / PLOT_FILE
                 try:
                     self.file.close()
                     plot_losses(self.out / METRICS_FILE, png)

@@ -12,6 +12,7 @@ run opens goes on one ``ExitStack`` as it opens, closed in reverse on every way 
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -29,11 +30,12 @@ from pytrain.run import resume as resume_mod
 from pytrain.run import log as run_log
 from pytrain.run import samples as samples_mod
 from pytrain.run import signals
+from pytrain.run import tensorboard as _tensorboard  # noqa: F401  (declares its event files)
 from pytrain.run.best import Best
 from pytrain.step.distributed import (RanksDisagree, World, agree, check_agreement,
                                        forget_messages, on_main, world as get_world)
 from pytrain.run.interrupt import Interrupt
-from pytrain.run.folder import RunDir, RunDirError, drop_replaced
+from pytrain.run.folder import RunDir, RunDirError, SetAside, drop_replaced, run_file
 from pytrain.run.log import RunLog
 from pytrain.models import lora as lora_mod
 from pytrain.formats.adapter_gguf import write_lora_gguf
@@ -45,7 +47,7 @@ from pytrain.models.model import Model, load_model
 from pytrain.models.precision import ComputeTypeError
 from pytrain.step.optimizer import AdamWSettings, schedule
 from pytrain.step.graph_memory import context_warning
-from pytrain.step.preference import PreferenceSettings, PreferenceTrainer
+from pytrain.step.preference import REFERENCE_FILE, PreferenceSettings, PreferenceTrainer
 from pytrain.step.trainer import NonFiniteLoss, Trainer
 from pytrain.run.type_choice import for_training
 from pytrain.run.resume import MICRO_BATCHES
@@ -63,7 +65,18 @@ class RunResult:
     early_stop: str | None = None     # why the run stopped early, if it did
 
 
-BEST_ADAPTER, BEST_PEFT = "adapter.best.gguf", "peft-best"
+# the files this module writes into the run folder, and those its parts write there (declared
+# here for them: they take the folder from the run)
+ADAPTER = run_file("adapter.gguf", "the adapter (llama.cpp GGUF)")
+PEFT = run_file("peft", "the adapter in PEFT's format (output.formats)")
+BEST_ADAPTER = run_file("adapter.best.gguf", "the best validation's adapter")
+BEST_PEFT = run_file("peft-best", "the best validation's adapter in PEFT's format")
+CONFIG = run_file("config.toml", "the run's resolved config")
+DATA_STATS = run_file("data_stats.json", "what the data loading kept and skipped")
+PROBE = run_file(".write-test", "output_dir's check that the folder is writable")
+run_file(REFERENCE_FILE, "the reference log-probabilities of a DPO run (PreferenceTrainer)")
+run_file("error.log", "the error a run of several ranks ended with (distributed)")
+run_file("error-rank-*.log", "the error one rank aborted with (distributed)")
 
 
 def run_folder(cfg: Config) -> Path:
@@ -75,7 +88,7 @@ def output_dir(cfg: Config) -> Path:
     out = run_folder(cfg)
     try:
         out.mkdir(parents=True, exist_ok=True)
-        probe = out / ".write-test"
+        probe = out / PROBE
         probe.write_text("ok")
         probe.unlink()
     except OSError as e:
@@ -84,7 +97,7 @@ def output_dir(cfg: Config) -> Path:
 
 
 def save_adapter(model: Model, adapter, path: Path, formats=("gguf",), tensors=None,
-                 peft_dir: str = "peft") -> Path:
+                 peft_dir: str = PEFT) -> Path:
     """The adapter in each requested format: llama.cpp GGUF at ``path``, and a PEFT folder
     (adapter_config.json + adapter_model.safetensors) beside it in ``peft_dir``.
     ``tensors``: other values of the adapter's tensors (the best validation's)."""
@@ -163,8 +176,10 @@ class Session:
         return t.max_steps if t.max_steps else t.epochs * len(self.epoch_steps(0))
 
     def resume_key(self) -> dict:
-        """What the saved data position means: a resumed run must see the same training
-        examples cut into the same batches in the same order, and the same adapter shapes.
+        """What the saved state means: a resumed run must see the same training examples cut
+        into the same batches in the same order, train the same objective, and apply the
+        saved adapter as it was trained (``lora_key``).  Every key is present whatever its
+        value: a setting recorded only when on let a resume turn it off unseen.
         The examples' digest is computed once: they do not change during a run, and hashing
         every token again at each checkpoint cost time proportional to the data set."""
         if self._examples_digest is None:
@@ -180,12 +195,21 @@ class Session:
                 "train.batch_size": c.train.batch_size,
                 MICRO_BATCHES: c.train.grad_accum * self.world.size,
                 "data.packing": c.data.packing, "data.max_seq_len": c.data.max_seq_len,
-                "batch order seed": self.seed, "lora.rank": c.lora.rank,
-                "lora.alpha": c.lora.alpha, "adapted tensors": sorted(self.adapter.names),
-                **({"lora.use_rslora": True} if c.lora.use_rslora else {}),
-                **({"lora.dropout": c.lora.dropout} if c.lora.dropout else {}),
+                "batch order seed": self.seed, **self.lora_key(),
                 "train.loss_bug_repro": c.train.loss_bug_repro,
-                **({"train.objective": c.train.objective} if self.preference else {})}
+                "train.objective": c.train.objective}
+
+    def lora_key(self) -> dict:
+        """The resolved LoRA settings that change what the saved A and B mean: the shapes
+        (rank, the adapted tensors as targets and skip_ssm resolve them), the scale (alpha,
+        use_rslora: alpha/r against alpha/sqrt(r)) and the training graph (dropout).  Not
+        here: init and seed (the initial A and B, replaced by the saved ones; dropout masks
+        are drawn from seed and step, another stream as a changed lr is another step size),
+        and loraplus_lr_ratio (B's learning rate: it may change as train.lr may)."""
+        lo = self.cfg.lora
+        return {"lora.rank": lo.rank, "lora.alpha": lo.alpha,
+                "adapted tensors": sorted(self.adapter.names),
+                "lora.use_rslora": lo.use_rslora, "lora.dropout": lo.dropout}
 
     def close(self) -> None:
         try:
@@ -274,25 +298,27 @@ class Loop:
     """The step loop's state and the things it writes: metrics, checkpoints, validation."""
 
     def __init__(self, s: Session, total: int, start: resume_mod.Start, stack: ExitStack,
-                 progress: bool = False, replaced: Path | None = None):
+                 progress: bool = False, replaced: SetAside | None = None):
         """Opens what the loop writes to (the run log, its callbacks, the progress bar), each
         on the run's ``stack`` as it opens, so that an error from here on closes them.
-        ``replaced``: an earlier run moved aside by ``--overwrite``, deleted once this run
+        ``replaced``: an earlier run moved aside (``--overwrite``), deleted once this run
         has a checkpoint."""
         self.s, self.total, self.step, self.run_id = s, total, start.step, start.run_id
         self.replaced = replaced
         self.main = s.world.is_main                # one writer: rank 0
-        self.ckpt_dir = s.out / "checkpoints"
-        self.adapter_path = s.out / "adapter.gguf"
+        self.ckpt_dir = s.out / ckpt.FOLDER
+        self.adapter_path = s.out / ADAPTER
         self.fingerprint = ckpt.base_fingerprint(s.cfg.model.path)
         # step of the newest checkpoint written (a resumed run's exists: not written again)
         self.saved_step: int | None = start.step if start.checkpoint is not None else None
         self.position = (0, 0)                   # (epoch, index) of the next step
+        self.adapter_step: int | None = None     # the step adapter.gguf holds, once written
         self.last_eval: dict | None = None
         self.tokens_seen = 0
         self.best = Best()                       # the best validation (train.best)
         self.best_tensors: dict | None = None    # its adapter
         self.early_stop: str | None = None       # why the run stops early, once it does
+        self.signalled_at_end: str | None = None  # a signal came during the run's last step
         self.bar = None
         stack.callback(self.say_replaced_kept)   # the last of the loop's to close
         self.records = RunLog(s.out, s.log, self.main)      # metrics.jsonl, the callbacks
@@ -341,7 +367,9 @@ class Loop:
             self.keep_best(s.adapter.get())
         self.record({"step": self.step, "split": "valid", **ev, "best_step": self.best.step,
                      "best_loss": self.best.loss, "drift": s.adapter.drift()})
-        if self.best.exhausted(t.early_stopping_patience):
+        # the patience spent at the last step stops nothing: the run ends there anyway (the
+        # count goes into the checkpoint; a resume that extends the run carries it on)
+        if self.best.exhausted(t.early_stopping_patience) and self.step < self.total:
             self.early_stop = self.best.why(t.early_stopping_patience,
                                             t.early_stopping_min_delta)
         if s.preference:
@@ -404,10 +432,12 @@ class Loop:
             self.saved_step = self.step
             return where
         save_adapter(s.model, s.adapter, self.adapter_path, s.cfg.output.formats)
+        self.adapter_step = self.step
         epoch, index = self.position
         state = ckpt.TrainState(self.step, epoch, index, s.trainer.opt.t, self.fingerprint,
                                 total_steps=self.total, resume_key=s.resume_key(),
-                                run_id=self.run_id, best=self.best.to_dict())
+                                run_id=self.run_id, best=self.best.to_dict(),
+                                stopped_early=self.early_stop is not None)
         own = self.best.step in (None, self.step)        # the best is this step's adapter
         where = ckpt.save(self.ckpt_dir, self.step, s.adapter, s.trainer.opt_state.moments(),
                           state, keep=s.cfg.output.keep_checkpoints, arch=s.model.arch.name,
@@ -441,7 +471,11 @@ class Loop:
             else:
                 self.finished(r, epoch, lr)
             if signals.requested(interrupt, w):     # every rank stops after this step
-                raise signals.after_step(interrupt, self.step, self.saved())
+                if self.step >= self.total or self.early_stop:
+                    # the step was the run's last: it ends as finished, not interrupted
+                    self.signalled_at_end = signals.name(interrupt)
+                else:
+                    raise signals.after_step(interrupt, self.step, self.saved())
             if self.early_stop:
                 self.record({"step": self.step, "early_stop": self.early_stop})
                 self.say(self.early_stop)
@@ -492,11 +526,11 @@ class Loop:
         self.bar = None                          # later lines go to the log
 
     def say_replaced_kept(self) -> None:
-        """On the way out: an earlier run moved aside by ``--overwrite`` and not yet deleted
+        """On the way out: an earlier run moved aside (``--overwrite``) and not yet deleted
         (this run wrote no checkpoint) is kept, and where."""
         if self.replaced is not None and self.main:
-            self.s.log(f"--overwrite: this run stopped before its first checkpoint; the "
-                       f"earlier run is kept in {self.replaced}")
+            self.s.log(f"{self.replaced.why}: this run stopped before its first checkpoint; "
+                       f"the earlier run is kept in {self.replaced.path}")
             self.replaced = None
 
 
@@ -548,7 +582,8 @@ def _claim_and_train(cfg: Config, w: World, log, progress: bool, resume, overwri
     stack.callback(s.close)
     if w.size > 1:
         check_agreement(w, _run_facts(s))
-    replaced = on_main(w, lambda: run_dir.set_aside(log)) if replace else None
+    why = "--overwrite" if overwrite else "new run"
+    replaced = on_main(w, lambda: run_dir.set_aside(log, why)) if replace else None
     return _train(s, progress, resume, interrupt, stack, replaced)
 
 
@@ -590,20 +625,24 @@ def reference_key(s: Session, fingerprint: dict) -> dict:
 
 
 def _train(s: Session, progress: bool, resume: str | bool | None, interrupt: Interrupt,
-           stack: ExitStack, replaced: Path | None = None) -> RunResult:
+           stack: ExitStack, replaced: SetAside | None = None) -> RunResult:
     total = s.total_steps()
     main = s.world.is_main
     # checked against the checkpoint before anything of the run is rewritten
     start = resume_mod.start(s, resume, total)
     resumed = start.checkpoint is not None
-    if main:
-        if not resumed:
-            run_log.start_fresh(s.out)
-        atomic.write_bytes(s.out / "config.toml", s.cfg.to_toml().encode())
-        atomic.write_bytes(s.out / "data_stats.json",
-                           (json.dumps(s.stats, indent=2) + "\n").encode())
-    loop = Loop(s, total, start, stack, progress, replaced)
+    if resume and not resumed:       # an earlier run with no checkpoint, started again
+        replaced = on_main(s.world, lambda: RunDir(s.out).set_aside(
+            s.log, "--resume", keep=(ckpt.FOLDER,)))     # no checkpoint, maybe a timeline's
+    loop = None
     try:
+        if main:
+            if not resumed:
+                run_log.start_fresh(s.out)
+            atomic.write_bytes(s.out / CONFIG, s.cfg.to_toml().encode())
+            atomic.write_bytes(s.out / DATA_STATS,
+                               (json.dumps(s.stats, indent=2) + "\n").encode())
+        loop = Loop(s, total, start, stack, progress, replaced)
         if resumed:
             resume_mod.restore_best(s, loop, start)
         if s.preference and s.trainer.uses_reference:
@@ -616,26 +655,69 @@ def _train(s: Session, progress: bool, resume: str | bool | None, interrupt: Int
         s.trainer.hold = interrupt.holding
         loop.run(start.position, interrupt)
         # a resumed run with nothing left to do writes nothing new; one stopped early has
-        # just been validated
-        if (loop.step > start.step or not resumed) and not loop.early_stop:
-            loop.validate()
-        if loop.step > start.step or not resumed:
+        # just been validated; one asked to stop during its last step is complete, and
+        # neither validated nor sampled again (what the signal asked not to wait for)
+        if loop.signalled_at_end:
+            s.log(f"{loop.signalled_at_end} came during the last step: the run is complete at "
+                  f"step {loop.step}; the final validation and samples are skipped")
+            loop.last_eval = None
+        elif loop.step > start.step or not resumed:
+            if not loop.early_stop:
+                loop.validate()
             loop.sample()
         if loop.saved_step != loop.step:
             loop.checkpoint()
         elif main and not loop.adapter_path.exists():
             save_adapter(s.model, s.adapter, loop.adapter_path, s.cfg.output.formats)
+            loop.adapter_step = loop.step
     except NonFiniteLoss as e:
         _stop_on_nan(s, loop, e)
     except KeyboardInterrupt:                  # a second Ctrl-C / SIGTERM dropped a step
-        if not signals.can_save(interrupt, s.world):
+        if loop is None or not signals.can_save(interrupt, s.world):
             raise
-        loop.stop_at_once(interrupt)
+        try:
+            loop.stop_at_once(interrupt)
+        except OSError as e:
+            raise _write_failed(s, loop, e) from e
+    except OSError as e:                       # a full disk, the file size limit
+        raise _write_failed(s, loop, e) from e
     b = loop.best
     return RunResult(s.out, loop.adapter_path, loop.step, loop.last_eval,
                      best=None if b.step is None else {"step": b.step, "loss": b.loss,
                                                        "adapter": s.out / BEST_ADAPTER},
                      early_stop=loop.early_stop)
+
+
+# what to do before resuming, after a write failed with this errno
+_WRITE_FIX = {errno.ENOSPC: "there is space on its disk again",
+              errno.EDQUOT: "there is room in your disk quota again",
+              errno.EFBIG: "the file size limit (ulimit -f) allows the file",
+              errno.EROFS: "its file system is writable again"}
+
+
+def _write_failed(s: Session, loop: Loop | None, e: OSError) -> RunError:
+    """A write of the run failed (a full disk, a quota, the file size limit): the error that
+    names the file, the run folder and what is kept.  Every file is written atomically, so
+    the step in flight is all that is lost: the last complete checkpoint is whole."""
+    if e.errno in _WRITE_FIX or e.errno is None:     # errno None: numpy's short write
+        what = (f"could not write {e.filename}: " if e.filename else "a write failed: ")
+    else:
+        what = f"{e.filename}: " if e.filename else ""
+    what += str(e.strerror or e)
+    try:
+        latest = ckpt.latest(s.out / ckpt.FOLDER)
+    except OSError:
+        latest = None
+    done = f"The run trained to step {loop.step}; " if loop is not None else ""
+    fix = _WRITE_FIX.get(e.errno, "the cause is fixed")
+    if latest is not None:
+        kept = (f"{'t' if done else 'T'}he last complete checkpoint is {latest} (step {ckpt.step_of(latest)}): "
+                f"--resume continues from it once {fix}")
+    else:
+        kept = f"No checkpoint was written: --resume starts the run again once {fix}"
+    if loop is not None and loop.adapter_step is not None:
+        kept += f"; {loop.adapter_path} holds step {loop.adapter_step}"
+    return RunError(f"{what} (run folder {s.out}). {done}{kept}")
 
 
 def _stop_on_nan(s: Session, loop: Loop, e: NonFiniteLoss) -> None:
@@ -645,6 +727,7 @@ def _stop_on_nan(s: Session, loop: Loop, e: NonFiniteLoss) -> None:
     try:
         if s.world.is_main:
             save_adapter(s.model, s.adapter, loop.adapter_path, s.cfg.output.formats)
+            loop.adapter_step = loop.step
         loop.record({"step": loop.step + 1, "stopped": stopped})
     except Exception as err:
         stopped = f"{stopped} (but it could not be written: {err})"

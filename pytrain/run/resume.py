@@ -26,6 +26,12 @@ from pytrain.run.errors import RunError
 # the resume key's name for the micro-batches of one step (a single process's train.grad_accum
 # before data-parallel runs): a run may resume with other ranks if the product is the same
 MICRO_BATCHES = "micro-batches per step (train.grad_accum x ranks)"
+# resume-key entries that earlier checkpoints recorded only when not at these values (the
+# LoRA options when on, the objective when not SFT): a key missing from a checkpoint's
+# resume key had this value when it was saved
+UNRECORDED_DEFAULTS = {"lora.use_rslora": False, "lora.dropout": 0.0, "train.objective": "sft"}
+# entries whose change means the saved adapter would be applied otherwise than it was trained
+ADAPTER_KEYS = ("lora.", "adapted tensors")
 
 
 @dataclass
@@ -37,6 +43,7 @@ class Start:
     checkpoint: Path | None = None              # the checkpoint resumed from (None: fresh)
     best: Best = field(default_factory=Best)    # its best validation
     best_tensors: dict | None = None            # that validation's adapter, when kept apart
+    stopped_early: bool | None = None           # the run stopped early there (None: unknown)
 
 
 def start(s, resume: str | bool | None, total: int) -> Start:
@@ -52,7 +59,7 @@ def start(s, resume: str | bool | None, total: int) -> Start:
         s.log(f"the run is already at step {state.step} of {total}: nothing to train (raise "
               f"train.max_steps or train.epochs to continue it)")
     return Start(state.step, (state.epoch, state.position), state.run_id, where,
-                 Best.from_dict(state.best), best_tensors)
+                 Best.from_dict(state.best), best_tensors, state.stopped_early)
 
 
 def find_checkpoint(out: Path, resume: str | bool, log: Callable[[str], None]) -> Path | None:
@@ -138,15 +145,24 @@ def _check_resume_key(s, where: Path, loaded: tuple):
         s.log(f"warning: {where} predates resume checks; the data and batch settings cannot "
               f"be compared with the checkpoint's")
     else:
+        saved = {**UNRECORDED_DEFAULTS, **state.resume_key}
         now = s.resume_key()
-        changed = [k for k in now if state.resume_key.get(k) != now[k]]
+        changed = [k for k in now if saved.get(k) != now[k]]
         if changed:
-            what = "; ".join(
-                f"{k}: {_short(state.resume_key.get(k))} -> {_short(now[k])}" for k in changed)
+            what = "; ".join(f"{k}: {_short(saved.get(k))} -> {_short(now[k])}"
+                             for k in changed)
+            adapter = [k for k in changed if k.startswith(ADAPTER_KEYS)]
+            why = []
+            if len(adapter) < len(changed):
+                why.append("The checkpoint's position in the data would point at other "
+                           "batches.")
+            if adapter:
+                why.append("The checkpoint's adapter was trained with the earlier LoRA "
+                           "settings: resumed with these, its scale, shapes or training "
+                           "graph would change.")
             raise RunError(
-                f"cannot resume from {where}: {what}. The checkpoint's position in the data "
-                f"would point at other batches. Restore the setting, or start a new run "
-                f"(another output.dir)")
+                f"cannot resume from {where}: {what}. {' '.join(why)} Restore the setting, "
+                f"or start a new run (another output.dir)")
     return loaded
 
 
@@ -156,13 +172,16 @@ def _short(v) -> str:
 
 def restore_best(s, loop, start: Start) -> None:
     """The checkpoint's best validation, its adapter written again (the files may hold a
-    later best of a timeline the resume abandons), and early stopping when it was due (like
-    TRL's callback state: a run that stopped early stays stopped unless the patience grows)."""
+    later best of a timeline the resume abandons), and early stopping when the run stopped
+    early there (like TRL's callback state: it stays stopped unless the patience grows).  A
+    run that reached its last step with the patience spent did not stop early: extended, it
+    goes on.  A checkpoint saved before the stop was recorded: the count decides, as then."""
     loop.best = start.best
     if start.best_tensors is not None:
         loop.keep_best(start.best_tensors)
     t = s.cfg.train
-    if start.best.exhausted(t.early_stopping_patience):
+    stopped = start.stopped_early is not False      # None: not recorded
+    if stopped and start.best.exhausted(t.early_stopping_patience):
         loop.early_stop = start.best.why(t.early_stopping_patience, t.early_stopping_min_delta)
         s.log(f"the run stopped early at step {loop.step}: {loop.early_stop}; nothing to "
               f"train (raise train.early_stopping_patience to continue it)")

@@ -12,12 +12,14 @@ from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
+from pytrain.run.folder import run_file
+
 if TYPE_CHECKING:
     from pytrain.config import Config
     from pytrain.data import DataSplits
     from pytrain.models.model import Model
 
-SAMPLES_FILE = "samples.jsonl"
+SAMPLES_FILE = run_file("samples.jsonl", "the samples (train.sample_every)")
 
 
 @dataclass

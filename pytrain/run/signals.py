@@ -6,7 +6,8 @@ One process: a signal before the step loop stops at once (nothing was trained); 
 the first asks for a stop after the step in flight, the second drops that step and saves the
 last finished one, the third stops whatever runs.  Several ranks can save only if all stop at
 the same point: a signal before the loop is a request like one inside it, and the second stops
-at once (the launcher ends the job).  Kept apart so that the loop reads as steps and every
+at once (the launcher ends the job).  A first signal during the run's last step interrupts
+nothing: the run is complete, and ends as finished (``name`` says which signal came).  Kept apart so that the loop reads as steps and every
 message of an interrupted run is in one place.
 """
 from __future__ import annotations
@@ -36,9 +37,14 @@ def requested(interrupt: Interrupt, world: World) -> bool:
     return world.any(interrupt.requested is not None)
 
 
+def name(interrupt: Interrupt) -> str:
+    """The signal that asked the run to stop (another rank's: this one saw none)."""
+    return interrupt.requested or "a signal to another rank"
+
+
 def after_step(interrupt: Interrupt, step: int, where: Path) -> Interrupted:
     """A first signal: the run stopped after ``step``, its checkpoint at ``where``."""
-    by = interrupt.requested or "a signal to another rank"
+    by = name(interrupt)
     return Interrupted(f"interrupted by {by} after step {step}; "
                        f"checkpoint {where} (resume with --resume)")
 

@@ -9,11 +9,14 @@ import time
 from pathlib import Path
 
 from pytrain.run.callbacks import Callback
+from pytrain.run.folder import run_file
 
 # metrics.jsonl keys shown as scalars (the rewards of preference runs too)
 SCALARS = ("loss", "lr", "grad_norm", "tokens_per_s", "accuracy", "perplexity", "drift",
            "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies",
            "nll_loss", "log_odds_ratio")
+# EventFileWriter's names: events.out.tfevents.TIME.HOST.PID.N
+EVENTS = run_file("events.out.tfevents.*", "TensorBoard's event files (output.tensorboard)")
 MISSING = "output.tensorboard = true needs TensorBoard: pip install 'pytrain[tensorboard]'"
 
 
