@@ -60,7 +60,8 @@ embedded model; `config/qwen35-2b.toml` carries the seed's settings for a real Q
 Why so strict: a misspelt key or a quoted number silently falling back to a default is the
 same class of quiet bug as an unmasked loss. Paths written in a file resolve against that
 file's folder, so a config and its data can move together; paths given with `--set` resolve
-against the working directory. Seeds left unset (`data.shuffle_seed`, `lora.seed`) follow
+against the working directory. An empty path is an error naming the key, never the folder
+it would resolve to; `"none"` unsets an optional key (`--set data.validation=none`). Seeds left unset (`data.shuffle_seed`, `lora.seed`) follow
 `train.seed`, and the run folder's `config.toml` holds the resolved config, so it reproduces
 the run.
 

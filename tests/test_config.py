@@ -243,3 +243,45 @@ def test_an_unknown_key_close_to_a_known_one_is_suggested(tmp_path, item, hint):
     msg = str(e.value)
     assert ("did you mean" not in msg) if hint is None else (hint in msg), msg
     assert "valid " in msg                      # the full list is still given
+
+
+PATH_KEYS = [f"{s}.{f.name}" for s, cls in SECTIONS.items() for f in dataclasses.fields(cls)
+             if f.metadata.get("path")]
+
+
+def test_the_path_keys_are_the_ones_refusing_an_empty_value():
+    assert PATH_KEYS == ["model.path", "data.train", "data.validation", "data.chat_template",
+                         "output.dir"]
+
+
+@pytest.mark.parametrize("key", PATH_KEYS)
+def test_an_empty_path_is_refused_not_read_as_the_working_folder(tmp_path, monkeypatch, key):
+    """An empty path resolves to the folder it is relative to: a data key then read every
+    Parquet file below the working directory.  Refused wherever it is given, with the way to
+    unset an optional key."""
+    monkeypatch.chdir(tmp_path)
+    p = write(tmp_path, MINIMAL)
+    optional = key not in ("model.path", "data.train")
+    for given, where in ([f"{key}="], f"--set {key}=: "), ([f'{key}=""'], f'--set {key}="": '), \
+            ([f"{key}=  "], f"--set {key}=  : "), ({key: ""}, f"overrides['{key}']: "):
+        with pytest.raises(ConfigError) as e:
+            load_config(p, given)
+        assert str(e.value).startswith(f"{where}{key}: an empty path"), str(e.value)
+        assert ('"none" unsets it' in str(e.value)) is optional
+    tables = {"model": {"path": "m.gguf"}, "data": {"train": "t.jsonl"}}
+    section, name = key.split(".")
+    tables.setdefault(section, {})[name] = ""
+    f = write(tmp_path, "".join(f"[{s}]\n" + "".join(f'{k} = "{v}"\n' for k, v in t.items())
+                                for s, t in tables.items()), "empty.toml")
+    with pytest.raises(ConfigError, match=rf"^{f}:\d+: {key}: an empty path"):
+        load_config(f)
+
+
+def test_the_command_refuses_an_empty_data_path(tmp_path, monkeypatch, capsys):
+    from pytrain.cli import main
+    monkeypatch.chdir(tmp_path)
+    rc = main(["train", str(ROOT / "config" / "demo.toml"), "--no-progress", "--set",
+               f"output.dir={tmp_path / 'out'}", "--set", "data.validation="])
+    err = capsys.readouterr().err
+    assert rc == 1 and err.startswith("error: --set data.validation=: data.validation: an "
+                                      "empty path"), err

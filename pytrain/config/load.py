@@ -208,6 +208,11 @@ def _take(values, origin, section: str, key: str, value: Any, w: "_Where", base_
     origin[(section, key)] = (w, base_dir)
 
 
+# an empty path resolves to the folder it is relative to: a data key would then read every
+# Parquet file below it, an output folder would be the working directory itself
+_EMPTY_PATH = "an empty path (it would name the folder it is relative to)"
+
+
 def _section(cls, section: str, given: dict[str, Any], origin) -> Any:
     """One section's dataclass from its given values: types coerced, choices and checks
     applied, paths resolved against the folder of the file (or the working directory) that
@@ -230,6 +235,9 @@ def _section(cls, section: str, given: dict[str, Any], origin) -> Any:
         if problem:
             raise w.error(section, f.name, f"{problem}, got {v!r}")
         if meta.get("path") and v is not None:
+            if not v.strip():
+                raise w.error(section, f.name, _EMPTY_PATH + (
+                    "" if f"{section}.{f.name}" in REQUIRED else '; "none" unsets it'))
             resolved = (base_dir / Path(v).expanduser()).resolve()
             name = meta.get("or_name") and re.fullmatch(r"[\w-]+", v) and not resolved.exists()
             v = v if name else str(resolved)

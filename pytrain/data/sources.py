@@ -67,6 +67,8 @@ def _no_nulls(v: Any) -> Any:
 
 def read_rows(path: str | os.PathLike[str]) -> Iterator[Row]:
     """The rows of a JSONL file, a Parquet file or folder, or a ``save_to_disk`` folder."""
+    if not os.fspath(path).strip():     # Path("") is ".": the working folder, read whole
+        raise DataError("an empty path names no data")
     p = Path(path)
     if p.is_dir():
         if (p / "dataset_dict.json").exists():
@@ -76,14 +78,40 @@ def read_rows(path: str | os.PathLike[str]) -> Iterator[Row]:
                             f"{p / (splits[0] if splits else 'train')}")
         if (p / "state.json").exists() and (p / "dataset_info.json").exists():
             return _dataset_rows(p)
-        files = sorted(p.rglob("*.parquet"))
+        files = parquet_files(p)
         if not files:
-            raise DataError(f"{p}: a folder with no .parquet file that is not a "
-                            f"datasets.save_to_disk folder either")
+            raise DataError(f"{p}: a folder with no .parquet file (names starting with "
+                            f"\".\" or \"_\", virtualenvs and site-packages are not searched) "
+                            f"that is not a datasets.save_to_disk folder either")
         return (row for f in files for row in _parquet_rows(f))
     if p.suffix == ".parquet":
         return _parquet_rows(p)
     return _jsonl_rows(p)
+
+
+def parquet_files(folder: Path) -> list[Path]:
+    """The ``.parquet`` files of a Parquet folder, at any depth, in path order, as pyarrow's
+    dataset discovery finds them: a file or folder whose name starts with "." or "_" is
+    skipped (caches, checkpoints, ``_temporary``, ``__pycache__``; ``datasets`` skips the
+    hidden ones and ``__*`` too).  A folder of installed Python packages is never walked: a
+    virtualenv (a folder holding ``pyvenv.cfg``) or a ``site-packages`` / ``dist-packages``
+    folder carries Parquet files of its own (pyarrow's test data) that are no one's training
+    data.  The folder given is read whatever its own name."""
+    found = []
+    for root, dirs, names in os.walk(folder):
+        here = Path(root)
+        dirs[:] = [d for d in dirs if not _skipped_folder(here / d)]
+        found += [here / n for n in names if n.endswith(".parquet") and not _hidden(n)]
+    return sorted(found)
+
+
+def _hidden(name: str) -> bool:
+    return name.startswith((".", "_"))
+
+
+def _skipped_folder(path: Path) -> bool:
+    return (_hidden(path.name) or path.name in ("site-packages", "dist-packages")
+            or (path / "pyvenv.cfg").exists())
 
 
 def _jsonl_rows(path: Path) -> Iterator[Row]:
