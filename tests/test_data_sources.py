@@ -222,3 +222,25 @@ def test_an_empty_data_path_is_refused(tmp_path, tok, monkeypatch):
     write_parquet(tmp_path / "stray.parquet", [{"a": 1}])
     with pytest.raises(DataError, match="an empty path"):
         load_examples("", tok)
+
+
+@pytest.mark.parametrize("fmt", ["numpy", "pandas", "arrow", "torch"])
+def test_a_datasets_folder_saved_with_a_format_is_read_as_its_records(tmp_path, tok, fmt):
+    """``save_to_disk`` keeps the dataset's output format (state.json's ``_format_type``) and
+    ``load_from_disk`` applies it: numpy arrays for lists, an Arrow table, torch tensors
+    (which need torch where the folder is read).  The rows are read unformatted, as the
+    records they hold."""
+    recs = chats()
+    want, _ = load_examples(write_jsonl(tmp_path / "d.jsonl", recs), tok)
+    folder = tmp_path / fmt
+    ds = datasets.Dataset.from_list(recs)
+    ds.with_format(fmt if fmt != "torch" else "numpy").save_to_disk(str(folder), num_shards=2)
+    if fmt == "torch":      # what a machine with torch writes; this venv has no torch
+        state = json.loads((folder / "state.json").read_text())
+        state["_format_type"] = "torch"
+        (folder / "state.json").write_text(json.dumps(state))
+    state = json.loads((folder / "state.json").read_text())
+    assert state["_format_type"] == fmt and len(state["_data_files"]) == 2
+    got, stats = load_examples(folder, tok)
+    same_examples(got, want)
+    assert stats.format == "chat" and got[1].source == f"{folder}:row 1"

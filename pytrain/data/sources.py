@@ -149,8 +149,8 @@ def _dataset_rows(folder: Path) -> Iterator[Row]:
         raise DataError(f"{folder}: reading a datasets.save_to_disk folder needs the datasets "
                         f"library: {EXTRA}") from None
     try:
-        ds = datasets.load_from_disk(str(folder))      # memory-mapped Arrow, not read whole
-    except (OSError, ValueError) as e:
+        ds = _unformatted(folder, datasets)
+    except (OSError, ValueError, KeyError, TypeError) as e:
         raise DataError(f"{folder}: not a readable datasets folder ({e})") from None
     n = 0
     for batch in ds.iter(batch_size=BATCH_ROWS):
@@ -158,6 +158,22 @@ def _dataset_rows(folder: Path) -> Iterator[Row]:
         for i in range(len(batch[cols[0]]) if cols else 0):
             yield Row(f"{folder}:row {n}", {c: batch[c][i] for c in cols})
             n += 1
+
+
+def _unformatted(folder: Path, datasets):
+    """The ``save_to_disk`` folder's rows as Python objects, memory-mapped, not read whole.
+
+    Why not ``load_from_disk``: it applies the output format the dataset was saved with
+    (state.json's ``_format_type``: ``.with_format("numpy")`` gives arrays for lists, "arrow"
+    tables, "torch" tensors and needs torch installed just to open the folder).  The shards
+    state.json lists are opened as they are, which is ``load_from_disk(...).with_format(None)``
+    without the formatter."""
+    state = json.loads((folder / "state.json").read_text(encoding="utf-8"))
+    shards = [datasets.Dataset.from_file(str(folder / f["filename"]))
+              for f in state["_data_files"]]
+    if not shards:
+        raise ValueError("state.json lists no data files")
+    return shards[0] if len(shards) == 1 else datasets.concatenate_datasets(shards)
 
 
 def parse_json_line(raw: bytes) -> dict[str, Any]:
