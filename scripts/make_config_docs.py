@@ -53,14 +53,20 @@ A run is configured by a TOML file with sections `model`, `data`, `lora`, `train
 (`python -c "from pytrain.config import describe; print(describe())"` lists every key with its
 type, default and help). An unknown key or a wrong type is an error naming the key, the file
 and the line (an unknown key close to a known one, or another trainer's name for it, gets
-"did you mean `lr`?"); `--set section.key=value` overrides any key. `config/demo.toml` trains the
+"did you mean `lr`?"); `--set section.key=value` overrides any key, its value read as a TOML
+literal, else as text. A list is a list in the file (`targets = ["attn_q"]`: a string there is
+a type error); on the command line a bare value gives one too: names separated by commas or
+spaces for `lora.targets` and `output.formats` (`--set lora.targets=attn_q,attn_v`), one
+prompt for `train.sample_prompts`, or write the TOML list (`--set 'train.sample_prompts=["Hi",
+"Who are you?"]'`). `config/demo.toml` trains the
 embedded model; `config/qwen35-2b.toml` carries the seed's settings for a real Qwen3.5-2B GGUF
 (lr 1e-6, rank 16, alpha 32, 3 epochs, `skip_ssm = true`).
 
 Why so strict: a misspelt key or a quoted number silently falling back to a default is the
 same class of quiet bug as an unmasked loss. Paths written in a file resolve against that
 file's folder, so a config and its data can move together; paths given with `--set` resolve
-against the working directory. Seeds left unset (`data.shuffle_seed`, `lora.seed`) follow
+against the working directory. An empty path is an error naming the key, never the folder
+it would resolve to; `"none"` unsets an optional key (`--set data.validation=none`). Seeds left unset (`data.shuffle_seed`, `lora.seed`) follow
 `train.seed`, and the run folder's `config.toml` holds the resolved config, so it reproduces
 the run.
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 
 import pytest
@@ -191,7 +192,7 @@ def test_override_errors_name_the_override(tmp_path, item, match):
 
 def test_round_trip_through_toml(tmp_path):
     p = write(tmp_path, MINIMAL + '[train]\nmax_steps = 5\nschedule = "cosine"\n'
-                                  '[lora]\ntargets = "attn_q, attn_output"\n')
+                                  '[lora]\ntargets = ["attn_q", "attn_output"]\n')
     cfg = load_config(p)
     assert cfg.lora.targets == ["attn_q", "attn_output"]
     saved = write(tmp_path / "", cfg.to_toml(), "saved.toml")
@@ -243,3 +244,93 @@ def test_an_unknown_key_close_to_a_known_one_is_suggested(tmp_path, item, hint):
     msg = str(e.value)
     assert ("did you mean" not in msg) if hint is None else (hint in msg), msg
     assert "valid " in msg                      # the full list is still given
+
+
+PATH_KEYS = [f"{s}.{f.name}" for s, cls in SECTIONS.items() for f in dataclasses.fields(cls)
+             if f.metadata.get("path")]
+
+
+def test_the_path_keys_are_the_ones_refusing_an_empty_value():
+    assert PATH_KEYS == ["model.path", "data.train", "data.validation", "data.chat_template",
+                         "output.dir"]
+
+
+@pytest.mark.parametrize("key", PATH_KEYS)
+def test_an_empty_path_is_refused_not_read_as_the_working_folder(tmp_path, monkeypatch, key):
+    """An empty path resolves to the folder it is relative to: a data key then read every
+    Parquet file below the working directory.  Refused wherever it is given, with the way to
+    unset an optional key."""
+    monkeypatch.chdir(tmp_path)
+    p = write(tmp_path, MINIMAL)
+    optional = key not in ("model.path", "data.train")
+    for given, where in ([f"{key}="], f"--set {key}=: "), ([f'{key}=""'], f'--set {key}="": '), \
+            ([f"{key}=  "], f"--set {key}=  : "), ({key: ""}, f"overrides['{key}']: "):
+        with pytest.raises(ConfigError) as e:
+            load_config(p, given)
+        assert str(e.value).startswith(f"{where}{key}: an empty path"), str(e.value)
+        assert ('"none" unsets it' in str(e.value)) is optional
+    tables = {"model": {"path": "m.gguf"}, "data": {"train": "t.jsonl"}}
+    section, name = key.split(".")
+    tables.setdefault(section, {})[name] = ""
+    f = write(tmp_path, "".join(f"[{s}]\n" + "".join(f'{k} = "{v}"\n' for k, v in t.items())
+                                for s, t in tables.items()), "empty.toml")
+    with pytest.raises(ConfigError, match=rf"^{f}:\d+: {key}: an empty path"):
+        load_config(f)
+
+
+def test_the_command_refuses_an_empty_data_path(tmp_path, monkeypatch, capsys):
+    from pytrain.cli import main
+    monkeypatch.chdir(tmp_path)
+    rc = main(["train", str(ROOT / "config" / "demo.toml"), "--no-progress", "--set",
+               f"output.dir={tmp_path / 'out'}", "--set", "data.validation="])
+    err = capsys.readouterr().err
+    assert rc == 1 and err.startswith("error: --set data.validation=: data.validation: an "
+                                      "empty path"), err
+
+
+LIST_KEYS = [f"{s}.{f.name}" for s, cls in SECTIONS.items()
+             for f in dataclasses.fields(cls) if "list[" in str(cls.__annotations__[f.name])]
+
+
+def test_the_list_keys():
+    assert LIST_KEYS == ["lora.targets", "train.sample_prompts", "output.formats"]
+
+
+@pytest.mark.parametrize("key, value", [("lora.targets", "attn_q"),
+                                        ("train.sample_prompts", "What does the cow say?"),
+                                        ("output.formats", "peft")])
+def test_a_string_for_a_list_key_is_a_type_error(tmp_path, key, value):
+    """A TOML string is not a list: ``targets = "attn_q"`` is refused naming the key and the
+    line, as any wrong type is; the list form is taken as written."""
+    section, name = key.split(".")
+    p = write(tmp_path, MINIMAL + f'\n[{section}]\n{name} = "{value}"\n')
+    with pytest.raises(ConfigError) as e:
+        load_config(p)
+    assert str(e.value).startswith(f"{p}:8: {key}: expected a list of strings, got str "
+                                   f"{value!r}"), str(e.value)
+    assert f'["{value}"]' in str(e.value)             # says how to write it
+    cfg = load_config(write(tmp_path, MINIMAL + f'\n[{section}]\n{name} = ["{value}"]\n'))
+    assert getattr(getattr(cfg, section), name) == [value]
+    with pytest.raises(ConfigError, match=rf"^overrides\['{key}'\]: {key}: expected a list"):
+        load_config(p.parent / "run.toml", {key: value})            # Python: no parsing
+    # a TOML string on the command line is a string there too
+    with pytest.raises(ConfigError, match="^" + re.escape(f'--set {key}="{value}": {key}: '
+                                                         f'expected a list')):
+        load_config(write(tmp_path, MINIMAL, "ok.toml"), [f'{key}="{value}"'])
+
+
+def test_a_bare_word_on_the_command_line_gives_a_list(tmp_path):
+    """``--set`` values that are no TOML literal are taken as text: for a list of names
+    (targets, formats) the names, separated by commas or spaces; for the sample prompts one
+    prompt, whose spaces and commas are its own."""
+    p = write(tmp_path, MINIMAL)
+    cfg = load_config(p, ["lora.targets=attn_q,attn_v", "output.formats=gguf peft",
+                          "train.sample_prompts=Hello, who are you?"])
+    assert cfg.lora.targets == ["attn_q", "attn_v"] and cfg.output.formats == ["gguf", "peft"]
+    assert cfg.train.sample_prompts == ["Hello, who are you?"]
+    cfg = load_config(p, ["lora.targets=attn_q", 'train.sample_prompts=["a b", "c"]',
+                          "output.formats=peft"])
+    assert cfg.lora.targets == ["attn_q"] and cfg.train.sample_prompts == ["a b", "c"]
+    assert cfg.output.formats == ["peft"]
+    cfg = load_config(p, ["lora.targets=attn_q", "lora.targets=none", "train.sample_prompts=none"])
+    assert cfg.lora.targets is None and cfg.train.sample_prompts is None

@@ -182,3 +182,65 @@ def test_a_run_trains_from_a_datasets_folder_as_from_jsonl(tmp_path):
                      for r in records(tmp_path / "b")]
     stats = json.loads((tmp_path / "b" / "data_stats.json").read_text())
     assert stats["train"]["path"] == str(tmp_path / "train")
+
+
+def test_a_parquet_folder_is_read_without_hidden_folders_or_virtualenvs(tmp_path, tok):
+    """A Parquet folder is read recursively, as pyarrow's dataset discovery reads it: names
+    starting with "." or "_" are skipped (caches, Spark's _temporary, __pycache__), and no
+    virtualenv (a folder with pyvenv.cfg) or site-packages is ever walked: pyarrow's own test
+    data there is Parquet too."""
+    recs = chats()
+    want, _ = load_examples(write_jsonl(tmp_path / "d.jsonl", recs), tok)
+    top = tmp_path / "project"
+    foreign = [{"a": 1, "b": "not a record"}]
+    for sub in (".cache/hub", "_temporary/0", "data/.ipynb_checkpoints", "data/__pycache__",
+                ".venv/lib/python3.11/site-packages/pyarrow/tests/data/parquet",
+                "env/lib/python3.11/site-packages/pyarrow/tests/data/parquet",
+                "lib/python3/dist-packages/x", "data/site-packages"):
+        (top / sub).mkdir(parents=True)
+        write_parquet(top / sub / "v0.7.1.all-named-index.parquet", foreign)
+    (top / ".venv" / "pyvenv.cfg").write_text("home = /usr/bin\n")
+    (top / "env" / "pyvenv.cfg").write_text("home = /usr/bin\n")
+    (top / "env" / "train.parquet").parent.mkdir(exist_ok=True)
+    write_parquet(top / "env" / "train.parquet", foreign)          # in the venv's root too
+    write_parquet(top / "data" / "_SUCCESS.parquet", foreign)
+    write_parquet(top / "data" / ".part-0.parquet", foreign)
+    (top / "data" / "train" / "lang=en").mkdir(parents=True)        # Hive partitions: kept
+    write_parquet(top / "data" / "train" / "lang=en" / "part-0.parquet", recs[:2])
+    write_parquet(top / "data" / "train-1.parquet", recs[2:])
+    got, stats = load_examples(top, tok)
+    same_examples(got, want)
+    assert {e.source.rpartition(":row")[0] for e in got} == \
+        {str(top / "data" / "train" / "lang=en" / "part-0.parquet"),
+         str(top / "data" / "train-1.parquet")}
+    # the folder named is read even when its own name starts with "." (it was asked for)
+    assert [r.record() for r in sources.read_rows(top / ".cache" / "hub")] == foreign
+
+
+def test_an_empty_data_path_is_refused(tmp_path, tok, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    write_parquet(tmp_path / "stray.parquet", [{"a": 1}])
+    with pytest.raises(DataError, match="an empty path"):
+        load_examples("", tok)
+
+
+@pytest.mark.parametrize("fmt", ["numpy", "pandas", "arrow", "torch"])
+def test_a_datasets_folder_saved_with_a_format_is_read_as_its_records(tmp_path, tok, fmt):
+    """``save_to_disk`` keeps the dataset's output format (state.json's ``_format_type``) and
+    ``load_from_disk`` applies it: numpy arrays for lists, an Arrow table, torch tensors
+    (which need torch where the folder is read).  The rows are read unformatted, as the
+    records they hold."""
+    recs = chats()
+    want, _ = load_examples(write_jsonl(tmp_path / "d.jsonl", recs), tok)
+    folder = tmp_path / fmt
+    ds = datasets.Dataset.from_list(recs)
+    ds.with_format(fmt if fmt != "torch" else "numpy").save_to_disk(str(folder), num_shards=2)
+    if fmt == "torch":      # what a machine with torch writes; this venv has no torch
+        state = json.loads((folder / "state.json").read_text())
+        state["_format_type"] = "torch"
+        (folder / "state.json").write_text(json.dumps(state))
+    state = json.loads((folder / "state.json").read_text())
+    assert state["_format_type"] == fmt and len(state["_data_files"]) == 2
+    got, stats = load_examples(folder, tok)
+    same_examples(got, want)
+    assert stats.format == "chat" and got[1].source == f"{folder}:row 1"

@@ -241,3 +241,53 @@ def test_a_sequence_within_the_context_gets_no_warning(capsys):
     rc, out = plan(capsys, DEMO, "--set", "model.device=cpu", "--set", "data.max_seq_len=4096")
     assert rc in (0, NOT_FIT) and "batch:   8 x 4096" in out
     assert "context length" not in out
+
+
+LLAMA = MODEL.parent.parent / "llama" / "gqa-f32.gguf"
+
+
+def train(capsys, cfg, *args) -> tuple[int, str]:
+    capsys.readouterr()
+    rc = main(["train", str(cfg), "--no-progress", *args])
+    out = capsys.readouterr()
+    return rc, out.out + out.err
+
+
+@pytest.mark.parametrize("model, max_seq_len", [(LLAMA, 1000000), (MODEL, 10**8)],
+                         ids=["llama", "qwen35"])
+def test_train_refuses_what_plan_says_does_not_fit(capsys, cfg, model, max_seq_len):
+    """One rule for both commands: the largest micro-batch the config allows
+    (train.batch_size rows of data.max_seq_len tokens) must fit the memory budget.  Where
+    plan says DOES NOT FIT, train stops before its first step with an error naming the key
+    and the ways out, although this data's examples are short.  The Qwen3.5 graph grows with
+    the length (its DeltaNet chunks): at 10^8 tokens its tensors' metadata alone is over any
+    host's memory, which both commands say instead of aborting in ggml_init."""
+    args = ("--set", f"model.path={model}", "--set", f"data.max_seq_len={max_seq_len}")
+    rc, out = plan(capsys, cfg, *args)
+    assert rc == NOT_FIT and "DOES NOT FIT" in out, out
+    rc, out = train(capsys, cfg, *args)
+    assert rc == 1, out
+    error = next(line for line in out.splitlines() if line.startswith("error: "))
+    assert error.startswith(f"error: --set data.max_seq_len={max_seq_len}: data.max_seq_len: "
+                            f"a micro-batch of 2 x "), error
+    assert "does not fit" in error, error
+    # the device's budget can be given; the host's memory for the graph is the machine's
+    assert ("train.memory_gib" in error) is (model == LLAMA), error
+    assert ("host memory for its tensors' metadata alone" in error) is (model == MODEL), error
+    assert "the longest example here has " in error, error
+    assert not (cfg.parent / "out" / "adapter.gguf").exists()
+    assert not (cfg.parent / "out" / "metrics.jsonl").exists()
+
+
+def test_plan_and_train_agree_at_the_budget(capsys, cfg):
+    """At the budget the plan needs, and one byte under it (recompute off: the step's memory
+    does not move with the budget), both commands decide alike on the same config."""
+    off = ("--set", 'train.recompute="off"')
+    need = plan_json(capsys, cfg, *off, "--set", "train.memory_gib=1")["need_bytes"]
+    for budget, fits in ((need - 1, False), (need, True)):
+        gib = ("--set", f"train.memory_gib={budget / 2**30!r}")
+        d = plan_json(capsys, cfg, *off, *gib)
+        assert (d["need_bytes"], d["budget_bytes"], d["fits"]) == (need, budget, fits)
+        rc, out = train(capsys, cfg, *off, *gib, "--overwrite")
+        assert rc == (0 if fits else 1), out
+        assert ("does not fit" in out) is not fits, out

@@ -39,10 +39,33 @@ def render(plan) -> list[str]:
                      f"{size(sum(plan.not_loaded.values()))}")
     if plan.types:
         lines.append(f"  types: {plan.types['reason']}")
-    lines += [f"LoRA:    {plan.lora_tensors} tensors, {plan.lora_params:,} parameters: "
-              f"{size(plan.adapter_bytes)}; gradients + AdamW moments: "
-              f"{size(plan.optimizer_bytes)}",
-              f"compute buffer, one graph (recompute off):   {size(plan.one_graph)}"]
+    lines.append(f"LoRA:    {plan.lora_tensors} tensors, {plan.lora_params:,} parameters: "
+                 f"{size(plan.adapter_bytes)}; gradients + AdamW moments: "
+                 f"{size(plan.optimizer_bytes)}")
+    lines += _step_lines(plan, size)
+    lines += ["", "recompute: not decided (no graph was built)" if plan.unbuilt else
+              f"recompute: {'layers' if plan.layers else 'off'} ({plan.reason})",
+              f"device memory: {size(plan.free_bytes)} free of {size(plan.total_bytes)}; "
+              f"available to the run: {size(plan.available_bytes)}" if plan.free_bytes is not None
+              else f"device memory: no {plan.device} device on this machine (planned for "
+                   f"train.memory_gib)",
+              f"needed:  {size(plan.need_bytes)} = weights + LoRA + optimizer state + "
+              + ("the step graph's metadata" if plan.unbuilt else
+                 f"step ({'layer-wise' if plan.layers else 'one graph'})")
+              + f"; budget {size(plan.budget_bytes)} ({plan.budget_source})"]
+    lines += [f"         {n}" for n in plan.notes]
+    short = plan.need_bytes - plan.budget_bytes
+    lines.append("FITS" if plan.fits else
+                 f"DOES NOT FIT: {plan.unbuilt}" if plan.unbuilt else
+                 f"DOES NOT FIT: {size(short)} over the budget")
+    return lines
+
+
+def _step_lines(plan, size) -> list[str]:
+    """The compute buffers of the step: one graph and layer-wise, or why none was built."""
+    if plan.unbuilt:
+        return [f"compute buffer: not measured: {plan.unbuilt}"]
+    lines = [f"compute buffer, one graph (recompute off):   {size(plan.one_graph)}"]
     lw = plan.layerwise
     if lw:
         lines.append(f"compute buffer, layer-wise (recompute layers): {size(lw['largest'])} "
@@ -51,17 +74,6 @@ def render(plan) -> list[str]:
     else:
         lines.append("compute buffer, layer-wise: not possible (adapted tensors outside the "
                      "blocks, or a preference objective)")
-    lines += ["", f"recompute: {'layers' if plan.layers else 'off'} ({plan.reason})",
-              f"device memory: {size(plan.free_bytes)} free of {size(plan.total_bytes)}; "
-              f"available to the run: {size(plan.available_bytes)}" if plan.free_bytes is not None
-              else f"device memory: no {plan.device} device on this machine (planned for "
-                   f"train.memory_gib)",
-              f"needed:  {size(plan.need_bytes)} = weights + LoRA + optimizer state + step "
-              f"({'layer-wise' if plan.layers else 'one graph'}); budget "
-              f"{size(plan.budget_bytes)} ({plan.budget_source})"]
-    lines += [f"         {n}" for n in plan.notes]
-    short = plan.need_bytes - plan.budget_bytes
-    lines.append("FITS" if plan.fits else f"DOES NOT FIT: {size(short)} over the budget")
     return lines
 
 

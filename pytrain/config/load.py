@@ -18,7 +18,7 @@ else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
 
 from pytrain.config.schema import (MASKS_FOR_FORMAT, OUTPUT_FORMATS, REQUIRED, SECTIONS, Config,
-                                   ConfigError)
+                                   ConfigError, _toml_value)
 
 # ------------------------------------------------------------------------------- loading
 def load_config(path: str | Path | Mapping[str, Any] | None,
@@ -27,12 +27,13 @@ def load_config(path: str | Path | Mapping[str, Any] | None,
     """Read ``path`` (TOML), apply ``overrides`` and validate everything.
 
     ``overrides``: the command line's ``section.key=value`` strings (values parsed as TOML
-    literals, else taken as a bare string), or a mapping ``{"section.key": value}`` of Python
-    values (the Python API's form: no parsing, so ``"5"`` stays a string; paths may be
-    ``os.PathLike``).  ``path`` None starts from the defaults (overrides must then name the
-    required keys); a mapping is the file's tables as a dict (relative paths resolve against
-    the working directory).  ``partial`` skips the required-key check (for commands that need
-    only some sections).  Raises :class:`ConfigError`.
+    literals, else taken as text: for a list key, the list it stands for), or a mapping
+    ``{"section.key": value}`` of Python values (the Python API's form: no parsing, so ``"5"``
+    stays a string, ``"attn_q"`` is no list; paths may be ``os.PathLike``).  ``path`` None
+    starts from the defaults (overrides must then name the required keys); a mapping is the
+    file's tables as a dict (relative paths resolve against the working directory).
+    ``partial`` skips the required-key check (for commands that need only some sections).
+    Raises :class:`ConfigError`.
     """
     if isinstance(path, Mapping):
         text, raw, source, base = None, _plain(dict(path)), "<dict>", Path.cwd()
@@ -80,8 +81,28 @@ def _parse_override(item: str) -> tuple[str, str, Any, str]:
     try:
         parsed = tomllib.loads(f"v = {value}")["v"]
     except tomllib.TOMLDecodeError:
-        parsed = value
+        parsed = _bare_word(section, name, value)
     return section, name, parsed, label
+
+
+def _bare_word(section: str, name: str, value: str) -> Any:
+    """A ``--set`` value that is no TOML literal, as its key takes it: text, or for a list
+    key the list it stands for (``lora.targets=attn_q,attn_v``; one prompt for
+    ``train.sample_prompts``, whose commas and spaces are its own).  Only here: in a file, and
+    as a quoted TOML string here, a string for a list is a type error."""
+    cls = SECTIONS.get(section)
+    hint = get_type_hints(cls).get(name) if cls else None     # unknown: refused later
+    if hint is None or not _is_list(hint) or value.lower() in ("none", "null"):
+        return value
+    if next(f for f in dataclasses.fields(cls) if f.name == name).metadata.get("names"):
+        return [s for s in re.split(r"[,\s]+", value) if s]
+    return [value] if value else []
+
+
+def _is_list(tp: Any) -> bool:
+    if get_origin(tp) in (Union, types.UnionType):
+        return any(_is_list(a) for a in get_args(tp))
+    return get_origin(tp) is list
 
 
 def _mapped_override(key: Any, value: Any) -> tuple[str, str, Any, str]:
@@ -208,6 +229,11 @@ def _take(values, origin, section: str, key: str, value: Any, w: "_Where", base_
     origin[(section, key)] = (w, base_dir)
 
 
+# an empty path resolves to the folder it is relative to: a data key would then read every
+# Parquet file below it, an output folder would be the working directory itself
+_EMPTY_PATH = "an empty path (it would name the folder it is relative to)"
+
+
 def _section(cls, section: str, given: dict[str, Any], origin) -> Any:
     """One section's dataclass from its given values: types coerced, choices and checks
     applied, paths resolved against the folder of the file (or the working directory) that
@@ -230,6 +256,9 @@ def _section(cls, section: str, given: dict[str, Any], origin) -> Any:
         if problem:
             raise w.error(section, f.name, f"{problem}, got {v!r}")
         if meta.get("path") and v is not None:
+            if not v.strip():
+                raise w.error(section, f.name, _EMPTY_PATH + (
+                    "" if f"{section}.{f.name}" in REQUIRED else '; "none" unsets it'))
             resolved = (base_dir / Path(v).expanduser()).resolve()
             name = meta.get("or_name") and re.fullmatch(r"[\w-]+", v) and not resolved.exists()
             v = v if name else str(resolved)
@@ -296,6 +325,9 @@ def _resolve(cfg: Config, origin, where: "_Where", base: Path, partial: bool) ->
     return cfg
 
 
+_ITEM_NAMES = {str: "string", int: "integer", float: "number"}
+
+
 class _TypeMismatch(Exception):
     pass
 
@@ -318,10 +350,12 @@ def _coerce(v: Any, tp: Any) -> Any:
         return _coerce(v, args[0])
     if origin is list:
         (item,) = get_args(tp)
-        if isinstance(v, str):  # "attn_q, attn_v" from a CLI override
-            v = [s for s in re.split(r"[,\s]+", v) if s]
+        what = f"expected a list of {_ITEM_NAMES.get(item, item.__name__)}s"
+        if isinstance(v, str):      # in TOML a list of one is ["attn_q"]
+            raise _TypeMismatch(f"{what}, got {_describe(v)} (a list of one: "
+                                f"[{_toml_value(v)}])")
         if not isinstance(v, list):
-            raise _TypeMismatch(f"expected a list of {item.__name__}s, got {_describe(v)}")
+            raise _TypeMismatch(f"{what}, got {_describe(v)}")
         return [_coerce(x, item) for x in v]
     if tp is bool:
         if isinstance(v, bool):

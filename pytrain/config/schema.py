@@ -30,12 +30,15 @@ class ConfigError(PytrainError, ValueError):
 
 def _opt(default: Any = None, help: str = "", *, choices: Sequence[Any] | None = None,
          check: Callable[[Any], str | None] | None = None, path: bool = False,
-         factory: Callable[[], Any] | None = None, or_name: bool = False) -> Any:
+         factory: Callable[[], Any] | None = None, or_name: bool = False,
+         names: bool = False) -> Any:
     """A dataclass field with help text, allowed values, a range check and a path flag;
     ``or_name``: a bare word (no folder, no suffix) that is no file there stays a name (a
-    built-in chat template's)."""
+    built-in chat template's); ``names``: a list of names, which ``--set`` may give as one
+    bare word of them separated by commas or spaces (a list of text takes a bare word as
+    one item)."""
     meta = {"help": help, "choices": tuple(choices) if choices else None, "check": check,
-            "path": path, "or_name": or_name}
+            "path": path, "or_name": or_name, "names": names}
     if factory is not None:
         return field(default_factory=factory, metadata=meta)
     return field(default=default, metadata=meta)
@@ -130,7 +133,7 @@ class LoraConfig:
     targets: list[str] | None = _opt(None, "short tensor names to adapt (attn_q, attn_k, "
                                      "attn_v, attn_output, ffn_*, ...; `pytrain inspect` lists "
                                      "a model's); unset: the architecture's default, attention "
-                                     "q/k/v/o")
+                                     "q/k/v/o", names=True)
     skip_ssm: bool = _opt(True, "never adapt the DeltaNet (linear-attention) layers; adapting "
                           "the recurrence destabilises sequential hybrids such as Qwen3.5")
     init: str = _opt("peft", "initialisation: peft (A Kaiming-uniform, B zero) or gaussian "
@@ -243,7 +246,7 @@ class OutputConfig:
                            "directory)", path=True)
     formats: list[str] = _opt(help="adapter formats written: gguf (llama.cpp --lora) and/or "
                               "peft (adapter_model.safetensors + adapter_config.json)",
-                              factory=lambda: ["gguf"])
+                              factory=lambda: ["gguf"], names=True)
     keep_checkpoints: int = _opt(3, "periodic checkpoints kept (0: keep all)",
                                  check=_non_negative)
     tensorboard: bool = _opt(False, "also write TensorBoard event files into the run folder "

@@ -67,6 +67,8 @@ def _no_nulls(v: Any) -> Any:
 
 def read_rows(path: str | os.PathLike[str]) -> Iterator[Row]:
     """The rows of a JSONL file, a Parquet file or folder, or a ``save_to_disk`` folder."""
+    if not os.fspath(path).strip():     # Path("") is ".": the working folder, read whole
+        raise DataError("an empty path names no data")
     p = Path(path)
     if p.is_dir():
         if (p / "dataset_dict.json").exists():
@@ -76,14 +78,40 @@ def read_rows(path: str | os.PathLike[str]) -> Iterator[Row]:
                             f"{p / (splits[0] if splits else 'train')}")
         if (p / "state.json").exists() and (p / "dataset_info.json").exists():
             return _dataset_rows(p)
-        files = sorted(p.rglob("*.parquet"))
+        files = parquet_files(p)
         if not files:
-            raise DataError(f"{p}: a folder with no .parquet file that is not a "
-                            f"datasets.save_to_disk folder either")
+            raise DataError(f"{p}: a folder with no .parquet file (names starting with "
+                            f"\".\" or \"_\", virtualenvs and site-packages are not searched) "
+                            f"that is not a datasets.save_to_disk folder either")
         return (row for f in files for row in _parquet_rows(f))
     if p.suffix == ".parquet":
         return _parquet_rows(p)
     return _jsonl_rows(p)
+
+
+def parquet_files(folder: Path) -> list[Path]:
+    """The ``.parquet`` files of a Parquet folder, at any depth, in path order, as pyarrow's
+    dataset discovery finds them: a file or folder whose name starts with "." or "_" is
+    skipped (caches, checkpoints, ``_temporary``, ``__pycache__``; ``datasets`` skips the
+    hidden ones and ``__*`` too).  A folder of installed Python packages is never walked: a
+    virtualenv (a folder holding ``pyvenv.cfg``) or a ``site-packages`` / ``dist-packages``
+    folder carries Parquet files of its own (pyarrow's test data) that are no one's training
+    data.  The folder given is read whatever its own name."""
+    found = []
+    for root, dirs, names in os.walk(folder):
+        here = Path(root)
+        dirs[:] = [d for d in dirs if not _skipped_folder(here / d)]
+        found += [here / n for n in names if n.endswith(".parquet") and not _hidden(n)]
+    return sorted(found)
+
+
+def _hidden(name: str) -> bool:
+    return name.startswith((".", "_"))
+
+
+def _skipped_folder(path: Path) -> bool:
+    return (_hidden(path.name) or path.name in ("site-packages", "dist-packages")
+            or (path / "pyvenv.cfg").exists())
 
 
 def _jsonl_rows(path: Path) -> Iterator[Row]:
@@ -121,8 +149,8 @@ def _dataset_rows(folder: Path) -> Iterator[Row]:
         raise DataError(f"{folder}: reading a datasets.save_to_disk folder needs the datasets "
                         f"library: {EXTRA}") from None
     try:
-        ds = datasets.load_from_disk(str(folder))      # memory-mapped Arrow, not read whole
-    except (OSError, ValueError) as e:
+        ds = _unformatted(folder, datasets)
+    except (OSError, ValueError, KeyError, TypeError) as e:
         raise DataError(f"{folder}: not a readable datasets folder ({e})") from None
     n = 0
     for batch in ds.iter(batch_size=BATCH_ROWS):
@@ -130,6 +158,22 @@ def _dataset_rows(folder: Path) -> Iterator[Row]:
         for i in range(len(batch[cols[0]]) if cols else 0):
             yield Row(f"{folder}:row {n}", {c: batch[c][i] for c in cols})
             n += 1
+
+
+def _unformatted(folder: Path, datasets):
+    """The ``save_to_disk`` folder's rows as Python objects, memory-mapped, not read whole.
+
+    Why not ``load_from_disk``: it applies the output format the dataset was saved with
+    (state.json's ``_format_type``: ``.with_format("numpy")`` gives arrays for lists, "arrow"
+    tables, "torch" tensors and needs torch installed just to open the folder).  The shards
+    state.json lists are opened as they are, which is ``load_from_disk(...).with_format(None)``
+    without the formatter."""
+    state = json.loads((folder / "state.json").read_text(encoding="utf-8"))
+    shards = [datasets.Dataset.from_file(str(folder / f["filename"]))
+              for f in state["_data_files"]]
+    if not shards:
+        raise ValueError("state.json lists no data files")
+    return shards[0] if len(shards) == 1 else datasets.concatenate_datasets(shards)
 
 
 def parse_json_line(raw: bytes) -> dict[str, Any]:

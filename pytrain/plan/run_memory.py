@@ -15,7 +15,7 @@ from pytrain.step.graphs import GradGraph
 from pytrain.step.free_memory import available_bytes
 from pytrain.step.optimizer import OptimizerState
 from pytrain.step.graph_memory import (compute_bytes, context_warning, file_shape_model,
-                                     needs_recompute)
+                                     graph_context_bytes, host_available, needs_recompute)
 from pytrain.step.recompute import RecomputeGraph
 from pytrain.step.trainer import bucket_length
 from pytrain.run import type_choice
@@ -57,9 +57,24 @@ class RunPlan:
     device_label: str | None = None   # ggml's name and description of the device (None: the
                                       # device is not on this machine)
     compute: str = "compute f32"      # train.compute_type and, for bf16, the kernel
+    unbuilt: str | None = None        # why the step's graphs were not built (StepPlan)
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+@dataclass
+class StepPlan:
+    """The step of the largest micro-batch a config allows: its compute buffers, whether it
+    runs layer by layer, and the memory it takes.  ``unbuilt``: the graphs were not built,
+    their metadata alone being over the host's memory; ``bytes`` is then that metadata."""
+    batch: tuple[int, int]        # (B, T): sequences (a preference pair's two) x padded length
+    one_graph: int
+    layerwise: dict | None
+    layers: bool
+    reason: str
+    bytes: int                    # one graph, or layer-wise's largest graph + kept inputs
+    unbuilt: str | None = None
 
 
 def _device_memory(device: str, threads: int | None, budget_set: bool
@@ -158,6 +173,31 @@ def _decide(setting: str, one: int, layerwise: dict | None, left: int, source: s
     return layers, why
 
 
+def plan_step(model: Model, adapter, opt_state, cfg, left: int, source: str) -> StepPlan:
+    """The step of ``cfg``'s largest micro-batch (``train.batch_size`` rows, a preference
+    pair's two sequences each, of ``data.max_seq_len`` tokens padded as the trainer pads
+    them), measured on ``model`` (a file's metadata for ``pytrain plan``, the loaded model for
+    ``pytrain train``), with ``left`` bytes left for the step for recompute = auto.  One
+    function for both commands, so that what the plan says does not fit is what the run
+    refuses."""
+    t = cfg.train
+    preference = t.objective != "sft"
+    B, T = t.batch_size * (2 if preference else 1), bucket_length(model, cfg.data.max_seq_len)
+    meta, host = graph_context_bytes(model, T), host_available()
+    if host is not None and meta > host:
+        why = (f"the graph of a {B} x {T} micro-batch needs {size(meta)} of host memory for "
+               f"its tensors' metadata alone, over the {size(host)} available: not built")
+        return StepPlan((B, T), 0, None, False, why, meta, why)
+    if preference:
+        one = preference_step_buffer(model, adapter, opt_state, B, T)
+        return StepPlan((B, T), one, None, False, f"train.objective = \"{t.objective}\": one "
+                        f"graph a step (no layer-wise preference step yet)", one)
+    one, lw = step_buffers(model, adapter, opt_state, B, T)
+    layers, why = _decide(t.recompute, one, lw, left, source)
+    return StepPlan((B, T), one, lw, layers, why,
+                    lw["largest"] + lw["persistent"] if layers and lw else one)
+
+
 def plan_run(cfg) -> RunPlan:
     """The memory ``cfg``'s run needs on its device (model.device), from the model file's
     index and keys and the graphs the trainer would build, measured by the scheduler without
@@ -188,27 +228,19 @@ def plan_run(cfg) -> RunPlan:
                                                 choose_types if policy != "bf16" else None)
     try:
         names = select_targets(model.config, cfg.lora.targets, cfg.lora.skip_ssm)
-        ad = lora.create(model.runtime, model.config, names, cfg.lora.rank, cfg.lora.alpha)
+        ad = lora.create(model.runtime, model.config, names, cfg.lora.rank, cfg.lora.alpha,
+                         dropout=cfg.lora.dropout)     # its masks are graph tensors
         opt_state = OptimizerState(model.runtime, ad.params())
-        B, T = cfg.train.batch_size, bucket_length(model, cfg.data.max_seq_len)
-        preference = t.objective != "sft"
-        if preference:                  # chosen and rejected: two sequences a pair
-            B *= 2
-            one, lw = preference_step_buffer(model, ad, opt_state, B, T), None
-        else:
-            one, lw = step_buffers(model, ad, opt_state, B, T)
         adapter = sum(int(lib.ggml_nbytes(p)) for p in ad.params())
         weights = model.weights.loaded_bytes
+        state = 3 * adapter              # gradient accumulator + m + v, each a copy of A/B
+        step = plan_step(model, ad, opt_state, cfg,
+                         budget - weights - (0 if t.memory_gib else state), source)
     finally:
         model.close()
-    state = 3 * adapter                  # gradient accumulator + m + v, each a copy of A/B
-    layers, why = _decide(t.recompute, one, lw, budget - weights - (0 if t.memory_gib else state),
-                          source)
-    if preference:
-        layers, why = False, (f"train.objective = \"{t.objective}\": one graph a step (no "
-                              f"layer-wise preference step yet)")
-    step = lw["largest"] + lw["persistent"] if layers and lw else one
-    need = weights + adapter + state + step
+    preference = t.objective != "sft"
+    B, T = step.batch
+    need = weights + adapter + state + step.bytes
     notes = ["plus a few small graphs (optimizer, labels) and, on a GPU, the CUDA context and "
              "the pool's slack"]
     if preference:
@@ -223,8 +255,61 @@ def plan_run(cfg) -> RunPlan:
                      "system's")
     return RunPlan(str(cfg.model.path), model.arch.name, device, (B, T),
                    _weight_groups(files, model), weights, not_loaded, len(names),
-                   lora_param_count(model.config, names, cfg.lora.rank), adapter, state, one, lw,
-                   t.recompute, layers, why, free, total, available, budget, source, need,
-                   need <= budget, notes,
+                   lora_param_count(model.config, names, cfg.lora.rank), adapter, state,
+                   step.one_graph, step.layerwise, t.recompute, step.layers, step.reason, free,
+                   total, available, budget, source, need,
+                   need <= budget and step.unbuilt is None, notes,
                    [w for w in [context_warning(model.config, cfg.data.max_seq_len)] if w],
-                   chosen[-1].to_dict() if chosen else {}, label, compute)
+                   chosen[-1].to_dict() if chosen else {}, label, compute, step.unbuilt)
+
+
+def loaded_run_memory(model: Model, adapter, opt_state, cfg) -> tuple[int, int, str, StepPlan]:
+    """(need, budget, where the budget comes from, the step) of a run whose model, adapter
+    and optimizer state are loaded: ``plan_run``'s sum and comparison, on the loaded tensors.
+    The budget is train.memory_gib, or what is available now plus what the run already holds
+    (what was available before it loaded, as the plan counts it); recompute = auto decides
+    with what the trainer itself sees left (``Trainer._recompute``)."""
+    t = cfg.train
+    weights = model.weights.loaded_bytes
+    adapter_bytes = sum(int(lib.ggml_nbytes(p)) for p in adapter.params())
+    state = 3 * adapter_bytes
+    if t.memory_gib:
+        budget, source = int(t.memory_gib * 2**30), "train.memory_gib"
+        left = budget - model.weights.total_bytes
+    else:
+        left = available_bytes(model.runtime)
+        budget = left + weights + adapter_bytes + state
+        source = ("the device's free memory" if model.runtime.gpu is not None else
+                  "available memory: the least of the system's and the cgroup's")
+    step = plan_step(model, adapter, opt_state, cfg, left, source)
+    return weights + adapter_bytes + state + step.bytes, budget, source, step
+
+
+def check_run_fits(cfg, model: Model, adapter, opt_state, examples: list) -> None:
+    """``pytrain train``'s side of ``pytrain plan``'s verdict: the same sum for the largest
+    micro-batch the config allows, on the loaded model, and a ConfigError naming
+    ``data.max_seq_len`` where it does not fit.  Why the config's largest and not this
+    data's: a batch that long is what the config asks the run to be ready for (a packed row
+    always is one), and a run refused at its start costs nothing where one stopped by its
+    longest batch, hours in, loses them; ``examples`` (this data's) only say how long the
+    longest is, a length that would do."""
+    need, budget, source, step = loaded_run_memory(model, adapter, opt_state, cfg)
+    if need <= budget and step.unbuilt is None:
+        return
+    B, T = step.batch
+    what = step.unbuilt or (f"it needs {size(need)} (weights, LoRA, optimizer state and the "
+                            f"step, {'layer-wise' if step.layers else 'one graph'}), "
+                            f"{size(need - budget)} over the budget of {size(budget)} "
+                            f"({source})")
+    lower = "lower data.max_seq_len or train.batch_size"
+    if examples and not cfg.data.packing:
+        lower += f" (the longest example here has {max(map(len, examples))} tokens)"
+    ways = [lower]
+    if step.unbuilt is None:             # the host's memory is no device's budget
+        if cfg.train.recompute == "off" and cfg.train.objective == "sft":
+            ways.append('set train.recompute = "auto"')
+        ways.append("set train.memory_gib if the device has more memory than that budget")
+    raise cfg.error("data", "max_seq_len",
+                    f"a micro-batch of {B} x {T} tokens (train.batch_size x "
+                    f"data.max_seq_len: the largest this config allows) does not fit: {what}; "
+                    f"`pytrain plan` shows the sizes: {', or '.join(ways)}")

@@ -578,13 +578,27 @@ def _claim_and_train(cfg: Config, w: World, log, progress: bool, resume, overwri
     out, run_dir = claimed[:2] if w.is_main else (run_folder(cfg), None)
     if w.is_main:
         forget_messages(out)        # an earlier attempt's error.log is not this run's
-    s = agree(w, lambda: open_session(cfg, out, log, w), undo=Session.close)
+    s = agree(w, lambda: _open_fitting(cfg, out, log, w), undo=Session.close)
     stack.callback(s.close)
     if w.size > 1:
         check_agreement(w, _run_facts(s))
     why = "--overwrite" if overwrite else "new run"
     replaced = on_main(w, lambda: run_dir.set_aside(log, why)) if replace else None
     return _train(s, progress, resume, interrupt, stack, replaced)
+
+
+def _open_fitting(cfg: Config, out: Path, log, w: World) -> Session:
+    """The session, once the largest micro-batch the config allows is known to fit its
+    memory: the rule ``pytrain plan`` applies (pytrain/plan/run_memory.py)."""
+    from pytrain.plan.run_memory import check_run_fits
+    s = open_session(cfg, out, log, w)
+    try:
+        check_run_fits(cfg, s.model, s.adapter, s.trainer.opt_state,
+                       s.splits.train + (s.splits.valid or []))
+    except BaseException:
+        s.close()
+        raise
+    return s
 
 
 def _refuse_unsupported(cfg: Config, resume, overwrite: bool) -> None:

@@ -19,6 +19,7 @@ from pytrain.models import ModelConfig
 from pytrain.formats.gguf_tensors import WeightsError, is_elementwise
 from pytrain.models.model_file import open_model
 from pytrain.models.weights import load_type
+from pytrain.step.free_memory import cgroup_available, system_available
 
 
 def shape_model(arch: str, config: ModelConfig, file_type: str = "f32", device: str = "cpu",
@@ -85,6 +86,24 @@ def compute_bytes(runtime: ggml.Runtime, graph) -> int:
     """The compute buffer the scheduler would allocate for ``graph`` (all backends, a buffer
     type shared by two of them counted once), without allocating it."""
     return sum(runtime.reserve_sizes(graph).values())
+
+
+def graph_context_bytes(model: Model, T: int) -> int:
+    """Host memory of the context a training step's graph at length ``T`` is built in (its
+    tensors' and nodes' metadata, ``GradGraph``'s): sized by ``Model.graph_budget``, which
+    for a hybrid model grows with T (the DeltaNet's chunks).  ggml allocates it whole and
+    aborts the process when it cannot (``ggml_init``), so a length whose context is over the
+    host's memory must be refused before the graph is built, not measured."""
+    size = 2 * model.graph_budget(model.arch.padded_length(T))
+    return (size * int(lib.ggml_tensor_overhead())
+            + int(lib.ggml_graph_overhead_custom(size, True)) + 1024)
+
+
+def host_available() -> int | None:
+    """Host memory a graph's metadata may take now: the least of the system's available
+    memory and the cgroup's (None: neither is known)."""
+    known = [x for x in (system_available(), cgroup_available()) if x is not None]
+    return min(known) if known else None
 
 
 def needs_recompute(one_graph_bytes: int, left_bytes: int) -> bool:
