@@ -101,8 +101,10 @@ def _eval(args: argparse.Namespace) -> int:
     from pytrain import api
     cfg = _config(args)
     m = cfg.model
+    # "auto", a run's own choice: the types the adapter's run loaded (recorded in it)
     with api.load(m.path, args.adapter, device=m.device, threads=m.threads,
-                  type_policy=m.type_policy) as model:
+                  type_policy=None if m.type_policy == "auto" else m.type_policy,
+                  log=lambda note: print(f"note: {note}", file=sys.stderr)) as model:
         ev = model.eval(cfg.data, batch_size=cfg.train.batch_size)
     print(f"{ev.split} set ({ev.examples} examples, {ev.n_valid} target tokens): "
           f"loss {ev.loss:.4f}  accuracy {ev.accuracy:.3f}  perplexity {ev.perplexity:.2f}")
