@@ -443,7 +443,7 @@ def output_problem(out: str | os.PathLike[str], folder: bool) -> str | None:
 
 
 def export(model_path: str | os.PathLike[str], adapter: str | os.PathLike[str], *,
-           out: str | os.PathLike[str], format: str = "peft", merged_type: str = "keep"
+           out: str | os.PathLike[str], format: str = "peft", merged_type: str = "auto"
            ) -> ExportResult:
     """Write ``adapter`` (a GGUF or PEFT adapter of ``model_path``) as ``format``, as
     ``pytrain export`` does; the command calls this.
@@ -451,15 +451,17 @@ def export(model_path: str | os.PathLike[str], adapter: str | os.PathLike[str], 
     ``"peft"``: a PEFT folder ``out`` (adapter_config.json + adapter_model.safetensors) that
     ``PeftModel.from_pretrained`` loads.  ``"gguf-merged"``: the base model with the adapter
     merged in, one GGUF file ``out`` (written atomically), the adapted tensors as
-    ``merged_type`` says (keep: the base tensor's type; f16; f32).
+    ``merged_type`` says (keep: the base tensor's type; auto: keep, but F16 for a quantized
+    tensor whose requantization would erase the update; f16; f32).
     Raises ``ExportOutputError`` before writing anything when ``out`` cannot be written,
     ``AdapterError``/``MergeError`` for an adapter that does not fit the model.
     """
     if format not in EXPORT_FORMATS:
         raise ValueError(f"format must be one of {', '.join(map(repr, EXPORT_FORMATS))}, "
                          f"got {format!r}")
-    if merged_type not in ("keep", "f16", "f32"):
-        raise ValueError(f"merged_type must be 'keep', 'f16' or 'f32', got {merged_type!r}")
+    if merged_type not in ("auto", "keep", "f16", "f32"):
+        raise ValueError(f"merged_type must be 'auto', 'keep', 'f16' or 'f32', got "
+                         f"{merged_type!r}")
     problem = output_problem(out, folder=format == "peft")
     if problem:
         raise ExportOutputError(out, problem)

@@ -234,10 +234,11 @@ def _add_export_parser(sub) -> None:
     p.add_argument("-o", "--output", required=True, metavar="OUT",
                    help="merged model file to write (atomically; never the base file itself), "
                         "or the PEFT folder")
-    p.add_argument("--merged-type", choices=("keep", "f16", "f32"), default="keep",
+    p.add_argument("--merged-type", choices=("auto", "keep", "f16", "f32"), default="auto",
                    help="type of the adapted tensors: keep = the base tensor's type (quantized "
-                        "bases are requantized with ggml, error reported), or f16/f32; other "
-                        "tensors are copied unchanged (default: keep)")
+                        "bases are requantized with ggml, error reported); auto = keep, but F16 "
+                        "for a tensor whose requantization would erase the update (said); or "
+                        "f16/f32; other tensors are copied unchanged (default: auto)")
     p.set_defaults(func=_export)
 
 
