@@ -209,6 +209,10 @@ class LoadedModel:
         self.chat_template: str | None = model.tokenizer.chat_template
         self.chat_template_source = model.path
         self._own_template = False          # a template given instead of the model's
+        # why the weights are not loaded as the adapter's run loaded them (``load``), said by
+        # ``eval`` to ``_log`` (None: a UserWarning)
+        self.weights_note: str | None = None
+        self._log: Callable[[str], None] | None = None
 
     @property
     def path(self) -> str:
@@ -312,6 +316,7 @@ class LoadedModel:
             return self._eval_pairs(data, batch_size, pref, data_options)
         from pytrain.data import load_data
         from pytrain.step.evaluate import evaluate_examples
+        self._say_weights()
         template = self.chat_template if self._own_template else None
         if isinstance(data, DataConfig):
             if data_options:
@@ -341,6 +346,7 @@ class LoadedModel:
         from pytrain.config import DataConfig
         from pytrain.data.preference import load_pair_data, make_pair_batches
         from pytrain.step.preference import PreferenceEvaluator, PreferenceSettings
+        self._say_weights()
         if isinstance(data, DataConfig):
             if options:
                 raise TypeError(f"eval of a [data] section takes no data options, got "
@@ -362,6 +368,17 @@ class LoadedModel:
         finally:
             ev.close()
         return PreferenceEvalResult.of(m, settings["objective"], split)
+
+    def _say_weights(self) -> None:
+        """An evaluation of weights loaded otherwise than the adapter's run loaded them gives
+        another number than the run's: said, with the settings that match."""
+        if self.weights_note is None:
+            return
+        if self._log is not None:
+            self._log(self.weights_note)
+        else:
+            import warnings
+            warnings.warn(self.weights_note, UserWarning, stacklevel=3)
 
     def _eval_records(self, records: Iterable[Mapping[str, Any]], batch_size: int,
                       options: dict) -> EvalResult:
@@ -397,28 +414,65 @@ def _data_config(path: str | os.PathLike[str], options: Mapping[str, Any]) -> Da
 
 
 def load(model_path: str | os.PathLike[str], adapter: str | os.PathLike[str] | None = None, *,
-         device: str = "auto", threads: int | None = None, type_policy: str = "auto",
-         compute_type: str = "f32", chat_template: str | os.PathLike[str] | None = None
-         ) -> LoadedModel:
+         device: str = "auto", threads: int | None = None, type_policy: str | None = None,
+         compute_type: str | None = None, chat_template: str | os.PathLike[str] | None = None,
+         log: Callable[[str], None] | None = None) -> LoadedModel:
     """Load a GGUF model, and ``adapter`` (an adapter GGUF or a PEFT folder) on it, for
     ``generate``, ``logprobs`` and ``eval``; close it when done (or use ``with``).
 
     ``device``: cpu, cuda, vulkan or auto; ``threads``: CPU threads; ``type_policy`` and
-    ``compute_type`` as the config's keys; ``chat_template``: a built-in template name or a
-    Jinja file instead of the model's (needed where the GGUF has none).
+    ``compute_type`` as the config's keys.  Left None, the weights are loaded as the run that
+    wrote ``adapter`` loaded them (its adapter GGUF records the types: ``auto`` may have
+    dequantized them for training), so that ``eval`` gives that run's validation loss; else
+    "auto" and "f32".  Where they are loaded otherwise (other settings given, too little
+    memory, no bf16 here), ``eval`` says so and what matches: to ``log``, by default as a
+    ``UserWarning``.  ``chat_template``: a built-in template name or a Jinja file instead of
+    the model's (needed where the GGUF has none).
     """
-    from pytrain.models.model import load_model
-    model = load_model(model_path, device=device, threads=threads, type_policy=type_policy,
-                       compute_type=compute_type)
+    from pytrain.run import type_choice as tc
+    rec = tc.read_record(adapter) if adapter is not None else None
+    notes: list[str] = []
+    model = _load_model(model_path, device, threads, type_policy, compute_type, rec,
+                        notes.append)
     try:
         lora = load_adapter(model, adapter) if adapter is not None else None
         loaded = LoadedModel(model, lora, adapter)
+        loaded._log = log
+        differ = rec and tc.difference(rec, model)
+        if differ:
+            why = "; ".join(notes) or (f'type_policy "{type_policy}"' if type_policy else
+                                       f'compute_type "{compute_type}"' if compute_type else
+                                       f"on {model.runtime.device}")
+            loaded.weights_note = (f"{adapter}: {differ} ({why}), so losses and logits differ "
+                                   f"from its run's by that rounding; to load them as the run "
+                                   f"did, {tc.matching_settings(rec)}")
         if chat_template is not None:
             loaded.use_chat_template(chat_template)
     except BaseException:
         model.close()
         raise
     return loaded
+
+
+def _load_model(path, device: str, threads: int | None, type_policy: str | None,
+                compute_type: str | None, rec: dict | None, say: Callable[[str], None]) -> Model:
+    """The model with the weight types ``load`` describes: the record ``rec`` of the adapter's
+    run followed unless settings are given; a bf16 run's compute falls back to f32 (said)
+    where this machine has none."""
+    from pytrain.models.model import load_model
+    from pytrain.models.precision import ComputeTypeError
+    from pytrain.run.type_choice import as_recorded
+    follow = rec is not None and type_policy is None
+    dequantize = as_recorded(rec, say) if follow else None
+    ct = compute_type or (rec["compute_type"] if follow else "f32")
+    try:
+        return load_model(path, device=device, threads=threads, type_policy=type_policy or "auto",
+                          compute_type=ct, dequantize=dequantize)
+    except ComputeTypeError as e:
+        if compute_type is not None or ct == "f32":
+            raise
+        say(f"bf16 compute cannot run here: {e}")
+    return load_model(path, device=device, threads=threads, dequantize=dequantize)
 
 
 # --------------------------------------------------------------------------- export
@@ -465,7 +519,7 @@ def output_problem(out: str | os.PathLike[str], folder: bool) -> str | None:
 
 
 def export(model_path: str | os.PathLike[str], adapter: str | os.PathLike[str], *,
-           out: str | os.PathLike[str], format: str = "peft", merged_type: str = "keep"
+           out: str | os.PathLike[str], format: str = "peft", merged_type: str = "auto"
            ) -> ExportResult:
     """Write ``adapter`` (a GGUF or PEFT adapter of ``model_path``) as ``format``, as
     ``pytrain export`` does; the command calls this.
@@ -473,15 +527,17 @@ def export(model_path: str | os.PathLike[str], adapter: str | os.PathLike[str], 
     ``"peft"``: a PEFT folder ``out`` (adapter_config.json + adapter_model.safetensors) that
     ``PeftModel.from_pretrained`` loads.  ``"gguf-merged"``: the base model with the adapter
     merged in, one GGUF file ``out`` (written atomically), the adapted tensors as
-    ``merged_type`` says (keep: the base tensor's type; f16; f32).
+    ``merged_type`` says (keep: the base tensor's type; auto: keep, but F16 for a quantized
+    tensor whose requantization would erase the update; f16; f32).
     Raises ``ExportOutputError`` before writing anything when ``out`` cannot be written,
     ``AdapterError``/``MergeError`` for an adapter that does not fit the model.
     """
     if format not in EXPORT_FORMATS:
         raise ValueError(f"format must be one of {', '.join(map(repr, EXPORT_FORMATS))}, "
                          f"got {format!r}")
-    if merged_type not in ("keep", "f16", "f32"):
-        raise ValueError(f"merged_type must be 'keep', 'f16' or 'f32', got {merged_type!r}")
+    if merged_type not in ("auto", "keep", "f16", "f32"):
+        raise ValueError(f"merged_type must be 'auto', 'keep', 'f16' or 'f32', got "
+                         f"{merged_type!r}")
     problem = output_problem(out, folder=format == "peft")
     if problem:
         raise ExportOutputError(out, problem)

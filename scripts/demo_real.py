@@ -253,7 +253,8 @@ def markdown(r: dict) -> str:
              r["same_tokens_llama_lora"]),
             ("merged, adapted tensors F16 (export --merge --merged-type f16), in llama.cpp",
              r["exact_llama_merged_f16"], r["same_tokens_llama_merged_f16"]),
-            (f"merged, requantized to the base's types ({quant}; export --merge), in llama.cpp",
+            (f"merged, requantized to the base's types ({quant}; export --merge --merged-type "
+             f"keep), in llama.cpp",
              r["exact_llama_merged_keep"], r["same_tokens_llama_merged_keep"])]
     lines = [
         f"# demo-real: {title} learns a fixed answer format",

@@ -250,3 +250,61 @@ def test_plan_and_run_say_what_they_compute_with(capsys, tmp_path):
     err = capsys.readouterr().err
     assert rc == 1 and f"{cfg}:{line}: train.compute_type:" in err, err
     assert "type_policy must stay auto" in err
+
+
+@needs_onednn_bf16
+def test_the_log_says_which_matrices_bf16_leaves_quantized(capsys, tmp_path):
+    """bf16 compute rounds F32/F16/BF16 matrices to BF16 for oneDNN; a quantized matrix keeps
+    its type (no policy loads it as BF16) and runs on ggml-cpu's quantized kernels as under
+    f32.  On the Q8_0 fixture the run's log and ``pytrain plan`` count the matrices of each
+    kind and warn that bf16 does not apply to the kept ones, naming the settings that change
+    it; on the F32 fixture the line is the one it was, with nothing added."""
+    from collections import Counter
+
+    from pytrain.cli import main
+    from pytrain.config import load_config
+    from pytrain.formats.gguf_tensors import is_elementwise
+    from pytrain.run.loop import open_session
+    from tests.test_train_cli import MODEL, write_config, write_data
+    write_data(tmp_path, copies=1)
+    cfg = write_config(tmp_path, batch_size=2, max_steps=1, compute_type="bf16",
+                       data={"max_seq_len": 64})
+    plain = precision.check("bf16", "cpu", True)
+    q8 = tmp_path / "q8.toml"
+    q8.write_text(cfg.read_text().replace(str(MODEL), str(FIX / "gqa-q8_0.gguf")))
+    for path, quantized in ((cfg, False), (q8, True)):
+        log: list[str] = []
+        s = open_session(load_config(path), tmp_path / "out", log.append)
+        try:
+            mats = Counter((r.file_type, r.loaded_type) for r in s.model.weights.report.values()
+                           if not is_elementwise(r.name, r.shape))
+        finally:
+            s.close()
+        said = [line for line in log if line.startswith("compute ")]
+        capsys.readouterr()
+        assert main(["plan", str(path), "--json"]) == 0
+        planned = json.loads(capsys.readouterr().out)["compute"]
+        if not quantized:
+            assert mats.keys() == {("F32", "BF16")}
+            assert said == [plain] and planned == plain
+            continue
+        assert mats == {("Q8_0", "Q8_0"): 31}      # the issue's case: every matrix kept
+        assert len(said) == 1 and said[0] == planned, (said, planned)
+        first, warning = said[0].split("\n")
+        assert first == f"{plain}; weight matrices: 0 BF16, 31 kept Q8_0"
+        assert warning.startswith("warning: bf16 compute does not apply to the 31 matrices "
+                                  "kept as Q8_0"), warning
+        assert 'train.compute_type = "f32"' in warning and "F16 or BF16 GGUF" in warning
+
+
+def test_the_matrices_line_counts_each_kind():
+    """``precision.with_matrices`` on a mixed file: BF16 counted by source type, kept types
+    counted each, the warning names them; all BF16 leaves the line as it is."""
+    loads = [("F32", "BF16")] * 3 + [("F16", "BF16")] + [("Q4_1", "Q4_1")] * 2 + \
+        [("Q8_0", "Q8_0")]
+    first, warning = precision.with_matrices("compute bf16: X", loads).split("\n")
+    assert first == ("compute bf16: X; weight matrices: 4 BF16 (1 from F16, 3 from F32), "
+                     "2 kept Q4_1, 1 kept Q8_0")
+    assert warning.startswith("warning: bf16 compute does not apply to the 3 matrices kept as "
+                              "Q4_1/Q8_0: ggml-cpu's Q4_1/Q8_0 kernels multiply them")
+    assert precision.with_matrices("compute bf16: X", loads[:4]) == "compute bf16: X"

@@ -596,14 +596,15 @@ def test_llama_cpp_loads_merged_model(llama_logits_exe, tmp_path, fixture, merge
 
 def test_warns_when_requantizing_erases_the_update(tmp_path):
     """A LoRA update finer than the base's 4-bit grid does not survive requantization: the
-    report names the tensors (error >= half the update, rms) and the summary says to merge as
-    F16; with F16 nothing is lost.  (SmolLM2's Q4_1 after make demo-real: all 120.)"""
+    report of a ``keep`` merge names the tensors (error >= half the update, rms) and the
+    summary says to merge as F16; with F16 nothing is lost.  (SmolLM2's Q4_1 after make
+    demo-real: all 120; the default merge, ``auto``, writes them as F16: below.)"""
     from scripts.gguf_models import quantized_copy
     base = quantized_copy(FIX / "gqa-f32.gguf", FIX / "gqa-q8_0.gguf", tmp_path / "q4.gguf",
                           "q4_0")
     t = make_adapter(config_of(base))
     t = {k: v * (0.01 if k.endswith("lora_b") else 1.0) for k, v in t.items()}   # a small update
-    rep = merge_adapter(base, t, ALPHA, tmp_path / "m.gguf")
+    rep = merge_adapter(base, t, ALPHA, tmp_path / "m.gguf", merged_type="keep")
     lost = rep.lost_updates()
     assert lost and set(lost) <= {r.name for r in rep.tensors}
     assert all(r.round_rms >= 0.5 * r.delta_rms for r in rep.tensors if r.name in lost)
@@ -614,3 +615,51 @@ def test_warns_when_requantizing_erases_the_update(tmp_path):
     big = merge_adapter(FIX / "gqa-q8_0.gguf", make_adapter(config_of(FIX / "gqa-q8_0.gguf")),
                         ALPHA, tmp_path / "q8.gguf")
     assert big.lost_updates() == []
+
+
+def test_default_merge_keeps_an_update_requantizing_would_erase(tmp_path, capsys):
+    """A LoRA update finer than a Q4_0 base's grid: requantized (``keep``), the merged model
+    computes the base's logits, not base + adapter's.  The default merge writes those tensors
+    as F16 instead, so its logits are base + adapter's within F16's own rounding noise
+    (``kept_bounds``, as test_q8_0_merged_f16), and it says which type it wrote, why, what it
+    costs and the option that writes the base's type anyway; ``keep`` still writes the
+    requantized model when asked for, with its warning."""
+    from scripts.gguf_models import quantized_copy
+    base = quantized_copy(FIX / "gqa-f32.gguf", FIX / "gqa-q8_0.gguf", tmp_path / "q4.gguf",
+                          "q4_0")
+    t = make_adapter(config_of(base))
+    t = {k: v * (0.1 if k.endswith("lora_b") else 1.0) for k, v in t.items()}
+    toks = tokens()
+    ref, plain = logits(base, toks, t, policy="f32", base_too=True)
+    kept = merge_adapter(base, t, ALPHA, tmp_path / "keep.gguf", merged_type="keep")
+    lost = set(kept.lost_updates())
+    assert lost
+    _d, keep_ratio, effect = compare(logits(tmp_path / "keep.gguf", toks, policy="f32"), ref,
+                                     plain)
+    max_d, max_ratio = kept_bounds("F16", toks, ref, plain)
+
+    ad = write_lora_gguf(tmp_path / "ad.gguf", "qwen35", ALPHA, t)
+    capsys.readouterr()
+    assert cli.main(["export", str(base), "--adapter", str(ad), "--merge",
+                     "-o", str(tmp_path / "m.gguf")]) == 0
+    said = capsys.readouterr().out
+    d, ratio, _e = compare(logits(tmp_path / "m.gguf", toks, policy="f32"), ref, plain)
+    print(f"\nQ4_0 base, small update (effect {effect:.3g}): keep rms ratio {keep_ratio:.3g}; "
+          f"default max|Δ| {d:.3g} (bound {max_d:.3g}), rms ratio {ratio:.3g} (bound "
+          f"{max_ratio:.3g})\n{said}")
+    assert keep_ratio > 0.5 > max_ratio               # keep's model is measurably the base
+    assert d < max_d and ratio < max_ratio            # the default's is base + adapter
+    types = {x.name: x.tensor_type.name for x in GGUFReader(tmp_path / "m.gguf").tensors}
+    assert {types[n] for n in lost} == {"F16"}
+    assert {types[r.name] for r in kept.tensors if r.name not in lost} <= {"Q4_0"}
+    assert f"{len(lost)} of {len(kept.tensors)} tensors written as F16" in said
+    assert "--merged-type keep" in said and "warning" not in said
+    rec = json.loads(GGUFReader(tmp_path / "m.gguf").fields[MERGE_KEY].contents()[0])
+    assert rec["merged_type"] == "auto"
+    # keep, asked for: the base's type, and the warning that says what it costs
+    assert cli.main(["export", str(base), "--adapter", str(ad), "--merge", "--merged-type",
+                     "keep", "-o", str(tmp_path / "k.gguf")]) == 0
+    said = capsys.readouterr().out
+    assert "may behave like the base model" in said and "--merged-type auto" in said
+    assert {x.tensor_type.name for x in GGUFReader(tmp_path / "k.gguf").tensors
+            if x.name in lost} == {"Q4_0"}

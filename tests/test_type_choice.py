@@ -172,3 +172,49 @@ def test_the_table_rows_are_real_types():
         for name, (f32, f16) in row.items():
             assert name.lower() in {k.lower() for k in ggml.TYPES} and f32 > 0
             assert f16 is None if name == "F16" else (f16 is None or f16 > 0)
+
+
+def test_eval_loads_the_weights_as_the_run_did(cfg, q4_1, capsys, monkeypatch):
+    """The run above computes its validation on Q4_1 loaded as F32; the adapter it writes
+    records that, and ``pytrain eval`` and ``pytrain.load(...).eval`` of it load the weights
+    so too and give the run's last validation loss.  Bound: the same graph, kernels, weights,
+    threads and batches, so the same float32 operations; ``bounds.ulps`` of the loss allows
+    the few units of rounding a scale alpha/r read back from the adapter's float32 alpha could
+    cost.  With the file's Q4_1 kept (activations rounded to 8 bits) the loss moves far more
+    than that, and eval says why and which setting loads the weights as the run did: when
+    asked for other types, and when the run's types do not fit in memory now."""
+    from bounds import ulps
+    assert main(["train", str(cfg), "--no-progress", "--set", "train.max_steps=2",
+                 "--set", "train.eval_every=1"]) == 0
+    out = cfg.parent / "out"
+    valid = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    want = [r for r in valid if r.get("split") == "valid"][-1]["loss"]
+    adapter = out / "adapter.gguf"
+    c = load_config(cfg)
+    with pytrain.load(q4_1, adapter, device="cpu", threads=c.model.threads) as m:
+        ev = m.eval(c.data, batch_size=c.train.batch_size)
+        assert abs(ev.loss - want) <= ulps(want), (ev.loss, want)
+        assert {(r.file_type, r.loaded_type) for r in m.model.weights.report.values()} == \
+            {("Q4_1", "F32"), ("F32", "F32")}
+    capsys.readouterr()
+    assert main(["eval", str(cfg), "--adapter", str(adapter)]) == 0
+    said = capsys.readouterr()
+    assert f"loss {ev.loss:.4f}" in said.out and "note" not in said.err, said
+    # the file's types kept: another number, and eval says so and how to match the run
+    with pytrain.load(q4_1, adapter, device="cpu", threads=c.model.threads,
+                      type_policy="keep") as m:
+        with pytest.warns(UserWarning, match=r"Q4_1 -> F32.*type_policy") as w:
+            kept = m.eval(c.data, batch_size=c.train.batch_size)
+    print(f"\nrun {want!r}, eval {ev.loss!r}, kept Q4_1 {kept.loss!r}: {w[0].message}")
+    assert abs(kept.loss - want) > 100 * ulps(want)
+    assert main(["eval", str(cfg), "--adapter", str(adapter),
+                 "--set", 'model.type_policy="keep"']) == 0
+    err = capsys.readouterr().err
+    assert err.startswith("note: ") and "Q4_1 -> F32" in err and 'model.type_policy = "auto"' \
+        in err, err
+    monkeypatch.setattr(tc, "runtime_budget", lambda rt, gib, share=1: (2**20, "test memory"))
+    with pytrain.load(q4_1, adapter, device="cpu", threads=c.model.threads) as m:
+        with pytest.warns(UserWarning, match=r"Q4_1 -> F32, here they are Q4_1 \(its types "
+                          r"need 1 MiB of weights, over half of the 1 MiB of test memory\).*"
+                          r'type_policy "f32"'):
+            assert m.eval(c.data, batch_size=c.train.batch_size).loss == kept.loss

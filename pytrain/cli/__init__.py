@@ -101,8 +101,10 @@ def _eval(args: argparse.Namespace) -> int:
     from pytrain import api
     cfg = _config(args)
     m = cfg.model
+    # "auto", a run's own choice: the types the adapter's run loaded (recorded in it)
     with api.load(m.path, args.adapter, device=m.device, threads=m.threads,
-                  type_policy=m.type_policy) as model:
+                  type_policy=None if m.type_policy == "auto" else m.type_policy,
+                  log=lambda note: print(f"note: {note}", file=sys.stderr)) as model:
         if cfg.train.objective != "sft":           # preference pairs: the objective's metrics
             return _eval_preference(model, cfg)
         ev = model.eval(cfg.data, batch_size=cfg.train.batch_size)
@@ -248,10 +250,11 @@ def _add_export_parser(sub) -> None:
     p.add_argument("-o", "--output", required=True, metavar="OUT",
                    help="merged model file to write (atomically; never the base file itself), "
                         "or the PEFT folder")
-    p.add_argument("--merged-type", choices=("keep", "f16", "f32"), default="keep",
+    p.add_argument("--merged-type", choices=("auto", "keep", "f16", "f32"), default="auto",
                    help="type of the adapted tensors: keep = the base tensor's type (quantized "
-                        "bases are requantized with ggml, error reported), or f16/f32; other "
-                        "tensors are copied unchanged (default: keep)")
+                        "bases are requantized with ggml, error reported); auto = keep, but F16 "
+                        "for a tensor whose requantization would erase the update (said); or "
+                        "f16/f32; other tensors are copied unchanged (default: auto)")
     p.set_defaults(func=_export)
 
 

@@ -22,7 +22,15 @@ ones are processed in row chunks of a few MiB, so the model is never held twice 
 
 Types.  ``merged_type`` says what the *adapted* tensors are written as:
 
-``keep`` (default)  the base tensor's own type.  Float bases (F32, F16, BF16): dequantize to
+``auto`` (default)  as ``keep``, except a quantized tensor whose requantization would erase
+    the update: one whose requantization error is at least half the update (rms), the
+    measure ``MergeReport.lost_updates`` warns of under ``keep`` (a LoRA update is often finer
+    than a 4-bit grid: SmolLM2's Q4_1 lost it in all 120 tensors, and the merged model
+    answered like the base).  Those tensors are written as F16 (F32 where F16's range is too
+    small), and the report says which, why and what it costs.  The update of such a tensor
+    is measured before the file is written (its header holds the types), so a quantized
+    base's adapted tensors are requantized twice: once to measure, once to write.
+``keep``  the base tensor's own type.  Float bases (F32, F16, BF16): dequantize to
     float32, add the update computed in float64, round once to float32, and encode back with
     ggml's converters (F32 exactly; F16/BF16 by ggml's round-to-nearest-even).  Quantized
     bases (Q8_0, Q4_K, ...): dequantize with ggml's ``to_float``, merge as above, and
@@ -71,10 +79,11 @@ from pytrain.formats.gguf_writer import (field_bytes, header, string_array_field
 from pytrain.formats.gguf_tensors import is_elementwise, open_reader, tensor_infos, type_supported
 from pytrain.ggml import ffi, lib
 
-MERGED_TYPES = ("keep", "f16", "f32")
+MERGED_TYPES = ("auto", "keep", "f16", "f32")
 MERGE_KEY = "pytrain.merged_adapters"
 F32, F16, BF16 = lib.GGML_TYPE_F32, lib.GGML_TYPE_F16, lib.GGML_TYPE_BF16
 _FLOAT_TYPES = (F32, F16, BF16)
+_FLOAT_NAMES = ("F32", "F16", "BF16")
 # Types ggml_quantize_chunk has a quantizer for (its switch; anything else aborts the process).
 _QUANTIZABLE_NAMES = ("q1_0", "q2_0", "q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "mxfp4", "nvfp4",
                       "q2_K", "q3_K", "q4_K", "q5_K", "q6_K", "tq1_0", "tq2_0", "iq2_xxs",
@@ -83,6 +92,9 @@ _QUANTIZABLE_NAMES = ("q1_0", "q2_0", "q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "m
 _QUANTIZABLE = frozenset(ggml.TYPES[n] for n in _QUANTIZABLE_NAMES if n in ggml.TYPES)
 _CHUNK_ELEMENTS = 1 << 21       # rows per chunk: ~8 MiB of float32 (16 MiB of float64) at most
 _F16_MAX = 65504.0
+# requantization error (rms) at which an update counts as erased: at half of it, the merged
+# tensor is as far from base + update as from the base
+LOST = 0.5
 
 
 class MergeError(GGUFError):
@@ -118,6 +130,9 @@ class MergeReport:
     tensors: list[TensorMerge] = field(default_factory=list)
     n_copied: int = 0
     bytes_written: int = 0
+    # ``auto``: what the tensors written in a float type instead of their base's quantized
+    # type add to the file (bytes), over writing them in the base's type
+    extra_bytes: int = 0
 
     def summary(self) -> str:
         lines = [f"merged {len(self.tensors)} tensors into {self.out} "
@@ -137,15 +152,36 @@ class MergeReport:
             lines.append(
                 f"warning: requantizing left an error of at least half the update (rms) in "
                 f"{len(lost)} of {len(self.tensors)} tensors: the merged model may behave like "
-                f"the base model; --merged-type f16 keeps the update (those tensors then take "
-                f"16 bits per weight)")
+                f"the base model; --merged-type auto (the default) writes those tensors as "
+                f"F16 and keeps the update, --merged-type f16 all of them (16 bits per weight)")
+        kept = self.kept_as_float()
+        if kept:
+            outs = sorted({t.out_type for t in kept})
+            bases = sorted({t.base_type for t in kept})
+            lines.append(
+                f"note: {len(kept)} of {len(self.tensors)} tensors written as "
+                f"{'/'.join(outs)}, not {'/'.join(bases)}: requantizing them would leave an "
+                f"error of at least half their update (rms), and the merged model would behave "
+                f"like the base model; as {'/'.join(outs)} the update is kept, for "
+                f"{self.extra_bytes / 2**20:.1f} MiB more in the file; --merged-type keep "
+                f"writes them as {'/'.join(bases)} anyway")
         return "\n".join(lines)
 
     def lost_updates(self) -> list[str]:
         """Requantized tensors whose rounding error is at least half their update (rms): a
         LoRA update is often finer than a 4-bit grid, so requantizing erases it."""
-        return [t.name for t in self.tensors if t.out_type not in ("F32", "F16", "BF16")
-                and t.round_rms >= 0.5 * t.delta_rms > 0]
+        return [t.name for t in self.tensors if t.out_type not in _FLOAT_NAMES
+                and _lost(t.round_rms, t.delta_rms)]
+
+    def kept_as_float(self) -> list[TensorMerge]:
+        """``auto``: the quantized tensors written in a float type because requantizing them
+        would have erased the update."""
+        return [t for t in self.tensors if self.merged_type == "auto"
+                and t.base_type not in _FLOAT_NAMES and t.out_type in _FLOAT_NAMES]
+
+
+def _lost(round_rms: float, delta_rms: float) -> bool:
+    return round_rms >= LOST * delta_rms > 0
 
 
 # --------------------------------------------------------------------------- adapters
@@ -208,13 +244,13 @@ def requantize_problem(t: int) -> str | None:
 
 
 def _out_type(base_type: int, merged_type: str) -> int:
-    return {"keep": base_type, "f16": F16, "f32": F32}[merged_type]
+    return {"auto": base_type, "keep": base_type, "f16": F16, "f32": F32}[merged_type]
 
 
 # --------------------------------------------------------------------------- merge
 
 def merge_adapter(base_path: str | os.PathLike[str], adapter_tensors: Mapping[str, np.ndarray],
-                  alpha: float, out_path: str | os.PathLike[str], merged_type: str = "keep",
+                  alpha: float, out_path: str | os.PathLike[str], merged_type: str = "auto",
                   adapter_name: str = "adapter", source: str | None = None) -> MergeReport:
     """Write ``base_path`` with the LoRA adapter merged in to ``out_path``; see the module
     docstring for the formula, types, metadata and refusals.
@@ -234,6 +270,7 @@ def merge_adapter(base_path: str | os.PathLike[str], adapter_tensors: Mapping[st
     _check_matches(infos, adapter_tensors, source, base)
     pairs = _pairs(adapter_tensors, source)
     plan = _plan(pairs, infos, alpha, merged_type, base, source)
+    extra = _keep_updates(plan, reader, infos) if merged_type == "auto" else 0
     sha = adapter_fingerprint(adapter_tensors, alpha)
     ranks = sorted({int(b.shape[1]) for _a, b in pairs.values()})
     record = json.dumps({"adapter": adapter_name, "alpha": alpha,
@@ -241,7 +278,7 @@ def merge_adapter(base_path: str | os.PathLike[str], adapter_tensors: Mapping[st
                          "tensors": len(plan), "merged_type": merged_type,
                          "sha256": sha}, separators=(",", ":"))
     head, slots = _header(reader, plan, record)
-    report = MergeReport(str(base), str(out), merged_type, alpha)
+    report = MergeReport(str(base), str(out), merged_type, alpha, extra_bytes=extra)
     _write(out, reader, head, slots, plan, infos, report)
     return report
 
@@ -339,15 +376,14 @@ def _write(out: Path, reader, head: bytes, slots, plan, infos, report: MergeRepo
         report.bytes_written = write_gguf(fh, head, slots, write_tensor, str(out), MergeError)
 
 
-def _write_merged(fh, data, t, info, ot: int, a: np.ndarray, b: np.ndarray, scale: float
-                  ) -> TensorMerge:
-    """Stream W + scale·B·A (or the embedding form) to ``fh`` in row chunks."""
+def _merged_chunks(data, t, info, a: np.ndarray, b: np.ndarray, scale: float):
+    """(merged float32 rows, their float64 update) of W + scale·B·A (or the embedding form),
+    in row chunks, from the base tensor ``t``'s bytes."""
     n_rows, row_len = info.shape            # numpy [n_out, n_in] (embeddings: [n_vocab, n_embd])
     raw = data[t.data_offset: t.data_offset + t.n_bytes]          # uint8 view of the memmap
     src_row = int(lib.ggml_row_size(info.type, row_len))
     embd = info.name == "token_embd.weight"
     rows_per_chunk = max(1, _CHUNK_ELEMENTS // row_len)
-    d_sq = d_max = r_sq = r_max = 0.0
     for r0 in range(0, n_rows, rows_per_chunk):
         r1 = min(n_rows, r0 + rows_per_chunk)
         w = ggml.decode(raw[r0 * src_row: r1 * src_row], info.type, (r1 - r0) * row_len)
@@ -356,6 +392,40 @@ def _write_merged(fh, data, t, info, ot: int, a: np.ndarray, b: np.ndarray, scal
         merged = (w.astype(np.float64) + delta).astype(np.float32)
         if not np.isfinite(merged).all():
             raise MergeError(f"{info.name}: merged values overflow float32")
+        yield merged, delta
+
+
+def _keep_updates(plan, reader, infos) -> int:
+    """``auto``: each quantized tensor of ``plan`` whose requantization would erase its
+    update is planned as F16 instead (F32 beyond F16's range); returns what that adds to the
+    file, in bytes."""
+    tensors = {t.name: t for t in reader.tensors}
+    extra = 0
+    for name, (ot, a, b, scale) in plan.items():
+        info = infos[name]
+        if ot in _FLOAT_TYPES:
+            continue
+        d_sq = r_sq = big = 0.0
+        for merged, delta in _merged_chunks(reader.data, tensors[name], info, a, b, scale):
+            back = ggml.decode(_encode(merged, ot, info.shape[1]), ot, merged.size)
+            r_sq += float(np.square(back.reshape(merged.shape).astype(np.float64)
+                                    - merged).sum())
+            d_sq += float(np.square(delta).sum())
+            big = max(big, float(np.abs(merged).max()))
+        if _lost(math.sqrt(r_sq), math.sqrt(d_sq)):
+            to = F16 if big <= _F16_MAX else F32
+            plan[name] = (to, a, b, scale)
+            rows = info.n_elements // info.shape[1]
+            extra += int(lib.ggml_row_size(to, info.shape[1])) * rows - info.n_bytes
+    return extra
+
+
+def _write_merged(fh, data, t, info, ot: int, a: np.ndarray, b: np.ndarray, scale: float
+                  ) -> TensorMerge:
+    """Stream W + scale·B·A (or the embedding form) to ``fh`` in row chunks."""
+    row_len = info.shape[1]
+    d_sq = d_max = r_sq = r_max = 0.0
+    for merged, delta in _merged_chunks(data, t, info, a, b, scale):
         if ot == F16 and float(np.abs(merged).max()) > _F16_MAX:
             raise MergeError(f"{info.name}: merged values beyond F16's range ({_F16_MAX}); use "
                              f"merged_type 'f32'")
@@ -368,7 +438,7 @@ def _write_merged(fh, data, t, info, ot: int, a: np.ndarray, b: np.ndarray, scal
         d_sq += float(np.square(delta).sum())
         d_max = max(d_max, float(np.abs(delta).max()))
         fh.write(enc)
-    n = n_rows * row_len
+    n = info.n_elements
     return TensorMerge(info.name, tuple(info.shape), info.type_name, ggml.type_name(ot),
                        int(b.shape[1]), float(scale), math.sqrt(d_sq / n), d_max,
                        math.sqrt(r_sq / n), r_max)

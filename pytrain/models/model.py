@@ -21,7 +21,7 @@ from pytrain import models
 from pytrain.models import Architecture, precision
 from pytrain.data import pad_token_id
 from pytrain.data.tokenizer import Tokenizer
-from pytrain.formats.gguf_tensors import open_reader
+from pytrain.formats.gguf_tensors import is_elementwise, open_reader
 from pytrain.models.weights import load_weights
 
 
@@ -214,6 +214,10 @@ def load_model(path: str | os.PathLike, device: str = "auto", threads: int | Non
             dequantize = dequantize(rt, infos, shapes)
         weights = load_weights(path, rt, shapes, type_policy, reader=reader,
                                dequantize=dequantize)
+        if compute_type == "bf16":
+            compute = precision.with_matrices(compute, (
+                (r.file_type, r.loaded_type) for r in weights.report.values()
+                if not is_elementwise(r.name, r.shape)))
     except BaseException:
         rt.close()
         raise

@@ -20,7 +20,9 @@ times the depth of the graph).  CPU only: a GPU backend runs its own kernels.
 """
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
+from typing import Iterable
 
 from pytrain import ggml
 from pytrain.errors import PytrainError
@@ -91,3 +93,31 @@ def check(compute_type: str, device: str, blas: bool) -> str:
         return line + f" ({', '.join(units)})"
     return line + (" -- WARNING: this CPU has no bf16 units (avx512_bf16, amx_bf16): oneDNN "
                    "emulates the bf16 products, far slower than f32")
+
+
+def with_matrices(line: str, loads: Iterable[tuple[str, str]]) -> str:
+    """``line`` (``check``'s, for bf16) with what the weight matrices became, when some of them
+    are not BF16: ``loads`` holds (file type, loaded type) per matrix.  bf16 compute rounds
+    F32/F16/BF16 matrices to BF16; a quantized matrix keeps its type (no type policy loads it
+    as BF16) and is multiplied by ggml-cpu's quantized kernels, as under f32: a run on a
+    quantized model gets little or none of bf16's speed, and the line must not claim it."""
+    loads = list(loads)
+    kept = Counter(lt for _ft, lt in loads if lt != "BF16")
+    if not kept:
+        return line
+    into = Counter(ft for ft, lt in loads if lt == "BF16")
+    n = sum(into.values())
+    bf16 = f"{n} BF16"
+    if len(into) == 1:
+        bf16 += f" (from {next(iter(into))})"
+    elif into:
+        bf16 += " (" + ", ".join(f"{c} from {t}" for t, c in sorted(into.items())) + ")"
+    types = "/".join(sorted(kept))
+    return (f"{line}; weight matrices: {bf16}, "
+            + ", ".join(f"{c} kept {t}" for t, c in sorted(kept.items()))
+            + f"\nwarning: bf16 compute does not apply to the {sum(kept.values())} matrices "
+            f"kept as {types}: ggml-cpu's {types} kernels multiply them, as with "
+            f"train.compute_type = \"f32\" (no type policy loads a quantized matrix as BF16); "
+            f"for bf16 products on every matrix, train on an F32, F16 or BF16 GGUF of the "
+            f"model; with this file, train.compute_type = \"f32\" lets model.type_policy = "
+            f"\"auto\" load the types measured faster as F32 (pytrain plan shows which)")

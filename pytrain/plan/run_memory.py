@@ -20,6 +20,7 @@ from pytrain.step.recompute import RecomputeGraph
 from pytrain.step.trainer import bucket_length
 from pytrain.run import type_choice
 from pytrain.models import precision
+from pytrain.formats.gguf_tensors import is_elementwise
 
 
 @dataclass
@@ -226,6 +227,10 @@ def plan_run(cfg) -> RunPlan:
     model, files, not_loaded = file_shape_model(cfg.model.path, device, policy,
                                                 cfg.model.threads or 1,
                                                 choose_types if policy != "bf16" else None)
+    if t.compute_type == "bf16":           # what the run's log says (load_model)
+        shapes = model.config.tensor_shapes()
+        compute = precision.with_matrices(compute, ((ft, lt) for n, (ft, lt, _b) in files.items()
+                                                    if not is_elementwise(n, tuple(shapes[n]))))
     try:
         names = select_targets(model.config, cfg.lora.targets, cfg.lora.skip_ssm)
         ad = lora.create(model.runtime, model.config, names, cfg.lora.rank, cfg.lora.alpha,

@@ -82,12 +82,13 @@ def base_fingerprint(path: str | os.PathLike) -> dict:
 
 def save(folder: Path, step: int, adapter, moments: dict[str, np.ndarray], state: TrainState,
          keep: int = 3, *, arch: str, config_toml: str | None = None,
-         best: dict[str, np.ndarray] | None = None) -> Path:
+         best: dict[str, np.ndarray] | None = None, metadata: dict | None = None) -> Path:
     """Write checkpoint ``step`` under ``folder`` atomically; keep the newest ``keep`` (0: all)
     of this run's (``state.run_id``) checkpoints, never another run's.  ``arch``: the base
     model's architecture, written into the adapter GGUF; ``config_toml``: the run's resolved
     config, kept beside it; ``best``: the best validation's adapter when it is not this step's
-    (``best.gguf``), so that a resume from here restores the best of this timeline."""
+    (``best.gguf``), so that a resume from here restores the best of this timeline;
+    ``metadata``: keys of both adapter files (the run's ``loop.adapter_metadata``)."""
     folder.mkdir(parents=True, exist_ok=True)
     recover(folder)
     state.saved = 1 + max((order(p)[0] for p in folder.glob("step-*")), default=0)
@@ -96,9 +97,9 @@ def save(folder: Path, step: int, adapter, moments: dict[str, np.ndarray], state
     tmp = Path(tempfile.mkdtemp(dir=folder, prefix=".tmp-"))
     try:
         alpha = getattr(adapter, "plain_alpha", adapter.alpha)     # llama.cpp's scale
-        write_lora_gguf(tmp / "adapter.gguf", arch, alpha, adapter.get())
+        write_lora_gguf(tmp / "adapter.gguf", arch, alpha, adapter.get(), metadata)
         if best is not None:
-            write_lora_gguf(tmp / BEST, arch, alpha, best)
+            write_lora_gguf(tmp / BEST, arch, alpha, best, metadata)
         with open(tmp / "optimizer.npz", "wb") as f:
             np.savez(f, **moments)
             f.flush()

@@ -49,7 +49,7 @@ from pytrain.step.optimizer import AdamWSettings, schedule
 from pytrain.step.graph_memory import context_warning
 from pytrain.step.preference import REFERENCE_FILE, PreferenceSettings, PreferenceTrainer
 from pytrain.step.trainer import NonFiniteLoss, Trainer
-from pytrain.run.type_choice import for_training
+from pytrain.run.type_choice import ADAPTER_KEY, for_training, weights_record
 from pytrain.run.resume import MICRO_BATCHES
 # the errors, still importable from here (the command line catches run.Interrupted)
 from pytrain.run.errors import Interrupted, NonFiniteStop, RunError  # noqa: F401
@@ -109,7 +109,14 @@ def save_adapter(model: Model, adapter, path: Path, formats=("gguf",), tensors=N
                            base_model_name_or_path=Path(model.path).name,
                            model_config=model.config, arch=model.arch.name)
     return write_lora_gguf(path, model.arch.name, adapter.plain_alpha, tensors,
-                           base_metadata={"general.name": f"pytrain LoRA for {Path(model.path).name}"})
+                           base_metadata=adapter_metadata(model))
+
+
+def adapter_metadata(model: Model) -> dict[str, str]:
+    """Keys of the adapters a run writes: a name, and the types the run loaded its base's
+    weights as, so that an evaluation of the adapter loads them alike (type_choice)."""
+    return {"general.name": f"pytrain LoRA for {Path(model.path).name}",
+            ADAPTER_KEY: weights_record(model)}
 
 
 def step_batches(batches: list, grad_accum: int) -> list[list]:
@@ -441,7 +448,7 @@ class Loop:
         own = self.best.step in (None, self.step)        # the best is this step's adapter
         where = ckpt.save(self.ckpt_dir, self.step, s.adapter, s.trainer.opt_state.moments(),
                           state, keep=s.cfg.output.keep_checkpoints, arch=s.model.arch.name,
-                          config_toml=s.cfg.to_toml(),
+                          config_toml=s.cfg.to_toml(), metadata=adapter_metadata(s.model),
                           best=None if own else self.best_tensors)
         self.saved_step = self.step              # only once it is on disk
         if self.replaced is not None:

@@ -16,18 +16,24 @@ types are kept.  As F32 the values are the file's, so the function trained is th
 types also round the activations of the forward, as llama.cpp does; F32 does not); as F16
 they are rounded to 11 bits, and the load report counts the values that changed.
 
-Inference (``pytrain generate``/``eval``, ``pytrain.load_model``) keeps ``auto``'s plain rule:
-the figures are a training step's, and one token at a time the quantized kernels read a
-fraction of F32's bytes.
+Inference (``pytrain.load_model``, ``pytrain.load`` without an adapter) keeps ``auto``'s plain
+rule: the figures are a training step's, and one token at a time the quantized kernels read a
+fraction of F32's bytes.  An adapter a run wrote records the types that run loaded
+(``ADAPTER_KEY``), and ``pytrain.load``, ``pytrain eval`` and ``pytrain generate`` load the base
+so for it: its run's validation loss, and its samples, are then what they compute.
 """
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Callable, Mapping
 
 from pytrain import ggml
 from pytrain.ggml import lib
-from pytrain.formats.gguf_tensors import TensorInfo
+from pytrain.formats.gguf_meta import GGUFError, metadata_from_reader, open_gguf
+from pytrain.formats.gguf_tensors import TensorInfo, is_elementwise
 from pytrain.models.weights import F16, F32, load_type
 from pytrain.step.free_memory import available_bytes
 
@@ -191,3 +197,106 @@ def for_training(policy: str, memory_gib: float | None, log: Callable[[str], Non
         log(f"weights: {c.reason}")
         return c.dequantize
     return choose_for
+
+
+# --------------------------------------------------------------------------- the adapter's record
+
+# Why a record: a run's validation loss is computed on the weights as the run loaded them
+# (``auto`` may dequantize, bf16 compute rounds to BF16), and an evaluation of its adapter on
+# the file's own types gives another number (SmolLM2 Q4_1: 3.6914 against the run's 3.6741).
+# The run's choice depends on its device and the memory it had, so it is recorded in the
+# adapters the run writes, not chosen again: ``pytrain eval`` and ``pytrain.load`` read it.
+ADAPTER_KEY = "pytrain.base_weights"
+
+
+def matrix_types(model) -> dict[str, str]:
+    """File type -> loaded type of the weight matrices of ``model`` (the element-wise tensors
+    are F32 under every policy but ``keep``)."""
+    out: dict[str, str] = {}
+    for r in model.weights.report.values():
+        if not is_elementwise(r.name, r.shape) and not r.note:
+            out.setdefault(r.file_type, r.loaded_type)
+    return dict(sorted(out.items()))
+
+
+def compute_type_of(model) -> str:
+    return "bf16" if model.compute.startswith("compute bf16") else "f32"
+
+
+def weights_record(model) -> str:
+    """The value of ``ADAPTER_KEY`` for adapters trained on ``model``: its compute type and
+    the type each matrix file type was loaded as (JSON)."""
+    return json.dumps({"compute_type": compute_type_of(model), "matrices": matrix_types(model)},
+                      separators=(",", ":"))
+
+
+def read_record(adapter: str | os.PathLike[str]) -> dict | None:
+    """The record of an adapter GGUF written by a pytrain run; None for a PEFT folder, an
+    adapter without it, or a file that does not read (loading it says why)."""
+    p = Path(adapter)
+    if not p.is_file():
+        return None
+    try:
+        rec = json.loads(metadata_from_reader(open_gguf(p)).get(ADAPTER_KEY, "null"))
+    except (GGUFError, OSError, ValueError, TypeError):
+        return None
+    if not isinstance(rec, dict) or rec.get("compute_type") not in ("f32", "bf16") \
+            or not isinstance(rec.get("matrices"), dict):
+        return None
+    names = {ggml.type_name(t) for t in ggml.TYPES.values()}
+    if not all(k in names and v in names for k, v in rec["matrices"].items()):
+        return None
+    return rec
+
+
+def _types(types: Mapping[str, str]) -> str:
+    return ", ".join(k if k == v else f"{k} -> {v}" for k, v in types.items())
+
+
+def as_recorded(rec: Mapping, say: Callable[[str], None]) -> Callable[..., dict[int, int]]:
+    """The ``dequantize`` function ``load_model`` calls to load matrices as the run of ``rec``
+    did: its F32/F16 targets, while those weights fit in half of the memory available now
+    (``for_training``'s rule); else the file's types, and ``say`` tells why."""
+    ids = {ggml.type_name(t): t for t in ggml.TYPES.values()}
+    want = {ids[k]: ids[v] for k, v in rec["matrices"].items() if k != v and v in ("F32", "F16")}
+
+    def choose_for(rt, infos, shapes) -> dict[int, int]:
+        present = {i.type for i in infos.values()}
+        chosen = {k: v for k, v in want.items() if k in present}
+        if not chosen:
+            return {}
+        need = _bytes(infos, shapes, rt.device, chosen)
+        budget, source = runtime_budget(rt, None)
+        if need > budget // 2:
+            say(f"its types need {_size(need)} of weights, over half of the {_size(budget)} "
+                f"of {source}")
+            return {}
+        return chosen
+    return choose_for
+
+
+def difference(rec: Mapping, model) -> str | None:
+    """How ``model``'s weights differ from those of the run that recorded ``rec`` (the file
+    types both hold, and the compute type); None when they are loaded alike."""
+    now = matrix_types(model)
+    shared = [k for k in rec["matrices"] if k in now]
+    then = {k: rec["matrices"][k] for k in shared}
+    here = {k: now[k] for k in shared}
+    ct = compute_type_of(model)
+    if then == here and ct == rec["compute_type"]:
+        return None
+    if ct == rec["compute_type"]:
+        return f"its run loaded the base's matrices as {_types(then)}, here they are {_types(here)}"
+    return (f"its run loaded the base's matrices as {_types(then)} with compute "
+            f"{rec['compute_type']}, here as {_types(here)} with compute {ct}")
+
+
+def matching_settings(rec: Mapping) -> str:
+    """The settings that load the weights as the run of ``rec`` did."""
+    default = 'leave type_policy unset in pytrain.load (model.type_policy = "auto" in a config)'
+    if rec["compute_type"] == "bf16":
+        return default + " on a CPU with bf16 compute (pytrain doctor)"
+    if set(rec["matrices"].values()) == {"F32"}:
+        return default + ', or set type_policy "f32" (model.type_policy = "f32"), which ' \
+                         'loads them so whatever the memory'
+    return default
