@@ -37,7 +37,7 @@ from pytrain.step import loss as loss_mod
 from pytrain.step.graphs import GradGraph
 from pytrain.step.optimizer import OptimizerState
 from pytrain.step.graph_memory import shape_model
-from pytrain.plan.run_memory import step_buffers
+from pytrain.step.step_memory import step_buffers
 from scripts.bench_common import REPO, git_commit
 
 GiB = 2 ** 30
@@ -77,7 +77,7 @@ def acc_traffic(graph) -> dict:
 def step_memory(B: int, T: int) -> dict:
     """Compute buffers of the one-graph step and of the layer-wise step (largest graph), plus
     the layer-wise step's persistent tensors and the adapter with its AdamW state (the figures
-    of ``pytrain plan``: run_memory.step_buffers)."""
+    of ``pytrain plan``: step_memory.step_buffers)."""
     m = shape_model("qwen35", QWEN35_2B, "f16")          # graph sizes do not depend on the weight type
     try:
         ad = lora.create(m.runtime, m.config, select_targets(m.config), 16, 32.0)

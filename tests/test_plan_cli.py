@@ -8,7 +8,7 @@ from gguf import GGUFReader
 
 from pytrain.cli import main
 from pytrain.cli.plan import NOT_FIT
-from pytrain.plan.run_memory import size
+from pytrain.step.step_memory import size
 from scripts.gguf_models import write_qwen35
 from tests.test_train_cli import MODEL, write_config, write_data
 

@@ -586,8 +586,8 @@ def reweighted_copy(src: Path, dst: Path) -> None:
 def cached_elsewhere(tmp_path: Path, model: Path, first: Path, then, capsys) -> tuple:
     """A DPO run on ``first`` copied to ``model``; then ``then(model)`` changes that file, and a
     new run at the same path finds the first run's reference_logps.npz in its folder (as one
-    left by a run that stopped before its first checkpoint, or set aside with it):
-    (its step-0 validation, its log)."""
+    left by a run that stopped before its first checkpoint): (its step-0 validation, its
+    log)."""
     import shutil
     shutil.copyfile(first, model)
     cfg = write_pref_run(tmp_path, model=model, max_steps=1, eval_every=1)
@@ -601,25 +601,44 @@ def cached_elsewhere(tmp_path: Path, model: Path, first: Path, then, capsys) -> 
     return metrics_of(again)[1][0], capsys.readouterr().out
 
 
-@pytest.mark.parametrize("change", ["another model", "other weights, same header"])
-def test_a_reference_cache_made_for_another_model_file_is_recomputed(tmp_path, capsys, change):
-    """The reference is the base model: a cache of another model at the same path (or the same
-    file rewritten with other weights) would give the new run a reward margin at step 0, where
-    the policy is the reference (DPO's loss log 2, margin 0, as a fresh folder gives)."""
+def test_a_reference_cache_left_by_another_run_is_not_this_runs(tmp_path, capsys):
+    """The reference is the base model: a cache another model left at the same path would
+    give the new run a reward margin at step 0, where the policy is the reference (DPO's loss
+    log 2, margin 0, as a fresh folder gives).  A fresh run moves it aside with whatever else
+    an earlier run left, and computes its own."""
     import shutil
     model = tmp_path / "model.gguf"
-    if change == "another model":
-        first = FIX / "untied-f32.gguf"
-        then = lambda m: shutil.copyfile(FIX / "gqa-f32.gguf", m)      # noqa: E731
-    else:
-        first = FIX / "gqa-f32.gguf"
-        then = lambda m: reweighted_copy(FIX / "gqa-f32.gguf", m)      # noqa: E731
-    step0, log = cached_elsewhere(tmp_path, model, first, then, capsys)
+    step0, log = cached_elsewhere(tmp_path, model, FIX / "untied-f32.gguf",
+                                  lambda m: shutil.copyfile(FIX / "gqa-f32.gguf", m), capsys)
     assert step0["step"] == 0
     assert step0["rewards/margins"] == 0.0 and step0["rewards/accuracies"] == 0.0
     assert step0["loss"] == pytest.approx(np.log(2.0), abs=1e-12)
+    assert "(reference_logps.npz) to " in log, log
+    assert "reference log-probabilities of 40 pairs" in log
+
+
+def test_a_reference_cache_made_for_another_model_file_is_recomputed(tmp_path, capsys):
+    """The run's own cache, read on --resume, when the model file was rewritten in place with
+    other weights (the same header and size, so the checkpoint's base check lets the resume
+    through): the cache is keyed on the file's content identity, not its path, so the
+    reference is recomputed from the file as it is now, and the log says why."""
+    import shutil
+    model = tmp_path / "model.gguf"
+    shutil.copyfile(FIX / "gqa-f32.gguf", model)
+    cfg = write_pref_run(tmp_path, model=model, max_steps=1, eval_every=1)
+    assert main(["train", str(cfg), "--no-progress"]) == 0
+    cache = tmp_path / "run" / "reference_logps.npz"
+    with np.load(cache) as z:
+        before = z["train_chosen"].copy()
+    reweighted_copy(FIX / "gqa-f32.gguf", model)
+    capsys.readouterr()
+    assert main(["train", str(cfg), "--no-progress", "--resume", "--set",
+                 "train.max_steps=2"]) == 0
+    log = capsys.readouterr().out
     assert "recomputed: made for another model file" in log, log
     assert "reference log-probabilities of 40 pairs" in log
+    with np.load(cache) as z:
+        assert not np.array_equal(z["train_chosen"], before)
 
 
 def spoil(path: Path, how: str) -> None:

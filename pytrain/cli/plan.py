@@ -16,7 +16,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def render(plan) -> list[str]:
     """The plan as the command prints it."""
-    from pytrain.plan.run_memory import size      # loaded when the command runs
+    from pytrain.step.step_memory import size      # loaded when the command runs
     B, T = plan.batch
     lines = [f"model:   {plan.model} ({plan.arch})",
              f"device:  {plan.device}" + (f" ({plan.device_label})" if plan.device_label

@@ -596,8 +596,8 @@ def _claim_and_train(cfg: Config, w: World, log, progress: bool, resume, overwri
 
 def _open_fitting(cfg: Config, out: Path, log, w: World) -> Session:
     """The session, once the largest micro-batch the config allows is known to fit its
-    memory: the rule ``pytrain plan`` applies (pytrain/plan/run_memory.py)."""
-    from pytrain.plan.run_memory import check_run_fits
+    memory: the rule ``pytrain plan`` applies (pytrain/step/step_memory.py)."""
+    from pytrain.step.step_memory import check_run_fits
     s = open_session(cfg, out, log, w)
     try:
         check_run_fits(cfg, s.model, s.adapter, s.trainer.opt_state,
