@@ -218,3 +218,26 @@ def test_eval_loads_the_weights_as_the_run_did(cfg, q4_1, capsys, monkeypatch):
                           r"need 1 MiB of weights, over half of the 1 MiB of test memory\).*"
                           r'type_policy "f32"'):
             assert m.eval(c.data, batch_size=c.train.batch_size).loss == kept.loss
+
+
+def test_generate_loads_the_weights_as_the_run_did_unless_told(cfg, q4_1, capsys, monkeypatch):
+    """``pytrain generate --adapter`` reproduces the run's samples by loading the base as the
+    adapter's run did (Q4_1 as F32 here); ``--type-policy keep`` keeps the file's Q4_1 (a
+    faster decode in less memory), as a user may prefer for generation."""
+    from pytrain import api
+    assert main(["train", str(cfg), "--no-progress"]) == 0
+    adapter = cfg.parent / "out" / "adapter.gguf"
+    loaded = []
+    real_load = api.load
+
+    def load(*a, **k):             # the real load; the types it loaded are noted
+        m = real_load(*a, **k)
+        loaded.append({(r.file_type, r.loaded_type) for r in m.model.weights.report.values()})
+        return m
+    monkeypatch.setattr(api, "load", load)
+    common = ["generate", str(q4_1), "--adapter", str(adapter), "--raw", "--prompt", "the",
+              "--max-new-tokens", "2", "--device", "cpu", "--threads", "1"]
+    assert main(common) == 0
+    assert main(common + ["--type-policy", "keep"]) == 0
+    assert [("Q4_1", "F32") in t for t in loaded] == [True, False]
+    assert ("Q4_1", "Q4_1") in loaded[1]

@@ -130,7 +130,8 @@ def _generate(args: argparse.Namespace) -> int:
     from pytrain import api
     from pytrain.data.chat_template import ChatTemplateError
     from pytrain.data.template_files import builtin_names
-    with api.load(args.model, args.adapter, device=args.device, threads=args.threads) as model:
+    with api.load(args.model, args.adapter, device=args.device, threads=args.threads,
+                  type_policy=args.type_policy) as model:
         if args.raw:
             prompt = args.prompt
         else:
@@ -229,6 +230,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--type-policy", choices=("auto", "f32", "keep", "bf16"), default=None,
+                   help="types the base weights are loaded as (model.type_policy); default: as "
+                        "the adapter's run loaded them (recorded in the adapter), else auto. "
+                        "keep decodes a quantized base faster, in less memory")
     p.set_defaults(func=_generate)
     _add_export_parser(sub)
     return ap
