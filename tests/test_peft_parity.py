@@ -108,7 +108,9 @@ def test_loss_matches_peft(golden, result, ref, measured):
     _, _, out = result
     exact = float(golden["loss64"])
     peft_rounding = abs(float(golden["loss"]) - exact)
-    assert peft_rounding > 1e-7                      # PEFT float32 is visibly off the exact loss
+    # the exact run is a float64 one (not PEFT float32 again); how far PEFT float32 lies from
+    # it depends on the machine that made the golden (under MKL_CBWR=COMPATIBLE within 1e-7)
+    assert float(np.float32(exact)) != exact
     want = float(golden["loss" if ref == "f32" else "loss64"])
     bound = reference_bounds(out["own"]["loss"], peft_rounding, exact)[ref == "f32"]
     measured(f"loss vs PEFT {ref}, |Δ|", abs(out["loss"] - want), bound)
@@ -129,7 +131,7 @@ def test_lora_gradients_match_peft(golden, result, ref, measured):
             scale = np.abs(exact).max()
             assert scale > 1e-2, (n + s, scale)      # the golden is far from zero
             peft_rounding = np.abs(golden[n + s + ".grad"] - exact).max()
-            assert peft_rounding > 1e-6 * scale, (n + s, peft_rounding)   # the runs differ
+            assert (exact.astype(np.float32) != exact).any(), n + s   # a float64 run
             err = np.abs(got - want).max() / scale
             bound = reference_bounds(out["own"]["grads"][n + s], peft_rounding,
                                      exact)[ref == "f32"] / scale
