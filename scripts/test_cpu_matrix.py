@@ -304,15 +304,16 @@ def main(argv: list[str] | None = None) -> int:
                 ref.parse_setting(x)
     except ValueError as e:
         ap.error(str(e))
+    # the commit under test is the one the cells start from
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                            capture_output=True, text=True).stdout.strip() or "?"
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                           capture_output=True, text=True).stdout.strip()
     work = native_build.load().cache_dir() / "cpu-matrix"
     work.mkdir(parents=True, exist_ok=True)
     cells = [] if a.variants == "none" else pytrain_cells(a, work)
     if specs:
         cells += reference_cells(specs, a.k, goldens, work)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                            capture_output=True, text=True).stdout.strip() or "?"
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                           capture_output=True, text=True).stdout.strip()
     cmd = "python -m scripts.test_cpu_matrix" + "".join(
         f" --{k} {shlex.quote(v)}" for k, v, d in (
             ("variants", a.variants, "best,haswell,native"), ("blas", a.blas, "1,0"),
