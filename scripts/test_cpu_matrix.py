@@ -124,13 +124,17 @@ def run_cell(variant: str, blas: str, threads: str, tests: list[str], k: str | N
 
 
 def junit_results(xml: Path) -> dict:
-    """passed, failed (the names) and skipped of a pytest run's JUnit XML."""
-    out = {"passed": 0, "failed": [], "skipped": 0}
+    """passed, failed (the names), skipped of a pytest run's JUnit XML, and each failure's
+    message (its first line: the assertion that failed)."""
+    out: dict = {"passed": 0, "failed": [], "skipped": 0, "messages": {}}
     if xml.exists():
         for case in ET.parse(xml).getroot().iter("testcase"):
             name = f"{case.get('classname', '').split('.')[-1]}::{case.get('name')}"
-            if case.find("failure") is not None or case.find("error") is not None:
+            bad = case.find("failure") if case.find("failure") is not None else \
+                case.find("error")
+            if bad is not None:
                 out["failed"].append(name)
+                out["messages"][name] = (bad.get("message") or "").strip().split("\n")[0][:300]
             elif case.find("skipped") is not None:
                 out["skipped"] += 1
             else:
@@ -178,16 +182,19 @@ def run_ref_cell(spec: str, ref_python: str, plain: dict, k: str | None, goldens
     exit_code = max([repro["exit"], parity["exit"]] + [g["exit"] for g in
                                                        gen["generators"].values()])
     tails = [g["tail"] for g in gen["generators"].values() if g["tail"]]
-    tails += [t["tail"] for t in (repro, parity) if t["exit"]]
+    tails += [t["tail"] for t in (repro, parity) if t["exit"] and not t["failed"]]
+    messages = {f"({x}) {n}": m for x, t in (("a", repro), ("b", parity))
+                for n, m in t["messages"].items()}
     return {"kind": "reference", "setting": spec, "kernels": rec["kernels"],
             "changes": ref.changes(rec, plain), "rng_changed": rec["rng"] != plain["rng"],
-            "pytrain": pytrain_side(tree_env, tree), "reproduction": drop_tail(repro),
-            "parity": drop_tail(parity), **gen, "failed": failed, "exit": exit_code,
+            "pytrain": pytrain_side(tree_env, tree), "reproduction": counts(repro),
+            "parity": counts(parity), **gen, "failed": failed, "messages": messages,
+            "exit": exit_code,
             "seconds": round(time.monotonic() - t0), "tail": "\n".join(tails)[-3000:]}
 
 
-def drop_tail(run: dict) -> dict:
-    return {k: v for k, v in run.items() if k != "tail"}
+def counts(run: dict) -> dict:
+    return {k: v for k, v in run.items() if k not in ("tail", "messages")}
 
 
 def markdown(cells: list[dict], cpu: str, commit: str, cmd: str) -> str:
@@ -240,7 +247,10 @@ def reference_markdown(cells: list[dict]) -> list[str]:
              "checkout (scripts/cpu_matrix_reference.py). *Changed ops*: of the operations "
              "scripts/reference_kernels.py probes, those whose float32 bits differ from the "
              "plain run's; the kernels are as MKL (`MKL_VERBOSE`), oneDNN (`ONEDNN_VERBOSE`) "
-             "and torch report them.",
+             "and torch report them. *Goldens differing*: of the goldens regenerated, those "
+             "not bit-equal to the committed file (made on another machine, or on other "
+             "kernels: a golden a cell reproduces bit for bit was made on that cell's "
+             "kernels).",
              ""]
     if probed:
         lines += ["Settings probed (`--ref auto`):", "",
@@ -275,8 +285,9 @@ def reference_markdown(cells: list[dict]) -> list[str]:
             for n, g in c["generators"].items()))
         for f, why in c["not_reproduced"].items():
             lines.append(f"- not reproduced byte for byte, the committed file kept: {f} ({why})")
-        lines += [f"- failed: `{n}`" for n in c["failed"]]
-        if c["exit"] and c["tail"]:
+        lines += [f"- failed: `{n}`" + (f": `{c['messages'][n]}`" if c["messages"].get(n)
+                                        else "") for n in c["failed"]]
+        if c["tail"]:               # a generator that failed, a pytest run that named no test
             lines += ["", "```", c["tail"], "```"]
     return lines
 
