@@ -35,7 +35,7 @@ and oneDNN report them (scripts/reference_kernels.py), and pytrain's ggml-cpu va
 Every cell is a fresh pytest process; the summary (pass/fail per cell, the failures' names,
 the CPU, the commit) is written as markdown, and every cell as JSON beside it.
 ``make test-cpu-matrix`` runs it (it needs the reference interpreter, ``make refenv``); it is
-not part of the default test run (about an hour on 2 cores for the pytrain side, 8-10 minutes
+not part of the default test run (about an hour on 2 cores for the pytrain side, 4-7 minutes
 per reference cell).
 
 Usage: python -m scripts.test_cpu_matrix [--out bench_results/cpu_matrix-amd.md]
