@@ -76,10 +76,12 @@ test: build llama-cpp cuda-check real-model refenv
 	$(PY) -m pytest -q --durations=25
 
 # the numerically sensitive tests under several CPU configurations of this machine: ggml-cpu
-# variants (the best for this CPU, AVX2-only, -march=native), BLAS on and off, 1 and 2 threads
-# (not part of `make test`; about 20 minutes on 2 cores; summary in bench_results/)
-test-cpu-matrix: build llama-cpp real-model
-	$(PY) -m scripts.test_cpu_matrix --out bench_results/cpu_matrix.md
+# variants (the best for this CPU, AVX2-only, -march=native), BLAS on and off, 1 and 2 threads;
+# and the reference side: the goldens regenerated with torch on the other kernel paths this CPU
+# has (MKL_CBWR, ONEDNN_MAX_CPU_ISA, ATEN_CPU_CAPABILITY ...), with the reproduction and parity
+# tests under each (not part of `make test`; over an hour on 2 cores; summary in bench_results/)
+test-cpu-matrix: build llama-cpp real-model refenv
+	PYTRAIN_REF_PYTHON=$(abspath $(REF_PY)) $(PY) -m scripts.test_cpu_matrix --out bench_results/cpu_matrix.md
 
 demo: build
 	$(PY) -m pytrain doctor

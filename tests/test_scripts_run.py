@@ -73,10 +73,12 @@ def test_report_measured_one_test(tmp_path):
 
 
 def test_cpu_matrix_one_cell(tmp_path):
-    """python -m scripts.test_cpu_matrix, one cell (the best variant, BLAS on, 1 thread) over
-    one test: the summary names the variant it loaded and the test's result."""
+    """python -m scripts.test_cpu_matrix, one cell (the best variant, BLAS on, 1 thread, no
+    reference cell: tests/test_cpu_matrix_reference.py has those) over one test: the summary
+    names the variant it loaded and the test's result."""
     out = tmp_path / "matrix.md"
-    run("scripts.test_cpu_matrix", "--variants", "best", "--blas", "1", "--threads", "1", "-k",
-        "test_causal_conv_matches_ssm_conv", "tests/test_delta_net.py", "--out", str(out))
+    run("scripts.test_cpu_matrix", "--variants", "best", "--blas", "1", "--threads", "1",
+        "--ref", "none", "-k", "test_causal_conv_matches_ssm_conv", "tests/test_delta_net.py",
+        "--out", str(out))
     (cell,) = json.loads(out.with_suffix(".json").read_text())
     assert cell["exit"] == 0 and not cell["failed"] and cell["passed"] >= 1, cell
