@@ -207,13 +207,20 @@ def test_memory_left_follows_the_containers_cgroup(tmp_path, monkeypatch, versio
         (tmp_path / "self").write_text("4:memory:/job\n0::/\n")
     monkeypatch.setattr(memory, "CGROUP_ROOT", root)
     monkeypatch.setattr(memory, "PROC_SELF_CGROUP", tmp_path / "self")
-    assert memory.cgroup_available() == 2 * 2**30
+    # the system's MemAvailable fixed too: the machine's own moves by pages between two reads
+    meminfo = tmp_path / "meminfo"
+    monkeypatch.setattr(memory, "MEMINFO", meminfo)
+    meminfo.write_text(f"MemTotal:       {8 * 2**20} kB\nMemAvailable:   {5 * 2**20} kB\n")
+    assert memory.cgroup_available() == 2 * 2**30 and memory.system_available() == 5 * 2**30
     m, _ = adapted(FIX / "gqa-f32.gguf")
     try:
-        assert memory.available_bytes(m.runtime) == min(2 * 2**30, memory.system_available())
+        assert memory.available_bytes(m.runtime) == 2 * 2**30          # the cgroup's, lower
+        meminfo.write_text(f"MemAvailable:   {2**20} kB\n")
+        assert memory.available_bytes(m.runtime) == 2**30               # the system's, lower
+        meminfo.write_text(f"MemAvailable:   {5 * 2**20} kB\n")
         (d / ("memory.max" if version == 2 else "memory.limit_in_bytes")).write_text(
             "max\n" if version == 2 else f"{2**63 - 4096}\n")     # no limit
         assert memory.cgroup_available() is None
-        assert memory.available_bytes(m.runtime) == memory.system_available()
+        assert memory.available_bytes(m.runtime) == 5 * 2**30
     finally:
         m.close()
