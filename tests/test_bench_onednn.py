@@ -19,9 +19,11 @@ def test_smoke_run_times_each_library_and_checks_the_product(tmp_path):
     assert rc == 0
     r = json.loads((tmp_path / "onednn.json").read_text())
     rows = r["rows"]
+    sides = [("f32", "onednn-pinned"), ("f32", "openblas")]
+    if r["bf16_matmul"]:        # oneDNN 3.2 has no bf16 matmul on an AVX2-only CPU
+        sides.append(("bf16", "onednn-pinned"))
     assert {(x["shape"], x["type"], x["side"]) for x in rows} == {
-        (s, t, side) for s in ("small fwd", "small bwd") for t, side in
-        (("bf16", "onednn-pinned"), ("f32", "onednn-pinned"), ("f32", "openblas"))}
+        (s, t, side) for s in ("small fwd", "small bwd") for t, side in sides}
     for x in rows:
         assert x["median_s"] > 0 and x["gflops"] > 0, x
         # c[0][0] = sum over K of the probe's a[0][k] * b[k][0]: every library the same sum
@@ -37,4 +39,4 @@ def test_smoke_run_times_each_library_and_checks_the_product(tmp_path):
     assert r["machine"]["cpu"] in md and "| small fwd | f32 |" in md
     q = {(x["shape"], x["type"]): x for x in r["ratios"]}
     assert q[("small fwd", "f32")]["onednn_over_openblas"] > 0
-    assert q[("small fwd", "bf16")]["candidate_over_pinned"] is None
+    assert q[("small fwd", "f32")]["candidate_over_pinned"] is None
