@@ -180,9 +180,11 @@ def format_shapes(shapes: list[list[int]]) -> str:
 
 
 def hf_limits(dtype: str, shapes: list[list[int]], flops: dict | None) -> dict:
+    t0 = time.perf_counter()
     probes = [torch_probe(*s, dtype) for s in shapes]
     return dict(flops=flops, probes=probes, kernels=torch_kernels(),
-                peak_gflops=max((p["best_gflops"] for p in probes), default=None))
+                peak_gflops=max((p["best_gflops"] for p in probes), default=None),
+                probe_s=time.perf_counter() - t0)
 
 
 # --------------------------------------------------------------------------------------------

@@ -62,6 +62,16 @@ Profile (``--no-profile`` skips): one extra pytrain step in its own process comp
 node, by part of the model and op and backend: ``pytrain profile``'s code
 (pytrain/plan/profile.py); and one HF step under torch.profiler (top ops by self CPU time).
 
+Where the limit is (``--no-limits`` skips it; scripts/bench_limits.py says how): each
+worker also counts its step's matrix-product FLOPs (pytrain: the MUL_MAT / OUT_PROD nodes of
+the graphs its first warm-up step computed; HF: FlopCounterMode on its first warm-up step),
+and after its timed steps probes its library's matmul rate at the ``--probe-top K`` (default
+3) shapes holding the most FLOPs and at a ``--probe-square N`` cube (default 2048; 0: none);
+pytrain's side also computes one step node by node for the time outside the products (that
+profiled step is the report's pytrain profile at the first thread count: no process of its
+own).  The report's "Where the limit is" section: FLOPs, achieved and peak GFLOP/s,
+utilization, the probes, the kernels.  ``--no-hf`` runs pytrain's sides alone.
+
 On a GPU: ``--device cuda`` or ``--device vulkan`` runs scripts/bench_train_gpu.py instead (it
 passes every argument on and its docstring says what it measures) ->
 bench_results/train-cuda.md, train-vulkan.md.
@@ -552,7 +562,11 @@ def main(argv: list[str] | None = None) -> int:
         return report_from(a)
     a.thread_list = [int(t) for t in str(a.threads or "2").split(",") if t.strip()]
     a.bf16_rows = bf16_rows(a.bf16)
+    t_isa = time.perf_counter()
     a.onednn_isa = bl.onednn_isa(a.pytrain_python) if a.limits else ""
+    if a.limits:
+        print(f"oneDNN: {a.onednn_isa or 'no verbose output'} "
+              f"({time.perf_counter() - t_isa:.1f} s)", flush=True)
     a.out = a.out or REPO / "bench_results" / "train.md"
     a.json = a.json or a.out.with_suffix(".json")
     t_start = time.time()
