@@ -222,7 +222,9 @@ def limits_section(rows: list[dict]) -> list[str]:
     lines = ["", "## Where the limit is", "",
              "Matrix-product FLOPs of one step (pytrain: counted from the MUL_MAT / OUT_PROD "
              "nodes of the graphs the step computed, multiply-add = 2; HF: torch's "
-             "FlopCounterMode on one step, its own count), achieved = FLOPs / median step, "
+             "FlopCounterMode on one step, its own count: its LM head runs on every row, and "
+             "it has no formula for the CPU's fused attention (sdpa), left out), "
+             "achieved = FLOPs / median step, "
              "peak = the fastest single product this side's library reached on this machine at "
              "the same thread count (the probes below: the step's largest product shapes and a "
              "square), utilization = achieved / peak. Product / other node time: pytrain's "

@@ -145,7 +145,8 @@ def test_bench_train_limits_for_pytrain_alone(toy, tmp_path):
     text = out.read_text()
     section = text.split("## Where the limit is", 1)[1].split("\n## ")[0]
     for t in (1, 2):
-        row = next(ln for ln in section.splitlines() if ln.startswith(f"| toy | {t} | pytrain f32 |"))
+        row = next(ln for ln in section.splitlines()
+                   if ln.startswith(f"| toy | {t} | pytrain f32 |"))
         assert row.split("|")[8].strip().endswith("%**"), row      # utilization
     assert "square MUL_MAT F32 [64 x 64] . [64 x 64]" in section
     assert "ggml-cpu variant" in section and "HF side not run: --no-hf" in text
