@@ -66,6 +66,24 @@ def test_bench_train_one_step_each_side(toy, ref_python):
     assert p["lora_names"] == h["lora_names"] == 8      # q/k/v/o of the 2 attention layers
 
 
+def test_bench_train_workers_limits_without_warmup(toy, ref_python):
+    """Both workers with --limits and no warm-up step: the products (pytrain) and the FLOPs
+    (HF) are counted on an extra untimed step, in the losses; --probe-square 0 probes no
+    square; the HF side's torch probe runs the (M, N, K, batch) shapes it is given."""
+    common = ["--threads", "1", "--runs", "1", "--warmup", "0", "--batch", *BATCH,
+              "--vocab", "512", "--limits", "--probe-top", "1", "--probe-square", "0"]
+    p = worker(sys.executable, "bench_train", "pytrain", *common, "--gguf", toy["gguf"])
+    h = worker(ref_python, "bench_train", "hf", *common, "--hf", toy["hf"],
+               "--probe-shapes", "24,8,16,1;8,8,8,2")
+    assert len(p["losses"]) == len(p["times"]) + 1 and not p["warmup_s"]
+    assert len(h["losses"]) == len(h["times"]) + 1 and not h["warmup_s"]
+    (pp,) = p["limits"]["probes"]
+    assert not pp["square"] and pp["label"] == p["limits"]["products"]["top"][0]["label"]
+    assert [x["mnkb"] for x in h["limits"]["probes"]] == [[24, 8, 16, 1], [8, 8, 8, 2]]
+    assert h["limits"]["probes"][1]["flops"] == 2 * 8 * 8 * 8 * 2
+    assert h["limits"]["flops"]["flops"] > 0 and "aten.mm" in h["limits"]["flops"]["by_op"]
+
+
 def test_bench_train_bf16_rows_and_their_report(toy, ref_python, tmp_path):
     """python -m scripts.bench_train --bf16 on (forced: a CPU without bf16 units runs it too,
     emulated): the row has all four sides, pytrain's bf16 side loaded its matrices as BF16 and
