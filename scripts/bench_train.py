@@ -306,7 +306,7 @@ def prepare(name: str, a) -> dict | None:
         from pytrain.models.model_file import open_model
         cfg = open_model(a.default_gguf)[3]
         hf = a.default_hf if (a.default_hf / "model.safetensors").exists() else None
-        if a.no_hf:
+        if getattr(a, "no_hf", False):      # (bench_dpo's own arguments have none)
             hf = None
         elif hf is None:
             print(f"[default] HF side skipped: no HF checkpoint at {a.default_hf}", flush=True)
@@ -321,7 +321,8 @@ def prepare(name: str, a) -> dict | None:
     if d is None:
         return None
     done = json.loads((d / "done.json").read_text())
-    return dict(name=name, gguf=d / done["gguf"], hf=None if a.no_hf else d / "hf",
+    return dict(name=name, gguf=d / done["gguf"],
+                hf=None if getattr(a, "no_hf", False) else d / "hf",
                 vocab=spec["config"]["vocab_size"],
                 desc=spec["desc"], n_params=done["n_params"],
                 weights=f"{spec['outtype'].upper()} / f32")
