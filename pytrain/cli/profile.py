@@ -40,8 +40,15 @@ def render(prof, facts: dict, top: int = 15) -> list[str]:
              f"time:    {prof.wall:.4f} s per profiled step ({prof.steps} averaged"
              + (f"; {unprof:.4f} s unprofiled" if unprof else "") + f"), {prof.n_nodes} nodes; "
              f"node times sum {prof.total:.4f} s (dispatch overhead {prof.overhead * 1e6:.1f} us "
-             f"per node subtracted)", ""]
-    lines += _table("part", prof.by_part, prof.total) + [""]
+             f"per node subtracted)"]
+    if prof.product_flops:
+        prod, other = prof.split()
+        lines.append(f"matrix products: {prof.product_flops / 1e9:.3f} GFLOP per step "
+                     f"(MUL_MAT / OUT_PROD nodes, as computed), {prod:.4f} s in their nodes"
+                     + (f" = {prof.product_flops / prod / 1e9:.1f} GFLOP/s" if prod > 0 else "")
+                     + f"; {other:.4f} s in every other node "
+                     f"({100 * other / prof.total if prof.total else 0:.1f}% of node time)")
+    lines += [""] + _table("part", prof.by_part, prof.total) + [""]
     counts = {k.rsplit(" [", 1)[0]: 0 for k in prof.count_op_backend}
     for k, v in prof.count_op_backend.items():
         counts[k.rsplit(" [", 1)[0]] += v
