@@ -119,7 +119,8 @@ def with_matrices(line: str, loads: Iterable[tuple[str, str]]) -> str:
         return (f"{head}: no weight matrix is BF16 ({held}): ggml-cpu's {types} kernels "
                 f"multiply {them}, as with train.compute_type = \"f32\"; bf16 applies to none "
                 f"of the products with the frozen weights\nwarning: bf16 compute does not apply "
-                f"to this model's {n_kept} matrices kept as {types} (the weights: line says why); "
+                f"to this model's {n_kept} matrices kept as {types} (the run's weights: line, "
+                f"pytrain plan's types:, says why); "
                 f"train.compute_type = \"f32\" lets model.type_policy = \"auto\" load the types "
                 f"measured faster as F32, and an F32, F16 or BF16 GGUF of the model gets bf16 "
                 f"on every matrix")
