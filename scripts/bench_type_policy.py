@@ -76,7 +76,8 @@ SHARED = ("The sides are stepped in turn, so other work on the machine (the note
 # ------------------------------------------------------------------------------- one side
 
 SIDES = ("keep", "f32", "f16", "bf16-keep", "bf16")
-BF16_SIDES = ("bf16-keep", "bf16")      # train.compute_type = "bf16"
+BF16_SIDES = ("bf16-keep", "bf16", "bf16-auto")      # train.compute_type = "bf16" (bf16-auto:
+                                                     # the trainer's choice, where it is neither)
 
 
 def side_types(side: str):
@@ -312,6 +313,11 @@ def bench_real(name: str, sides: list[str], rounds: int, folder: Path, log,
             log(f"{name}: loading as auto")
             arms.append(Arm(dict(spec, side="auto", dequantize={
                 ggml_name(k): ggml_name(v) for k, v in choice.dequantize.items()})))
+        if bf16 is not None and bf16.dequantize and "bf16" in sides and \
+                len(bf16.dequantize) < len(bf16.measured):   # bf16 copies of some types only
+            log(f"{name}: loading as bf16-auto")
+            arms.append(Arm(dict(spec, side="bf16-auto", dequantize={
+                ggml_name(k): ggml_name(v) for k, v in bf16.dequantize.items()})))
         log(f"{name}: {rounds} rounds of {len(arms)} sides on the demo's batches, {threads} "
             f"threads")
         res = race(arms, rounds)
@@ -326,8 +332,8 @@ def bench_real(name: str, sides: list[str], rounds: int, folder: Path, log,
         out.update(**compare(res, auto, ["keep", "f32"]),
                    **{k + "_all": v for k, v in compare(res, auto, list(res)).items()})
     if bf16 is not None:
-        out.update(bf16_auto="bf16" if bf16.dequantize else "bf16-keep",
-                   bf16_reason=bf16.reason)
+        out.update(bf16_auto=("bf16-keep" if not bf16.dequantize else "bf16-auto"
+                              if "bf16-auto" in res else "bf16"), bf16_reason=bf16.reason)
     return out
 
 

@@ -252,3 +252,22 @@ def test_keep_keeps_the_quantized_types_and_the_log_claims_no_bf16(q4_1, tmp_pat
     compute = next(x for x in log if x.startswith("compute "))
     assert compute.startswith("compute bf16: no weight matrix is BF16 (") and \
         "through oneDNN" not in compute, compute
+
+
+def test_the_bf16_table_is_backed_by_the_committed_measurements():
+    """Every type BF16_STEP_RATIO holds was measured in bench_results/type_policy_bf16*.json
+    (bf16-keep's step time over bf16's, median of the rounds' ratios), and its figure is the
+    lowest of those medians: on a machine shared with other work the table may be more
+    conservative than one noisy run, never bolder than any."""
+    root = Path(__file__).resolve().parent.parent
+    measured: dict[tuple[str, str], list[float]] = {}
+    for f in sorted((root / "bench_results").glob("type_policy_bf16*.json")):
+        for x in json.loads(f.read_text())["synthetic"]:
+            if "bf16" in x["sides"]:
+                measured.setdefault((x["device"], x["type"]), []).append(
+                    round(x["sides"]["bf16"]["keep_over_this"], 2))
+    assert tc.BF16_STEP_RATIO["cpu+blas"], "no measured type"
+    for key, row in tc.BF16_STEP_RATIO.items():
+        for name, ratio in row.items():
+            assert name not in ("F32", "F16", "BF16")       # BF16 under bf16 compute anyway
+            assert ratio == min(measured[key, name]), (name, ratio, measured[key, name])

@@ -7,9 +7,10 @@ weights, which round the activations to the weight's dot type as llama.cpp does)
 ``bf16`` is what HF + PEFT users on a CPU with bf16 units pick for speed: the weight matrices
 are stored as BF16 (rounded to nearest even from F32 or F16, as ``model.to(torch.bfloat16)``
 rounds them; a quantized type dequantized and rounded so where a bf16 step was measured
-faster that way and the copies fit, ``pytrain.run.type_choice.choose_bf16``) and ggml-blas multiplies them with oneDNN's bf16 x bf16 -> f32 matmul, in the
-forward (``MUL_MAT``) and in the backward (``OUT_PROD``), on AMX tiles (``amx_bf16``) or with
-``vdpbf16ps`` (``avx512_bf16``).  The other operand (the activations; in the backward the
+faster that way and the copies fit, ``pytrain.run.type_choice.choose_bf16``) and ggml-blas
+multiplies them with oneDNN's bf16 x bf16 -> f32 matmul, in the forward (``MUL_MAT``) and
+in the backward (``OUT_PROD``), on AMX tiles (``amx_bf16``) or with ``vdpbf16ps``
+(``avx512_bf16``).  The other operand (the activations; in the backward the
 gradient) is rounded to bf16 at each such product, once, as torch's bf16 autocast rounds a
 ``Linear``'s input; the products accumulate in float32, and everything else (the LoRA
 matrices and their gradients, norms, attention, the DeltaNet recurrence, the loss, AdamW)

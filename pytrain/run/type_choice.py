@@ -92,10 +92,27 @@ STEP_RATIO: dict[str, dict[str, tuple[float, float | None]]] = {
 # under train.compute_type = "bf16" (only with ggml's BLAS backend: oneDNN is in it), per file
 # type: a bf16 training step's time with the type kept over its time with the matrices as BF16
 # copies (python -m scripts.bench_type_policy --sides f32,bf16-keep,bf16 --name
-# type_policy_bf16: bench_results/type_policy_bf16.md, medians of a machine shared with other
-# work); a type not listed keeps its type
+# type_policy_bf16: bench_results/type_policy_bf16.md, 3 rounds, and the types whose rounds
+# disagreed again in type_policy_bf16_rerun.md, 5 rounds).  Both were measured on 2 threads of
+# a 2-core machine under load from other work (single steps varied by up to 10x), so each
+# figure is the lower of the runs' medians of per-round ratios: a type goes to BF16 only where
+# every run measured it FASTER.  Q8_0 (1.49 then 1.00) and Q5_1 (0.95 then 1.95) are kept for
+# that reason; the K-quants but Q4_K were measured faster kept.  A type not listed keeps its
+# type.
 BF16_STEP_RATIO: dict[str, dict[str, float]] = {
     "cpu+blas": {
+        "Q8_0": 1.0,
+        "Q4_0": 2.64,
+        "Q4_1": 1.98,
+        "Q5_0": 1.64,
+        "Q5_1": 0.95,
+        "Q2_K": 0.72,
+        "Q3_K": 0.81,
+        "Q4_K": 4.2,
+        "Q5_K": 0.54,
+        "Q6_K": 0.63,
+        "IQ4_NL": 1.43,
+        "IQ4_XS": 1.59,
     },
 }
 _TARGETS = ((F32, "F32"), (F16, "F16"))     # preferred first: F32 is exact and at least as fast
@@ -330,8 +347,9 @@ def _types(types: Mapping[str, str]) -> str:
 
 def as_recorded(rec: Mapping, say: Callable[[str], None]) -> Callable[..., dict[int, int]]:
     """The ``dequantize`` function ``load_model`` calls to load matrices as the run of ``rec``
-    did: its F32/F16 targets (a bf16 run's: the quantized types it copied to BF16), while those weights fit in half of the memory available now
-    (``for_training``'s rule); else the file's types, and ``say`` tells why."""
+    did: its F32/F16 targets (a bf16 run's: the quantized types it copied to BF16), while
+    those weights fit in half of the memory available now (``for_training``'s rule); else the
+    file's types, and ``say`` tells why."""
     ids = {ggml.type_name(t): t for t in ggml.TYPES.values()}
     # BF16 from a quantized type: a bf16 run's copies (load_model drops them under f32)
     want = {ids[k]: ids[v] for k, v in rec["matrices"].items()
