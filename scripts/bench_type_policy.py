@@ -3,7 +3,9 @@ F32 (and F16), side by side in one run: what ``model.type_policy = "auto"``'s ru
 training runs (``pytrain/run/type_choice.py``) is measured from.  The bf16 sides do the same
 under ``train.compute_type = "bf16"``: ``bf16-keep`` keeps the quantized matrices (the F32/F16
 ones BF16), ``bf16`` loads them as BF16 copies too; ``type_choice.BF16_STEP_RATIO`` is copied
-from their ratio (``--sides f32,bf16-keep,bf16 --name type_policy_bf16``).
+from their ratio (``--sides f32,bf16-keep,bf16 --name type_policy_bf16``); on a real model
+whose bf16 choice (``type_choice.choose_bf16``) copies only some of its types, that choice is
+measured too, as ``bf16-auto``.
 
 Two parts:
 
