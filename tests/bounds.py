@@ -270,7 +270,9 @@ def cross_entropy_bounds(logits: np.ndarray, labels: np.ndarray, d: float = 1.0
       the rows' sum in double, the division by N and the rounding to float32 add N·U64 of the
       rows and u of the result.
     * the gradient (p_i·Σl - l_i)·d/N is computed as fl(fl(e_i·a) - l_i·b) with e_i the exp
-      (EXP_REL + u·|z_i|), a = fl32(Σl/S·d/N) (δS + u + n·U64 for Σl), b = fl32(d/N) (u):
+      relative to the running max m_c of its chunk (EXP_REL + u·|x_i - m_c|, and
+      |x_i - m_c| <= |z_i|), a = fl32(exp(m_c - m)·Σl/S·d/N) in double then rounded (δS + u +
+      n·U64 for Σl), b = fl32(d/N) (u):
       with P_i = p_i·Σ|l|·|d|/N and L_i = |l_i|·|d|/N the error is at most
       P_i·(EXP_REL + u·|z_i| + δS + 3u) + L_i·3u (b, a product rounded without FMA, the
       result's rounding, which also covers P_i's share of it); plus F32_MIN·(1 + 2·(Σ|l| +
