@@ -25,6 +25,8 @@ import sys
 import time
 from pathlib import Path
 
+from scripts.test_cpu_matrix import cpu_description
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -103,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     variants = a.variants.split(",")
     runs: dict[str, list[dict]] = {v: [] for v in variants}
+    load_before = os.getloadavg()[0]
     for _ in range(a.rounds):
         for v in variants:
             runs[v].append(run_worker(v, a))
@@ -117,6 +120,9 @@ def main(argv: list[str] | None = None) -> int:
              "", f"`python -m scripts.bench_cross_entropy --vocab {a.vocab} --rows {a.rows} "
              f"--threads {a.threads} --rounds {a.rounds} --reps {a.reps}`; medians (min) over "
              f"{a.rounds} x {a.reps} computes per op, variants in alternating rounds.", "",
+             f"CPU: {cpu_description()}; load average {load_before:.1f} before, "
+             f"{os.getloadavg()[0]:.1f} after (other processes share the cores: compare rows "
+             f"of one table, not tables).", "",
              "| ggml-cpu module | loaded | forward ms | backward ms | loss |", "|---|---|---|---|---|"]
     for r in rows:
         f, b = r["forward"], r["backward"]
