@@ -123,6 +123,17 @@ def test_full_vocabulary(threads):
     check(x, y, threads)
 
 
+def test_row_longer_than_the_backwards_chunk_count():
+    """A row of more than 512 chunks of 2048 (CE_MAX_CHUNKS: the backward keeps one max per
+    chunk on the stack, so its chunks grow for such rows), the max in its last element."""
+    rng = np.random.default_rng(13)
+    V = 512 * CHUNK + 4099
+    x = (rng.normal(size=(2, V)) * 3).astype(np.float32)
+    x[0, -1] = 40.0
+    y = one_hot(rng, 2, V)
+    check(x, y, 2)
+
+
 def test_ignored_rows_change_no_bit():
     """The masked loss's guarantee (pytrain/step/loss.py): an ignored row (all-zero labels)
     adds exactly 0, whatever its logits, so the loss and every other row's gradient keep
