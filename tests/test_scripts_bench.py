@@ -293,3 +293,19 @@ def test_bench_distributed_toy(toy, ref_python, tmp_path):
     j = json.loads(out.with_suffix(".json").read_text())
     assert j["one"]["ranks"] == 1 and j["two"]["ranks"] == 2
     assert j["one"]["losses"] == j["two"]["losses"] and len(j["one"]["losses"]) == 1
+
+
+def test_bench_cross_entropy_small(tmp_path):
+    """python -m scripts.bench_cross_entropy at [1000, 8]: the best variant and haswell, one
+    round each, both ops timed, the loss of the op (one-hot labels over N(0, 3) logits: about
+    log V plus a few) reported, the table and json written."""
+    out = tmp_path / "ce.md"
+    run_script("scripts.bench_cross_entropy", "--vocab", "1000", "--rows", "8", "--threads",
+               "1", "--rounds", "1", "--reps", "2", "--variants", "best,haswell", "--out",
+               str(out))
+    rows = json.loads(out.with_suffix(".json").read_text())
+    assert [r["variant"] for r in rows] == ["best", "haswell"] and rows[1]["loaded"] == "haswell"
+    for r in rows:
+        assert r["forward"]["n"] == r["backward"]["n"] == 2 and r["forward"]["min_ms"] > 0, r
+        assert 6.0 < r["loss"] < 30.0, r
+    assert "| haswell | haswell |" in out.read_text()
