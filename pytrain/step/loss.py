@@ -10,7 +10,8 @@ targets.  Here, by construction:
   * an ignored row has an all-zero label row, so it adds exactly 0 to the loss, and the row
     mask multiplies its LM-head input by 0 (``new_row_mask``, ``Transformer.head``), so no
     parameter receives a bit of gradient from it, whatever the CE op's backward hands that
-    row (ggml's upstream op hands softmax/n, the seed's flaw);
+    row (ggml's upstream op hands softmax/n, the seed's flaw; ggml-cpu's, with patch 0019,
+    hands exactly 0, so the head's OUT_PROD skips the row: patch 0002);
   * the one-hot label rows are built on the device from the target ids (O(rows) uploaded, not
     O(rows · vocabulary)), and their pad-token column is read back once before the loss is
     computed;
