@@ -18,7 +18,8 @@ def _table(title: str, d: dict[str, float], total: float, counts: dict | None = 
            top: int | None = None) -> list[str]:
     rows = sorted(d.items(), key=lambda kv: -kv[1])
     shown = rows[:top] if top else rows
-    w = max([len(k) for k, _ in shown] + [len(title)])
+    # the width of every row, shown or not: the layout is the graph's, not the timing's
+    w = max([len(k) for k, _ in rows] + [len(title)])
     lines = [f"{title:<{w}}  {'nodes' if counts else '':>6} {'ms':>10} {'share':>7}"]
     for k, v in shown:
         n = str(counts.get(k, "")) if counts else ""
