@@ -62,6 +62,16 @@ Profile (``--no-profile`` skips): one extra pytrain step in its own process comp
 node, by part of the model and op and backend: ``pytrain profile``'s code
 (pytrain/plan/profile.py); and one HF step under torch.profiler (top ops by self CPU time).
 
+Where the limit is (``--no-limits`` skips it; scripts/bench_limits.py says how): each
+worker also counts its step's matrix-product FLOPs (pytrain: the MUL_MAT / OUT_PROD nodes of
+the graphs its first warm-up step computed; HF: FlopCounterMode on its first warm-up step),
+and after its timed steps probes its library's matmul rate at the ``--probe-top K`` (default
+3) shapes holding the most FLOPs and at a ``--probe-square N`` cube (default 2048; 0: none);
+pytrain's side also computes one step node by node for the time outside the products (that
+profiled step is the report's pytrain profile at the first thread count: no process of its
+own).  The report's "Where the limit is" section: FLOPs, achieved and peak GFLOP/s,
+utilization, the probes, the kernels.  ``--no-hf`` runs pytrain's sides alone.
+
 On a GPU: ``--device cuda`` or ``--device vulkan`` runs scripts/bench_train_gpu.py instead (it
 passes every argument on and its docstring says what it measures) ->
 bench_results/train-cuda.md, train-vulkan.md.
@@ -93,6 +103,7 @@ import time
 from pathlib import Path
 
 from scripts import bench_common as bc
+from scripts import bench_limits as bl
 from scripts.bench_train_report import (BATCH, HF_OTHER, VARIANTS, bf16_ratio_lines,
                                         machine_info, report)
 from scripts.bench_common import LR, REPO, SPECS
@@ -182,6 +193,7 @@ def _kernel(compute_type: str) -> dict:
 
 
 def pytrain_worker(a) -> dict:
+    from pytrain.plan.products import counting
     B, T = a.batch
     t0 = time.perf_counter()
     m, tr, names, batch, train = bc.pytrain_trainer(a.gguf, "cpu", int(a.threads), a.recompute,
@@ -190,9 +202,17 @@ def pytrain_worker(a) -> dict:
     after_load = bc.proc_status()
     ph = _Phases(tr)
     losses, warm = [], []
-    for _ in range(a.warmup):
+    products = None
+    if a.worker_limits and not a.warmup:     # the products are counted on an untimed step
+        with counting(m.runtime) as products:
+            losses.append(tr.step([batch], LR).loss)
+    for i in range(a.warmup):
         t1 = time.perf_counter()
-        losses.append(tr.step([batch], LR).loss)
+        if a.worker_limits and i == 0:       # the first warm-up step's products, as it ran them
+            with counting(m.runtime) as products:
+                losses.append(tr.step([batch], LR).loss)
+        else:
+            losses.append(tr.step([batch], LR).loss)
         warm.append(time.perf_counter() - t1)
     ph.take()
     if a.profile:
@@ -226,6 +246,9 @@ def pytrain_worker(a) -> dict:
                **stats)
     res["tokens_per_s"] = B * T / res["median_s"]
     res["target_tokens_per_s"] = res["n_targets"] / res["median_s"]
+    if a.worker_limits:      # after the timed steps and the peak RSS: disturbs neither
+        res["limits"] = bl.pytrain_limits(m.runtime, tr, batch, products, a.compute_type,
+                                          a.probe_top, a.probe_square)
     return res
 
 
@@ -241,9 +264,17 @@ def hf_worker(a) -> dict:
     load_s = time.perf_counter() - t0
     after_load = bc.proc_status()
     losses, warm = [], []
-    for _ in range(a.warmup):
+    flops = None
+    if a.worker_limits and not a.warmup:     # the FLOPs are counted on an untimed step
+        loss, flops = bl.hf_flops_step(hf)
+        losses.append(loss)
+    for i in range(a.warmup):
         t1 = time.perf_counter()
-        losses.append(hf.one())
+        if a.worker_limits and i == 0:       # the first warm-up step under FlopCounterMode
+            loss, flops = bl.hf_flops_step(hf)
+            losses.append(loss)
+        else:
+            losses.append(hf.one())
         warm.append(time.perf_counter() - t1)
     if a.profile:
         return dict(side="hf", profile=bc.hf_profile(hf, 12))
@@ -257,6 +288,8 @@ def hf_worker(a) -> dict:
                **hf.facts, **stats)
     res["tokens_per_s"] = res["tokens"] / res["median_s"]
     res["target_tokens_per_s"] = res["n_targets"] / res["median_s"]
+    if a.worker_limits:
+        res["limits"] = bl.hf_limits(a.hf_dtype, bl.parse_shapes(a.probe_shapes or ""), flops)
     return res
 
 
@@ -273,7 +306,9 @@ def prepare(name: str, a) -> dict | None:
         from pytrain.models.model_file import open_model
         cfg = open_model(a.default_gguf)[3]
         hf = a.default_hf if (a.default_hf / "model.safetensors").exists() else None
-        if hf is None:
+        if getattr(a, "no_hf", False):      # (bench_dpo's own arguments have none)
+            hf = None
+        elif hf is None:
             print(f"[default] HF side skipped: no HF checkpoint at {a.default_hf}", flush=True)
         return dict(name="default", gguf=a.default_gguf, hf=hf, vocab=int(cfg.n_vocab),
                     desc=f"embedded default model: hidden {cfg.n_embd}, {cfg.n_layer} layers, "
@@ -286,7 +321,9 @@ def prepare(name: str, a) -> dict | None:
     if d is None:
         return None
     done = json.loads((d / "done.json").read_text())
-    return dict(name=name, gguf=d / done["gguf"], hf=d / "hf", vocab=spec["config"]["vocab_size"],
+    return dict(name=name, gguf=d / done["gguf"],
+                hf=None if getattr(a, "no_hf", False) else d / "hf",
+                vocab=spec["config"]["vocab_size"],
                 desc=spec["desc"], n_params=done["n_params"],
                 weights=f"{spec['outtype'].upper()} / f32")
 
@@ -294,10 +331,12 @@ def prepare(name: str, a) -> dict | None:
 def run_worker(python: str, side: str, model: dict, a, threads: int, profile: bool = False,
                batch=BATCH, steps: int | None = None, warmup: int | None = None,
                blas: bool = True, recompute: str | None = None, compute_type: str = "f32",
-               hf_dtype: str | None = None) -> dict | None:
+               hf_dtype: str | None = None, limits: bool = False,
+               probe_shapes: str = "") -> dict | None:
     """One worker process; ``blas=False`` runs pytrain with PYTRAIN_BLAS=0 (its CPU backend
     alone), ``recompute`` overrides --recompute, ``compute_type`` is pytrain's, ``hf_dtype``
-    overrides --hf-dtype."""
+    overrides --hf-dtype; ``limits``: the worker also measures where the limit is
+    (scripts/bench_limits.py; the HF side's torch probes at ``probe_shapes``)."""
     hf_dtype = hf_dtype or a.hf_dtype
     cmd = [python, "-m", "scripts.bench_train", "--worker", side, "--threads", str(threads),
            "--runs", str(a.steps if steps is None else steps),
@@ -307,6 +346,10 @@ def run_worker(python: str, side: str, model: dict, a, threads: int, profile: bo
            "--recompute", recompute or a.recompute, "--nice", str(a.nice)]
     if profile:
         cmd += ["--profile", "--warmup", "1"]
+    elif limits:
+        cmd += ["--limits", "--probe-top", str(a.probe_top), "--probe-square", str(a.probe_square)]
+        if side == "hf":
+            cmd += ["--probe-shapes", probe_shapes]
     cmd += ["--gguf", str(model["gguf"])] if side == "pytrain" else ["--hf", str(model["hf"])]
     env = bc.worker_env(threads, **({} if blas else {"PYTRAIN_BLAS": "0"}))
     busy = bc.wait_quiet(a.quiet_wait) if a.quiet_wait else bc.machine_busy()
@@ -367,6 +410,17 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--nice", type=int, default=0,
                     help="niceness of the worker processes; on a shared machine -20 (root)")
     ap.add_argument("--no-profile", dest="do_profile", action="store_false")
+    ap.add_argument("--no-hf", action="store_true",
+                    help="run pytrain's sides only (no HF + PEFT reference; its model is still "
+                         "made by the reference stack when not cached)")
+    ap.add_argument("--no-limits", dest="limits", action="store_false",
+                    help="skip the \"Where the limit is\" measurements (product FLOPs, matmul "
+                         "probes, the profiled step's time outside the products)")
+    ap.add_argument("--probe-top", type=int, default=3, metavar="K",
+                    help="probe the K product shapes holding the most of a step's FLOPs "
+                         "(default 3)")
+    ap.add_argument("--probe-square", type=int, default=2048, metavar="N",
+                    help="also probe an N x N x N product (default 2048; 0: none)")
     ap.add_argument("--quiet-wait", type=float, default=120.0,
                     help="before each process, wait up to this many seconds for other processes "
                          "to use < 0.3 cores (0: do not wait)")
@@ -383,6 +437,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--into", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--worker", choices=["pytrain", "hf"], help=argparse.SUPPRESS)
     ap.add_argument("--profile", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--limits", dest="worker_limits", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--probe-shapes", default="", help=argparse.SUPPRESS)
     ap.add_argument("--compute-type", default="f32", choices=["f32", "bf16"],
                     help=argparse.SUPPRESS)
     ap.add_argument("--no-kernels", dest="kernels", action="store_false", help=argparse.SUPPRESS)
@@ -432,23 +488,39 @@ def bf16_rows(mode: str) -> bool:
     return bool(units)
 
 
+def probe_shapes(p: dict | None, a) -> list[list[int]]:
+    """(M, N, K, batch) of the products the HF side's torch probe runs: those pytrain's ggml
+    probe ran (its step's largest, and the square), or the square alone."""
+    if p and p.get("limits"):
+        return [x["mnkb"] for x in p["limits"]["probes"]]
+    n = a.probe_square
+    return [[n, n, n, 1]] if n else []
+
+
 def bench_row(name: str, model: dict, a, threads: int, first: bool) -> dict:
     """One model at one thread count: pytrain (and its variants), HF, and the profiles."""
     batch, warmup, steps = train_settings(name, a)
     print(f"[{name}] batch {batch[0]} x {batch[1]}, {warmup} warm-up + {steps} clean steps, "
           f"{threads} threads", flush=True)
     row = dict(model, threads=threads, batch=list(batch))
+    if a.no_hf:
+        row["no_hf"] = True
+    if a.limits and a.onednn_isa:
+        row["onednn_isa"] = a.onednn_isa
     kw = dict(batch=batch, steps=steps, warmup=warmup)
     run = lambda python, side, **k: run_worker(python, side, model, a, threads, **k)  # noqa: E731
-    row["pytrain"] = run(a.pytrain_python, "pytrain", **kw)
+    row["pytrain"] = run(a.pytrain_python, "pytrain", limits=a.limits, **kw)
     if name in a.blas_off.split(","):
         row["pytrain_noblas"] = run(a.pytrain_python, "pytrain", blas=False, **kw)
-    row["hf"] = run(a.ref_python, "hf", **kw) if model["hf"] else None
+    shapes = bl.format_shapes(probe_shapes(row["pytrain"], a))
+    hkw = dict(kw, limits=a.limits, probe_shapes=shapes)
+    row["hf"] = run(a.ref_python, "hf", **hkw) if model["hf"] else None
     if a.bf16_rows:
-        row["pytrain_bf16"] = run(a.pytrain_python, "pytrain", compute_type="bf16", **kw)
+        row["pytrain_bf16"] = run(a.pytrain_python, "pytrain", compute_type="bf16",
+                                  limits=a.limits, **kw)
         other = "float32" if a.hf_dtype == "bfloat16" else "bfloat16"
         if model["hf"]:      # the second reference: hf_bf16 (or hf_f32 beside a bf16 "hf")
-            row[HF_OTHER[other]] = run(a.ref_python, "hf", hf_dtype=other, **kw)
+            row[HF_OTHER[other]] = run(a.ref_python, "hf", hf_dtype=other, **hkw)
     p = row["pytrain"]
     if name in a.one_graph.split(",") and p and "recompute" in (p.get("step_graph") or ""):
         row["pytrain_onegraph"] = run(a.pytrain_python, "pytrain", recompute="off", **kw)
@@ -458,9 +530,15 @@ def bench_row(name: str, model: dict, a, threads: int, first: bool) -> dict:
                   f"{p['tokens_per_s'] / row[k]['tokens_per_s']:.2f}", flush=True)
     for line in bf16_ratio_lines(row):
         print(f"  [{name}] {line}", flush=True)
+    # the limits' profiled step is the profile (no process of its own); kept once per row
+    own = {k: row[k]["limits"].pop("profile") for k in ("pytrain", "pytrain_bf16")
+           if (row.get(k) or {}).get("limits")}
     if a.do_profile and first:
-        pp = run(a.pytrain_python, "pytrain", profile=True, batch=batch)
-        row["pytrain_profile"] = pp and pp["profile"]
+        if "pytrain" in own:
+            row["pytrain_profile"] = own["pytrain"]
+        else:
+            pp = run(a.pytrain_python, "pytrain", profile=True, batch=batch)
+            row["pytrain_profile"] = pp and pp["profile"]
         if model["hf"]:
             hp = run(a.ref_python, "hf", profile=True, batch=batch)
             row["hf_profile"] = hp and hp["profile"]
@@ -485,6 +563,11 @@ def main(argv: list[str] | None = None) -> int:
         return report_from(a)
     a.thread_list = [int(t) for t in str(a.threads or "2").split(",") if t.strip()]
     a.bf16_rows = bf16_rows(a.bf16)
+    t_isa = time.perf_counter()
+    a.onednn_isa = bl.onednn_isa(a.pytrain_python) if a.limits else ""
+    if a.limits:
+        print(f"oneDNN: {a.onednn_isa or 'no verbose output'} "
+              f"({time.perf_counter() - t_isa:.1f} s)", flush=True)
     a.out = a.out or REPO / "bench_results" / "train.md"
     a.json = a.json or a.out.with_suffix(".json")
     t_start = time.time()

@@ -11,6 +11,7 @@ import time
 
 from scripts import bench_common as bc
 from scripts.bench_common import ALPHA, LR, MAX_NORM, RANK, REPO
+from scripts.bench_limits import limits_section
 
 BATCH = (2, 256)
 # Extra pytrain runs of a row, beside the default one (key in the row, label in the report):
@@ -28,7 +29,8 @@ def machine_info(a, wall_s: float | None = None) -> list[str]:
     m = bc.machine_facts()
     th = ", ".join(map(str, a.thread_list))
     mt = "".join(f"; {x.partition('=')[0]}: {x.partition('=')[2]}" for x in a.model_threads)
-    dirty = bc.dirty("pytrain", "native", "scripts/bench_train.py", "scripts/bench_common.py")
+    dirty = bc.dirty("pytrain", "native", "scripts/bench_train.py", "scripts/bench_common.py",
+                     "scripts/bench_limits.py")
     return [f"- date: {time.strftime('%Y-%m-%d %H:%M %Z')}; pytrain commit {m['commit']}"
             + (f" (uncommitted changes in: {', '.join(dirty)})" if dirty else "")
             + (f"; the whole run took {wall_s / 60:.0f} min" if wall_s else ""),
@@ -178,7 +180,8 @@ def _main_table(rows: list[dict]) -> list[str]:
             continue
         seen.add(r["name"])
         n = f"; {r['n_params'] / 1e6:.1f} M parameters" if r.get("n_params") else ""
-        hfnote = "" if r.get("hf") else " (HF side not run: no HF checkpoint)"
+        hfnote = ("" if r.get("hf") else " (HF side not run: --no-hf)" if r.get("no_hf")
+                  else " (HF side not run: no HF checkpoint)")
         p = r.get("pytrain") or {}
         wt = ", ".join(f"{k} x {v}" for k, v in (p.get("weight_types") or {}).items())
         how = (f"; pytrain loads its weight tensors as {wt} and trains it with "
@@ -382,7 +385,8 @@ def bf16_section(rows: list[dict]) -> list[str]:
 def report(rows: list[dict], a, loads: list, info: list[str] | None = None,
            extra_steps: list | None = None) -> str:
     lines = (_header(rows, a, loads, info) + bf16_section(rows) + _main_table(rows)
-             + _phase_table(rows, extra_steps or []) + _profile_section(rows) + _details(rows))
+             + limits_section(rows) + _phase_table(rows, extra_steps or [])
+             + _profile_section(rows) + _details(rows))
     if a.notes:
         lines += ["", "Notes:", ""] + [f"- {n}" for n in a.notes]
     return "\n".join(lines) + "\n"

@@ -1,6 +1,11 @@
 """Training tokens/s with the frozen weights kept in the file's type against dequantized to
 F32 (and F16), side by side in one run: what ``model.type_policy = "auto"``'s rule for
-training runs (``pytrain/run/type_choice.py``) is measured from.
+training runs (``pytrain/run/type_choice.py``) is measured from.  The bf16 sides do the same
+under ``train.compute_type = "bf16"``: ``bf16-keep`` keeps the quantized matrices (the F32/F16
+ones BF16), ``bf16`` loads them as BF16 copies too; ``type_choice.BF16_STEP_RATIO`` is copied
+from their ratio (``--sides f32,bf16-keep,bf16 --name type_policy_bf16``); on a real model
+whose bf16 choice (``type_choice.choose_bf16``) copies only some of its types, that choice is
+measured too, as ``bf16-auto``.
 
 Two parts:
 
@@ -25,9 +30,9 @@ synthetic part runs first: the real models' ``auto`` side is what this run's tab
 
 Usage:
     python -m scripts.bench_type_policy [--models smollm2,gemma3-270m] [--types F16,Q8_0,...]
-        [--sides keep,f32,f16] [--rounds 5] [--threads 2] [--real-threads 2,1]
+        [--sides keep,f32,f16,bf16-keep,bf16] [--rounds 5] [--threads 2] [--real-threads 2,1]
         [--device cpu|cuda] [--blas on|off|both] [--size demo|smoke] [--results bench_results]
-        [--note TEXT]
+        [--note TEXT] [--name type_policy]
 
 ``--size smoke`` is the smallest run (a 2-layer synthetic model, 2 types, 2 rounds, no real
 model): what tests/test_bench_type_policy.py runs so that the script keeps working.
@@ -50,6 +55,7 @@ from scripts import bench_common as bc
 ROOT = Path(__file__).resolve().parent.parent
 REAL = {"smollm2": ("demo-real.toml", "SmolLM2-135M-Instruct", "Q4_1"),
         "gemma3-270m": ("demo-real-gemma3.toml", "Gemma 3 270M", "Q4_K_M")}
+FLOATS = ("F16", "BF16")     # bf16 compute makes their matrices BF16 on either bf16 side
 TYPES = ["F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
          "Q6_K", "IQ4_NL", "IQ4_XS"]
 SIZES = {   # synthetic llama shapes: demo = the table's; smoke = the smoke test's
@@ -71,17 +77,26 @@ SHARED = ("The sides are stepped in turn, so other work on the machine (the note
 
 # ------------------------------------------------------------------------------- one side
 
+SIDES = ("keep", "f32", "f16", "bf16-keep", "bf16")
+BF16_SIDES = ("bf16-keep", "bf16", "bf16-auto")      # train.compute_type = "bf16" (bf16-auto:
+                                                     # the trainer's choice, where it is neither)
+
+
 def side_types(side: str):
     """The ``dequantize`` function load_model calls for a side: every matrix type of the file
-    to F32 or F16 ("keep": none; auto's support rule still applies, so BF16 is F16 on a CPU)."""
+    to F32 or F16 ("keep": none; auto's support rule still applies, so BF16 is F16 on a CPU);
+    under bf16 compute every quantized type to BF16 ("bf16"; the float types are BF16 under
+    bf16 compute anyway) or none ("bf16-keep")."""
     from pytrain.ggml import lib
-    target = {"keep": None, "f32": lib.GGML_TYPE_F32, "f16": lib.GGML_TYPE_F16}[side]
+    floats = (lib.GGML_TYPE_F32, lib.GGML_TYPE_F16, lib.GGML_TYPE_BF16)
+    target = {"keep": None, "bf16-keep": None, "f32": lib.GGML_TYPE_F32,
+              "f16": lib.GGML_TYPE_F16, "bf16": lib.GGML_TYPE_BF16}[side]
 
     def choose(_rt, infos, shapes):
         if target is None:
             return {}
-        return {infos[n].type: target for n in shapes
-                if infos[n].type not in (lib.GGML_TYPE_F32, target)}
+        skip = floats if side == "bf16" else (lib.GGML_TYPE_F32, target)
+        return {infos[n].type: target for n in shapes if infos[n].type not in skip}
     return choose
 
 
@@ -100,7 +115,8 @@ class Side:
         dq = spec.get("dequantize")          # file type -> target, by name (the auto side)
         self.model = load_model(spec["path"], spec["device"], spec["threads"], "auto",
                                 dequantize=side_types(spec["side"]) if dq is None else
-                                {names[k]: names[v] for k, v in dq.items()})
+                                {names[k]: names[v] for k, v in dq.items()},
+                                compute_type="bf16" if spec["side"] in BF16_SIDES else "f32")
         targets = select_targets(self.model.config, LORA["targets"])
         self.adapter = lora.create(self.model.runtime, self.model.config, targets, LORA["rank"],
                                    LORA["alpha"], seed=0)
@@ -210,11 +226,16 @@ def race(arms: list[Arm], rounds: int) -> dict:
                            cpu_s=statistics.median(a.cpu),
                            others_cores=round(statistics.mean(a.others), 2),
                            loaded=a.loaded, weight_bytes=a.weight_bytes)
-    keep, keep_cpu = arms[0].times, arms[0].cpu
-    for a in arms[1:]:     # per round: keep's step time over this side's (> 1: this is faster)
-        out[a.side]["keep_over_this"] = statistics.median(k / t for k, t in zip(keep, a.times))
-        out[a.side]["keep_over_this_cpu"] = statistics.median(
-            k / t for k, t in zip(keep_cpu, a.cpu))
+    for a in arms:         # per round: another side's step time over this side's (> 1: this
+        over = lambda b, cpu=False: statistics.median(    # one is faster than b)
+            k / t for k, t in zip(*((b.cpu, a.cpu) if cpu else (b.times, a.times))))
+        out[a.side]["over"] = {b.side: round(over(b), 4) for b in arms if b is not a}
+        out[a.side]["over_cpu"] = {b.side: round(over(b, True), 4) for b in arms if b is not a}
+        ref = "bf16-keep" if a.side == "bf16" else "keep"      # the ratios the tables hold
+        if ref in out[a.side]["over"]:
+            out[a.side]["keep_over_this"] = over(next(b for b in arms if b.side == ref))
+            out[a.side]["keep_over_this_cpu"] = over(next(b for b in arms if b.side == ref),
+                                                     True)
     return out
 
 
@@ -243,9 +264,9 @@ def demo_batches(name: str, path: Path, folder: Path, model) -> tuple[list, obje
                         max_seq_len=cfg.data.max_seq_len, pad_id=model.pad_id), cfg
 
 
-def auto_choice(path: Path, threads: int, device: str = "cpu"):
+def auto_choice(path: Path, threads: int, device: str = "cpu", compute_type: str = "f32"):
     """``auto``'s choice (``type_choice.TypeChoice``) for a training run of ``path`` on this
-    machine's ``device``, as the trainer makes it."""
+    machine's ``device`` under ``compute_type``, as the trainer makes it."""
     from pytrain.ggml import Runtime
     from pytrain.models.model_file import open_model
     from pytrain.run.type_choice import choose, device_key, runtime_budget
@@ -253,7 +274,7 @@ def auto_choice(path: Path, threads: int, device: str = "cpu"):
     rt = Runtime(device, threads=threads)
     try:
         return choose(device_key(rt.device, rt.blas is not None), infos, config.tensor_shapes(),
-                      "auto", *runtime_budget(rt, None))
+                      "auto", *runtime_budget(rt, None), compute_type)
     finally:
         rt.close()
 
@@ -280,6 +301,7 @@ def bench_real(name: str, sides: list[str], rounds: int, folder: Path, log,
     cfg = demo_config(name, path, folder)
     assert cfg.model.threads == 2, "the demo configs run on 2 threads"
     choice = auto_choice(path, threads, device)
+    bf16 = auto_choice(path, threads, device, "bf16") if set(sides) & set(BF16_SIDES) else None
     spec = dict(path=str(path), threads=threads, device=device,
                 batches=dict(real=name, folder=str(folder)))
     arms: list[Arm] = []
@@ -287,22 +309,34 @@ def bench_real(name: str, sides: list[str], rounds: int, folder: Path, log,
         for s in sides:
             log(f"{name}: loading as {s}")
             arms.append(Arm(dict(spec, side=s)))
-        auto = auto_side(choice, {k.split("->")[0] for k in arms[0].loaded})
+        auto = auto_side(choice, {k.split("->")[0] for k in arms[0].loaded}) \
+            if "keep" in sides else None
         if auto == "auto":               # some types dequantized: a side of its own
             log(f"{name}: loading as auto")
             arms.append(Arm(dict(spec, side="auto", dequantize={
                 ggml_name(k): ggml_name(v) for k, v in choice.dequantize.items()})))
+        if bf16 is not None and bf16.dequantize and "bf16" in sides and \
+                len(bf16.dequantize) < len(bf16.measured):   # bf16 copies of some types only
+            log(f"{name}: loading as bf16-auto")
+            arms.append(Arm(dict(spec, side="bf16-auto", dequantize={
+                ggml_name(k): ggml_name(v) for k, v in bf16.dequantize.items()})))
         log(f"{name}: {rounds} rounds of {len(arms)} sides on the demo's batches, {threads} "
             f"threads")
         res = race(arms, rounds)
     finally:
         for a in arms:
             a.close()
-    return dict(model=REAL[name][1], quant=REAL[name][2], file=path.name, threads=threads,
-                device=choice.device, batch_size=cfg.train.batch_size,
-                max_seq_len=cfg.data.max_seq_len, sides=res, auto=auto,
-                auto_reason=choice.reason, **compare(res, auto, ["keep", "f32"]),
-                **{k + "_all": v for k, v in compare(res, auto, list(res)).items()})
+    out = dict(model=REAL[name][1], quant=REAL[name][2], file=path.name, threads=threads,
+               device=choice.device, batch_size=cfg.train.batch_size,
+               max_seq_len=cfg.data.max_seq_len, sides=res, auto=auto,
+               auto_reason=choice.reason)
+    if auto:
+        out.update(**compare(res, auto, ["keep", "f32"]),
+                   **{k + "_all": v for k, v in compare(res, auto, list(res)).items()})
+    if bf16 is not None:
+        out.update(bf16_auto=("bf16-keep" if not bf16.dequantize else "bf16-auto"
+                              if "bf16-auto" in res else "bf16"), bf16_reason=bf16.reason)
+    return out
 
 
 def compare(res: dict, auto: str, among: list[str]) -> dict:
@@ -333,7 +367,7 @@ def bench_type(type_name: str, sides: list[str], size: str, rounds: int, blas: b
     arms: list[Arm] = []
     try:
         for s in sides:
-            if not (s == "f16" and type_name == "F16"):
+            if not (s == "f16" and type_name == "F16" or s == "bf16" and type_name in FLOATS):
                 arms.append(Arm(dict(spec, side=s), blas))
         res = race(arms, rounds)
     finally:
@@ -358,21 +392,28 @@ def markdown(r: dict) -> str:
                   "Batch 8 of the demo's date chats (max_seq_len 128; rows as long as the "
                   "longest chat of the batch), LoRA r 8 on q/k/v/o, AdamW; ggml's BLAS backend "
                   "on a CPU.  "
-                  "Tokens/s: median over the rounds; `keep / f32`: median of the rounds' "
-                  "step-time ratios.", "",
+                  "Tokens/s: median over the rounds; `other side / this side`: each other "
+                  "side's step time over this side's, median of the rounds' ratios (> 1: this "
+                  "side is faster).  bf16 sides: `train.compute_type = \"bf16\"`.", "",
                   "| model | threads | side | weights loaded | MiB | tokens/s | step s | CPU s | "
-                  "keep/side | keep/side CPU |", "|---|---|---|---|---|---|---|---|---|---|"]
+                  "other side / this side | the same, CPU s |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for x in r["real"]:
             for s, v in x["sides"].items():
                 loaded = ", ".join(f"{k} x{n}" for k, n in sorted(v["loaded"].items()))
-                ratio = lambda k: f"{v[k]:.2f}" if k in v else "1"
+                ratio = lambda k: ", ".join(f"{o} {f:.2f}" for o, f in v.get(k, {}).items())
                 lines.append(f"| {x['model']} ({x['quant']}) | {x['threads']} | {s} | {loaded} | "
                              f"{v['weight_bytes'] / 2**20:.0f} | {v['tokens_per_s']:.1f} | "
-                             f"{v['step_s']:.2f} | {v['cpu_s']:.2f} | {ratio('keep_over_this')} "
-                             f"| {ratio('keep_over_this_cpu')} |")
+                             f"{v['step_s']:.2f} | {v['cpu_s']:.2f} | {ratio('over')} "
+                             f"| {ratio('over_cpu')} |")
         lines.append("")
         pct = lambda f: "-" if f is None else f"{f:.0%}"
         for x in r["real"]:
+            if x.get("bf16_reason"):
+                lines.append(f"- {x['model']}, {x['threads']} threads, compute bf16: the "
+                             f"trainer takes **{x['bf16_auto']}** ({x['bf16_reason']}).")
+            if not x["auto"]:
+                continue
             lines.append(f"- {x['model']}, {x['threads']} threads: `auto` is **{x['auto']}** "
                          f"({x['auto_reason']}).  The faster of keep and f32 by wall time: "
                          f"{x['faster']} (auto's tokens/s: {pct(x['auto_vs_faster'])} of it); "
@@ -382,7 +423,32 @@ def markdown(r: dict) -> str:
                          f"{x['faster_cpu_all']} by CPU time "
                          f"({pct(x['auto_vs_faster_cpu_all'])}).")
         lines.append("")
-    if r["synthetic"]:
+    syn_bf16 = [x for x in r["synthetic"] if "bf16-keep" in x["sides"]]
+    if syn_bf16:
+        hp = SIZES[r["size"]]
+        lines += ["## Per weight type under compute bf16 (synthetic llama)", "",
+                  f"scripts/gguf_models.write_llama: {hp['n_layer']} layers, hidden "
+                  f"{hp['n_embd']}, FFN {hp['n_ff']}, {hp['n_head']}/{hp['n_head_kv']} heads of "
+                  f"{hp['head_dim']}, vocabulary {hp['n_vocab']}; every matrix in the type; "
+                  f"random tokens, batch {hp['batch'][0]} x {hp['batch'][1]}.  `bf16-keep`: "
+                  f"compute bf16 with the quantized matrices kept; `bf16`: as BF16 copies; "
+                  f"`bf16-keep/bf16` > 1: the BF16 copies' step is that much faster (the "
+                  f"table's figure); `f32/bf16` > 1: faster than compute f32 with F32 copies.  "
+                  f"F16 and BF16 matrices are BF16 on both bf16 sides.", "",
+                  "| type | f32 tok/s | bf16-keep tok/s | bf16 tok/s | bf16-keep/bf16 | "
+                  "bf16-keep/bf16 CPU | f32/bf16 | f32/bf16-keep |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for x in syn_bf16:
+            s = x["sides"]
+            tps = lambda k: f"{s[k]['tokens_per_s']:.0f}" if k in s else "-"
+            over = lambda k, o, cpu="": (f"{s[k]['over' + cpu][o]:.2f}"
+                                         if k in s and o in s[k]["over" + cpu] else "-")
+            lines.append(f"| {x['type']} | {tps('f32')} | {tps('bf16-keep')} | {tps('bf16')} | "
+                         f"{over('bf16', 'bf16-keep')} | {over('bf16', 'bf16-keep', '_cpu')} | "
+                         f"{over('bf16', 'f32')} | {over('bf16-keep', 'f32')} |")
+        lines.append("")
+    syn = [x for x in r["synthetic"] if "keep" in x["sides"]]
+    if syn:
         hp = SIZES[r["size"]]
         lines += ["## Per weight type (synthetic llama)", "",
                   f"scripts/gguf_models.write_llama: {hp['n_layer']} layers, hidden "
@@ -393,7 +459,7 @@ def markdown(r: dict) -> str:
                   f"times slower than F32's.", "",
                   "| type | device | keep tok/s | f32 tok/s | f16 tok/s | keep/f32 | keep/f32 CPU "
                   "| keep/f16 | keep/f16 CPU |", "|---|---|---|---|---|---|---|---|---|"]
-        for x in r["synthetic"]:
+        for x in syn:
             s = x["sides"]
             tps = lambda k: f"{s[k]['tokens_per_s']:.0f}" if k in s else "-"
             ratio = lambda k, cpu="": (f"{s[k]['keep_over_this' + cpu]:.2f}" if k in s else "-")
@@ -401,7 +467,21 @@ def markdown(r: dict) -> str:
                          f"{tps('f32')} | {tps('f16')} | {ratio('f32')} | {ratio('f32', '_cpu')} "
                          f"| {ratio('f16')} | {ratio('f16', '_cpu')} |")
         lines.append("")
-    if r.get("table"):
+    if r.get("bf16_table") and syn_bf16:
+        from pytrain.run.type_choice import FASTER
+        lines += ["## What compute bf16 does for a training run with these figures", "",
+                  f"A quantized type becomes BF16 copies when its bf16 step kept takes at least "
+                  f"{FASTER:.2f}x the step with BF16 copies and those fit in half the memory "
+                  f"budget; this run's table "
+                  + ("is" if r.get("bf16_table_is_committed") else "is NOT")
+                  + " the one pytrain/run/type_choice.py holds (BF16_STEP_RATIO).", ""]
+        for key, row in r["bf16_table"].items():
+            to = [k for k, v in row.items() if v >= FASTER]
+            kept = [k for k, v in row.items() if v < FASTER]
+            lines.append(f"- {key}: to BF16: {', '.join(to) or 'none'}; kept: "
+                         f"{', '.join(kept) or 'none'}")
+        lines.append("")
+    if r.get("table") and syn:
         from pytrain.run.type_choice import FASTER
         lines += ["## What `auto` does for a training run with these figures", "",
                   f"A type is dequantized when its kept step takes at least {FASTER:.2f}x the "
@@ -424,7 +504,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                     help="real models, comma-separated (smollm2, gemma3-270m; '' for none)")
     ap.add_argument("--types", default=",".join(TYPES),
                     help="synthetic model's weight types, comma-separated ('' for none)")
-    ap.add_argument("--sides", default="keep,f32,f16", help="keep first; of keep, f32, f16")
+    ap.add_argument("--sides", default="keep,f32,f16", help="of keep, f32, f16, bf16-keep, "
+                    "bf16 (compute bf16); keep first where given (f32/f16's ratios are over "
+                    "it), bf16 with bf16-keep (its ratio is over that)")
     ap.add_argument("--rounds", type=int, default=5, help="timed steps per side (after one "
                     "warm-up step)")
     ap.add_argument("--threads", type=int, default=2, help="the synthetic part's threads (the "
@@ -438,10 +520,16 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--size", choices=sorted(SIZES), default="demo")
     ap.add_argument("--results", type=Path, help="write type_policy.md and .json here")
     ap.add_argument("--note", default="", help="a sentence for the report (what else ran)")
+    ap.add_argument("--name", default="type_policy", help="the result files' name in --results "
+                    "(NAME.md, NAME.json)")
     a = ap.parse_args(argv)
     a.sides = a.sides.split(",")
-    if a.sides[0] != "keep" or set(a.sides) - {"keep", "f32", "f16"}:
-        ap.error("--sides: keep first, then f32 and/or f16")
+    if (set(a.sides) - set(SIDES) or len(set(a.sides)) != len(a.sides)
+            or "keep" in a.sides and a.sides[0] != "keep"
+            or {"f16"} & set(a.sides) and "keep" not in a.sides
+            or "bf16" in a.sides and "bf16-keep" not in a.sides):
+        ap.error("--sides: of keep, f32, f16, bf16-keep, bf16, each once; keep first where "
+                 "given, f16 with keep, bf16 with bf16-keep")
     a.models = [x for x in a.models.split(",") if x]
     try:
         a.real_threads = [int(x) for x in a.real_threads.split(",")]
@@ -464,11 +552,23 @@ def table(rows: list[dict]) -> dict[str, dict[str, tuple]]:
     out = {k: dict(v) for k, v in tc.STEP_RATIO.items()}
     for x in rows:
         s = x["sides"]
-        if "f32" not in s:
+        if "f32" not in s or "keep" not in s:
             continue
         f16 = s["f16"]["keep_over_this"] if "f16" in s else None
         out.setdefault(x["device"], {})[x["type"]] = (
             round(s["f32"]["keep_over_this"], 2), None if f16 is None else round(f16, 2))
+    return out
+
+
+def bf16_table(rows: list[dict]) -> dict[str, dict[str, float]]:
+    """``type_choice.BF16_STEP_RATIO`` as these synthetic rows measure it (bf16-keep's step
+    time over bf16's; rows of the committed table this run did not measure are kept)."""
+    from pytrain.run import type_choice as tc
+    out = {k: dict(v) for k, v in tc.BF16_STEP_RATIO.items()}
+    for x in rows:
+        s = x["sides"]
+        if "bf16" in s and "bf16-keep" in s:
+            out.setdefault(x["device"], {})[x["type"]] = round(s["bf16"]["keep_over_this"], 2)
     return out
 
 
@@ -500,7 +600,8 @@ def main(argv: list[str] | None = None) -> int:
         for b in blas:
             # without BLAS an F16 weight's OUT_PROD runs on ggml-cpu, as slow as a kept one:
             # the f16 side is left out there
-            sides = a.sides if b else [x for x in a.sides if x != "f16"]
+            # (and bf16 compute needs the BLAS backend: oneDNN is in it)
+            sides = a.sides if b else [x for x in a.sides if x not in ("f16",) + BF16_SIDES]
             for t in a.types:
                 x = bench_type(t, sides, a.size, a.rounds, b, folder, a.threads, a.device)
                 result["synthetic"].append(x)
@@ -510,6 +611,9 @@ def main(argv: list[str] | None = None) -> int:
         result["table"] = table(result["synthetic"])
         committed, tc.STEP_RATIO = tc.STEP_RATIO, result["table"]   # auto as this run measures
         result["table_is_committed"] = committed == result["table"]
+        result["bf16_table"] = bf16_table(result["synthetic"])
+        committed16, tc.BF16_STEP_RATIO = tc.BF16_STEP_RATIO, result["bf16_table"]
+        result["bf16_table_is_committed"] = committed16 == result["bf16_table"]
         try:
             for name in a.models:
                 for n in a.real_threads:
@@ -519,16 +623,19 @@ def main(argv: list[str] | None = None) -> int:
                         log(json.dumps({s: round(v["tokens_per_s"], 1)
                                         for s, v in x["sides"].items()}))
         finally:
-            tc.STEP_RATIO = committed
+            tc.STEP_RATIO, tc.BF16_STEP_RATIO = committed, committed16
     md = markdown(result)
     print("\n" + md)
     if not result["table_is_committed"]:
         print("this run's table differs from pytrain/run/type_choice.py's; to use it there:\n"
               + table_source(result["table"]))
+    if not result["bf16_table_is_committed"]:
+        print("this run's bf16 table differs from pytrain/run/type_choice.py's "
+              "(BF16_STEP_RATIO): " + json.dumps(result["bf16_table"]))
     if a.results:
         a.results.mkdir(parents=True, exist_ok=True)
-        (a.results / "type_policy.json").write_text(json.dumps(result, indent=1) + "\n")
-        (a.results / "type_policy.md").write_text(md)
+        (a.results / f"{a.name}.json").write_text(json.dumps(result, indent=1) + "\n")
+        (a.results / f"{a.name}.md").write_text(md)
     return 0
 
 

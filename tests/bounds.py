@@ -236,3 +236,72 @@ def rounding_bounds(noise: dict, effect_rms: float) -> tuple[float, float]:
     KEPT_SPREAD x its max, and KEPT_SPREAD x its rms over the rms of the change (an adapter's
     effect) the ratio is taken against."""
     return KEPT_SPREAD * noise["max"], KEPT_SPREAD * noise["rms"] / effect_rms
+
+
+# --------------------------------------------------------------------------- cross-entropy
+
+U64 = 2.0 ** -53                      # float64 unit roundoff
+F32_MIN = float(np.finfo(np.float32).tiny)   # the smallest normal float32, 2^-126
+# ggml_v_expf (ggml-cpu's SIMD exp, ARM's optimized routine) is within 1.45358 + 0.5 ulp of
+# exp with FMA; without FMA (the sse42/sandybridge variants) every float in [-87, 0] comes out
+# within 1.973 ulp (checked against exp in double, all 2^30 of them); glibc's expf, the scalar
+# tails, within 1 ulp.  One ulp is at most 2u of the value, so 2 ulps are 4u.
+EXP_REL = 4 * U32
+CE_EXP_MIN = -87.0                    # native patch 0019 flushes exp(t) to 0 below this
+
+
+def cross_entropy_bounds(logits: np.ndarray, labels: np.ndarray, d: float = 1.0
+                         ) -> tuple[float, np.ndarray]:
+    """(the largest error of ggml-cpu's CROSS_ENTROPY_LOSS, the largest error of each element
+    of its backward) for float32 ``logits`` and ``labels`` [N, V] and the loss's upstream
+    gradient ``d``, from the operations native patch 0019 does, bounded against the exact
+    values of the float32 inputs (a float64 computation is within float64 rounding of them).
+
+    Per row, m = max x, z = x - m, S = Σ exp(z), p = exp(z)/S:
+
+    * each exp(z_i) is off by EXP_REL (the exp) plus u·|z_i| (z_i = fl(x_i - m) is rounded, and
+      exp turns an absolute error in its argument into that relative error); S sums them in
+      double (n·U64), and drops the terms flushed below CE_EXP_MIN (each < e^-87 < 1.4·F32_MIN,
+      against S >= 1) and denormal inputs (DAZ: each moves by < F32_MIN).  So S is within
+      δS = EXP_REL + u·E_p|z| + n·U64 + 2n·F32_MIN relative, and log S within δS·(1 + δS)
+      absolutely.
+    * the row's loss Σl·(m + log S) - Σ l·x: the products l·x of floats are exact in double and
+      every sum is in double, so the row is within Σ|l|·δS plus n·U64 of its terms' sizes;
+      the rows' sum in double, the division by N and the rounding to float32 add N·U64 of the
+      rows and u of the result.
+    * the gradient (p_i·Σl - l_i)·d/N is computed as fl(fl(e_i·a) - l_i·b) with e_i the exp
+      relative to the running max m_c of its chunk (EXP_REL + u·|x_i - m_c|, and
+      |x_i - m_c| <= |z_i|), a = fl32(exp(m_c - m)·Σl/S·d/N) in double then rounded (δS + u +
+      n·U64 for Σl), b = fl32(d/N) (u):
+      with P_i = p_i·Σ|l|·|d|/N and L_i = |l_i|·|d|/N the error is at most
+      P_i·(EXP_REL + u·|z_i| + δS + 3u) + L_i·3u (b, a product rounded without FMA, the
+      result's rounding, which also covers P_i's share of it); plus F32_MIN·(1 + 2·(Σ|l| +
+      |l_i|)·|d|/N) for flushed exps, denormal inputs read as 0 and denormal results
+      flushed to 0 (MXCSR's DAZ|FTZ).
+
+    Each first-order bound holds to a relative (1 + δ) with δ ~ 1e-5 here, so all are
+    multiplied by 1.01."""
+    x = np.asarray(logits, np.float64)
+    lab = np.asarray(labels, np.float64)
+    n_rows, n = x.shape
+    z = x - x.max(axis=1, keepdims=True)
+    e = np.exp(z)
+    s = e.sum(axis=1, keepdims=True)
+    p = e / s
+    mean_abs_z = (p * np.abs(z)).sum(axis=1, keepdims=True)
+    d_s = EXP_REL + U32 * mean_abs_z + n * U64 + 2 * n * F32_MIN
+    abs_l = np.abs(lab).sum(axis=1, keepdims=True)
+    m = x.max(axis=1, keepdims=True)
+    log_s = np.log(s)
+    rows = (lab.sum(axis=1, keepdims=True) * (m + log_s) - (lab * x).sum(axis=1, keepdims=True))
+    row_err = (abs_l * d_s * (1 + d_s)
+               + n * U64 * (abs_l * (np.abs(m) + np.abs(log_s)) + np.abs(lab * x).sum(axis=1, keepdims=True)))
+    loss = float(rows.sum() / n_rows)
+    loss_err = float(row_err.sum() / n_rows + n_rows * U64 * np.abs(rows).sum() / n_rows
+                     + U32 * abs(loss))
+    scale = abs(d) / n_rows
+    big_p = p * abs_l * scale
+    big_l = np.abs(lab) * scale
+    grad_err = (big_p * (EXP_REL + U32 * np.abs(z) + d_s + 3 * U32) + 3 * U32 * big_l
+                + F32_MIN * (1 + 2 * (abs_l + np.abs(lab)) * scale))
+    return 1.01 * loss_err, 1.01 * grad_err

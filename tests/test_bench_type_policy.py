@@ -43,3 +43,29 @@ def test_real_part_uses_the_demo_batches_and_says_what_auto_takes(tmp_path):
     c = bench.auto_choice(path, 1)
     assert bench.auto_side(c, {"Q4_1", "Q8_0"}) in ("f32", "auto") and "Q4_1" in c.reason, c
     assert "Q4_1" in {bench.ggml_name(t) for t in c.dequantize}
+
+
+def test_smoke_run_of_the_bf16_sides_writes_their_ratio_under_its_name(tmp_path):
+    """The bf16 sides (``train.compute_type = "bf16"``, quantized matrices kept or as BF16
+    copies) beside f32: each loaded as named, the ratio BF16_STEP_RATIO is copied from (bf16-
+    keep's step time over bf16's) recorded, and the files written under ``--name``."""
+    import pytest
+
+    from pytrain import ggml
+    if not ggml.bf16_kernel():
+        pytest.skip("no oneDNN bf16 matmul on this CPU")
+    rc = bench.main(["--size", "smoke", "--models", "", "--types", "Q4_1", "--rounds", "2",
+                     "--blas", "on", "--threads", "1", "--sides", "f32,bf16-keep,bf16",
+                     "--results", str(tmp_path), "--name", "bf16_smoke"])
+    assert rc == 0 and not (tmp_path / "type_policy.json").exists()
+    r = json.loads((tmp_path / "bf16_smoke.json").read_text())
+    s = r["synthetic"][0]["sides"]
+    assert list(s) == ["f32", "bf16-keep", "bf16"]
+    n = s["bf16-keep"]["loaded"]["Q4_1"]
+    assert n > 0 and s["bf16"]["loaded"] == {"Q4_1->BF16": n}
+    assert s["f32"]["loaded"] == {"Q4_1->F32": n}
+    assert round(s["bf16"]["keep_over_this"], 4) == s["bf16"]["over"]["bf16-keep"] > 0
+    assert s["bf16"]["weight_bytes"] < s["f32"]["weight_bytes"]
+    assert r["bf16_table"]["cpu+blas"]["Q4_1"] == round(s["bf16"]["keep_over_this"], 2)
+    md = (tmp_path / "bf16_smoke.md").read_text()
+    assert "under compute bf16" in md and "| Q4_1 |" in md

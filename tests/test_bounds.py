@@ -35,3 +35,32 @@ def test_reference_bounds_take_the_larger_rounding():
     assert to_exact == f32_bound(1.23e-6, EXACT)
     assert to_ref == to_exact + 1.23e-6
     assert reference_bounds(own=5e-6, ref_error=1e-7, exact=EXACT)[0] == f32_bound(5e-6, EXACT)
+
+
+def test_cross_entropy_bounds_refuse_what_is_not_a_rounding():
+    """``cross_entropy_bounds`` refuses (a) upstream's gradient softmax - label on a label row
+    summing to 2.5 (right only for rows summing to 1; on one-hot rows it is the same), (b) a
+    one-hot row's gradient off by 1e-5 of its size, (c) a loss off by 1e-5 of its size: float32
+    rounding is ~1e-7 of them."""
+    from bounds import cross_entropy_bounds
+
+    rng = np.random.default_rng(0)
+    n_rows, n_vocab, d = 4, 1000, 0.5
+    x = (rng.normal(size=(n_rows, n_vocab)) * 4).astype(np.float32)
+    y = np.zeros((n_rows, n_vocab), np.float32)
+    y[np.arange(n_rows), rng.integers(0, n_vocab, n_rows)] = 1.0
+    y[2] = rng.random(n_vocab).astype(np.float32)
+    y[2] *= np.float32(2.5 / y[2].sum())
+    z = x.astype(np.float64) - x.max(axis=1, keepdims=True)
+    p = np.exp(z) / np.exp(z).sum(axis=1, keepdims=True)
+    lab = y.astype(np.float64)
+    loss = float((-(lab * np.log(p)).sum(axis=1)).mean())
+    grad = (p * lab.sum(axis=1, keepdims=True) - lab) * d / n_rows
+    loss_bound, grad_bound = cross_entropy_bounds(x, y, d)
+    assert loss_bound > 0 and (grad_bound > 0).all()
+    upstream = (p - lab) * d / n_rows
+    assert (np.abs(upstream - grad) > grad_bound)[2].any()
+    assert (np.abs(upstream - grad) <= grad_bound)[[0, 1, 3]].all()   # one-hot rows: the same
+    one_hot = [0, 1, 3]                       # no cancellation in p·Σl - l there
+    assert (np.abs(grad * 1e-5) > grad_bound)[one_hot].all()
+    assert abs(loss * 1e-5) > loss_bound

@@ -111,6 +111,29 @@ def test_padded_and_masked_rows_get_exactly_zero_gradient(setup):
     assert np.abs(bug["logit_grad"][:, :10][seg[:, :10] < 0]).sum() > 0
 
 
+def test_an_ignored_row_changes_no_bit_of_loss_or_gradients(setup):
+    """The padding positions' tokens reach the LM head as hidden states of their own (the head
+    runs on every row here); their rows are ignored, so whatever those tokens are, the loss and
+    every LoRA gradient are the same numbers — not close: equal.  The row mask on the head's
+    input guarantees it on any backend, whatever the CE op's backward hands an ignored row."""
+    m, ad = setup
+    tokens, seg = batch([7, 4], 10, seed=4)
+    tgt = L.shift_targets(tokens, np.ones_like(tokens), seg)
+    other = tokens.copy()
+    other[seg < 0] = np.random.default_rng(9).integers(0, 480, int((seg < 0).sum()))
+    assert (other != tokens).sum() >= 5
+    outs = []
+    for t in (tokens, other):
+        g = GradGraph(m, ad, B=2, T=10, keep_logit_grad=True)
+        outs.append(g.run(t, seg, tgt))
+        g.close()
+    a, b = outs
+    assert a["loss"] == b["loss"] and a["n_valid"] == b["n_valid"]
+    for k, v in a["grads"].items():
+        assert np.array_equal(v, b["grads"][k]), k
+        assert np.abs(v).max() > 0, k
+
+
 def padding_widths(m, ad, leak: float = 0.0) -> tuple[list[dict], list[dict]]:
     """The step of one batch at widths 11, 37 and 90 (37 and 90 pad to 64 and 96: 2 and 3
     DeltaNet chunks of 32), and the rounding of the step at each width.  ``leak``: a planted

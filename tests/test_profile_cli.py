@@ -37,6 +37,25 @@ def test_parts_and_ops_sum_to_the_total(capsys, cfg, recompute):
     assert any(p.endswith("(recompute)") for p in parts) is (recompute == "layers")
     assert ("layer-wise recompute" in d["step_graph"]) is (recompute == "layers")
     assert d["micro_batches"] and d["targets"] > 0
+    # the matrix products' FLOPs, counted from the nodes the profiled steps computed
+    pr = d["products"]
+    assert d["product_flops"] == pr["flops"] > 0 and set(pr["by_op"]) == {"MUL_MAT", "OUT_PROD"}
+    assert sum(pr["by_op"].values()) == pr["flops"]
+
+
+def test_products_count_the_second_forward_of_a_recompute(capsys, cfg):
+    """Layer-wise recompute runs the adapted layers forward twice: more product FLOPs than
+    one graph, the LM head's the same; the text output names the count and the time outside
+    the products."""
+    flops = {}
+    for recompute in ("off", "layers"):
+        rc, out = profile(capsys, cfg, "--json", "--set", f'train.recompute="{recompute}"')
+        assert rc == 0
+        flops[recompute] = json.loads(out)["product_flops"]
+    assert flops["layers"] > flops["off"] > 0
+    rc, out = profile(capsys, cfg)
+    line = next(ln for ln in out.splitlines() if ln.startswith("matrix products: "))
+    assert f"{flops['off'] / 1e9:.3f} GFLOP per step" in line and "in every other node" in line
 
 
 def test_a_llama_model_has_no_deltanet_part(capsys, cfg):

@@ -66,6 +66,24 @@ def test_bench_train_one_step_each_side(toy, ref_python):
     assert p["lora_names"] == h["lora_names"] == 8      # q/k/v/o of the 2 attention layers
 
 
+def test_bench_train_workers_limits_without_warmup(toy, ref_python):
+    """Both workers with --limits and no warm-up step: the products (pytrain) and the FLOPs
+    (HF) are counted on an extra untimed step, in the losses; --probe-square 0 probes no
+    square; the HF side's torch probe runs the (M, N, K, batch) shapes it is given."""
+    common = ["--threads", "1", "--runs", "1", "--warmup", "0", "--batch", *BATCH,
+              "--vocab", "512", "--limits", "--probe-top", "1", "--probe-square", "0"]
+    p = worker(sys.executable, "bench_train", "pytrain", *common, "--gguf", toy["gguf"])
+    h = worker(ref_python, "bench_train", "hf", *common, "--hf", toy["hf"],
+               "--probe-shapes", "24,8,16,1;8,8,8,2")
+    assert len(p["losses"]) == len(p["times"]) + 1 and not p["warmup_s"]
+    assert len(h["losses"]) == len(h["times"]) + 1 and not h["warmup_s"]
+    (pp,) = p["limits"]["probes"]
+    assert not pp["square"] and pp["label"] == p["limits"]["products"]["top"][0]["label"]
+    assert [x["mnkb"] for x in h["limits"]["probes"]] == [[24, 8, 16, 1], [8, 8, 8, 2]]
+    assert h["limits"]["probes"][1]["flops"] == 2 * 8 * 8 * 8 * 2
+    assert h["limits"]["flops"]["flops"] > 0 and "aten.mm" in h["limits"]["flops"]["by_op"]
+
+
 def test_bench_train_bf16_rows_and_their_report(toy, ref_python, tmp_path):
     """python -m scripts.bench_train --bf16 on (forced: a CPU without bf16 units runs it too,
     emulated): the row has all four sides, pytrain's bf16 side loaded its matrices as BF16 and
@@ -102,10 +120,65 @@ def test_bench_train_bf16_rows_and_their_report(toy, ref_python, tmp_path):
     if p16:
         assert "-" not in cells[2].split(" / ") and cells[5] != "-", cells
         assert f"pytrain: {p16['bf16_kernel']}" in cells[11]
+    # where the limit is (on by default): every side counted its products and probed them
+    for x in (p, h, h16):
+        assert x["limits"]["peak_gflops"] > 0 and x["limits"]["probes"], x["limits"]
+    assert p["limits"]["products"]["flops"] > 0 and h["limits"]["flops"]["flops"] > 0
+    assert len(h["limits"]["probes"]) == len(p["limits"]["probes"])   # the same shapes
+    limit_rows = [ln for ln in text.split("## Where the limit is", 1)[1].split("\n## ")[0]
+                  .splitlines() if ln.startswith("| toy | 1 | ")]
+    sides = {ln.split("|")[3].strip() for ln in limit_rows}
+    assert {"pytrain f32", "HF float32", "HF bfloat16"} <= sides, sides
     again = tmp_path / "again.md"
     run_script("scripts.bench_train", "--report-from", str(out.with_suffix(".json")),
                "--out", str(again))
     assert again.read_text() == text
+
+
+def test_bench_train_limits_for_pytrain_alone(toy, tmp_path):
+    """python -m scripts.bench_train --no-hf --threads 1,2 --probe-top 2 --probe-square 64:
+    pytrain's sides only, at both thread counts; each counted its step's products (the
+    profile's callback count agrees), probed the 2 largest shapes and the 64-cube with the
+    ggml probe, and the report's "Where the limit is" table has a row per thread count.  The
+    first row's profile is the limits' profiled step (no profile process of its own)."""
+    out = tmp_path / "train.md"
+    run_script("scripts.bench_train", "--models", "toy", "--threads", "1,2", "--blas-off", "",
+               "--steps", "1", "--warmup", "1", "--bf16", "off", "--quiet-wait", "0",
+               "--no-hf", "--probe-top", "2", "--probe-square", "64",
+               "--cache", str(toy["dir"].parent), "--out", str(out))
+    rows = json.loads(out.with_suffix(".json").read_text())["rows"]
+    assert [r["threads"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["hf"] is None and r["no_hf"]
+        lim = r["pytrain"]["limits"]
+        assert "profile" not in lim            # kept once, as the row's profile
+        probes = lim["probes"]
+        assert len(probes) == 3 and probes[-1]["square"] and probes[-1]["mnkb"] == [64, 64, 64, 1]
+        assert [p["label"] for p in probes[:2]] == [t["label"] for t in lim["products"]["top"][:2]]
+        assert lim["peak_gflops"] == max(p["best_gflops"] for p in probes)
+        assert lim["node_s"] == pytest.approx(lim["product_node_s"] + lim["other_node_s"])
+    prof = rows[0]["pytrain_profile"]
+    assert prof["product_flops"] == rows[0]["pytrain"]["limits"]["products"]["flops"]
+    assert "pytrain_profile" not in rows[1]
+    text = out.read_text()
+    section = text.split("## Where the limit is", 1)[1].split("\n## ")[0]
+    for t in (1, 2):
+        row = next(ln for ln in section.splitlines()
+                   if ln.startswith(f"| toy | {t} | pytrain f32 |"))
+        assert row.split("|")[8].strip().endswith("%**"), row      # utilization
+    assert "square MUL_MAT F32 [64 x 64] . [64 x 64]" in section
+    assert "ggml-cpu variant" in section and "HF side not run: --no-hf" in text
+
+
+def test_bench_train_no_limits(toy, tmp_path):
+    """--no-limits: the run measures none of it, and the report has no such section."""
+    out = tmp_path / "train.md"
+    run_script("scripts.bench_train", "--models", "toy", "--threads", "1", "--blas-off", "",
+               "--steps", "1", "--warmup", "1", "--bf16", "off", "--quiet-wait", "0",
+               "--no-hf", "--no-profile", "--no-limits", "--cache", str(toy["dir"].parent),
+               "--out", str(out))
+    (row,) = json.loads(out.with_suffix(".json").read_text())["rows"]
+    assert "limits" not in row["pytrain"] and "## Where the limit is" not in out.read_text()
 
 
 def test_bench_train_report_renders_the_committed_results(tmp_path):
@@ -220,3 +293,19 @@ def test_bench_distributed_toy(toy, ref_python, tmp_path):
     j = json.loads(out.with_suffix(".json").read_text())
     assert j["one"]["ranks"] == 1 and j["two"]["ranks"] == 2
     assert j["one"]["losses"] == j["two"]["losses"] and len(j["one"]["losses"]) == 1
+
+
+def test_bench_cross_entropy_small(tmp_path):
+    """python -m scripts.bench_cross_entropy at [1000, 8]: the best variant and haswell, one
+    round each, both ops timed, the loss of the op (one-hot labels over N(0, 3) logits: about
+    log V plus a few) reported, the table and json written."""
+    out = tmp_path / "ce.md"
+    run_script("scripts.bench_cross_entropy", "--vocab", "1000", "--rows", "8", "--threads",
+               "1", "--rounds", "1", "--reps", "2", "--variants", "best,haswell", "--out",
+               str(out))
+    rows = json.loads(out.with_suffix(".json").read_text())
+    assert [r["variant"] for r in rows] == ["best", "haswell"] and rows[1]["loaded"] == "haswell"
+    for r in rows:
+        assert r["forward"]["n"] == r["backward"]["n"] == 2 and r["forward"]["min_ms"] > 0, r
+        assert 6.0 < r["loss"] < 30.0, r
+    assert "| haswell | haswell |" in out.read_text()

@@ -18,7 +18,8 @@ def _table(title: str, d: dict[str, float], total: float, counts: dict | None = 
            top: int | None = None) -> list[str]:
     rows = sorted(d.items(), key=lambda kv: -kv[1])
     shown = rows[:top] if top else rows
-    w = max([len(k) for k, _ in shown] + [len(title)])
+    # the width of every row, shown or not: the layout is the graph's, not the timing's
+    w = max([len(k) for k, _ in rows] + [len(title)])
     lines = [f"{title:<{w}}  {'nodes' if counts else '':>6} {'ms':>10} {'share':>7}"]
     for k, v in shown:
         n = str(counts.get(k, "")) if counts else ""
@@ -40,8 +41,15 @@ def render(prof, facts: dict, top: int = 15) -> list[str]:
              f"time:    {prof.wall:.4f} s per profiled step ({prof.steps} averaged"
              + (f"; {unprof:.4f} s unprofiled" if unprof else "") + f"), {prof.n_nodes} nodes; "
              f"node times sum {prof.total:.4f} s (dispatch overhead {prof.overhead * 1e6:.1f} us "
-             f"per node subtracted)", ""]
-    lines += _table("part", prof.by_part, prof.total) + [""]
+             f"per node subtracted)"]
+    if prof.product_flops:
+        prod, other = prof.split()
+        lines.append(f"matrix products: {prof.product_flops / 1e9:.3f} GFLOP per step "
+                     f"(MUL_MAT / OUT_PROD nodes, as computed), {prod:.4f} s in their nodes"
+                     + (f" = {prof.product_flops / prod / 1e9:.1f} GFLOP/s" if prod > 0 else "")
+                     + f"; {other:.4f} s in every other node "
+                     f"({100 * other / prof.total if prof.total else 0:.1f}% of node time)")
+    lines += [""] + _table("part", prof.by_part, prof.total) + [""]
     counts = {k.rsplit(" [", 1)[0]: 0 for k in prof.count_op_backend}
     for k, v in prof.count_op_backend.items():
         counts[k.rsplit(" [", 1)[0]] += v

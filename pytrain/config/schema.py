@@ -78,8 +78,11 @@ class ModelConfig:
     type_policy: str = _opt("auto", "types the frozen weights are loaded as: auto (what every "
                             "op of the training graph supports on the device; for training, F32 "
                             "or F16 instead where a step was measured faster so and it fits "
-                            "half the memory budget), f32, or keep (as stored; may be "
-                            "unsupported)", choices=("auto", "f32", "keep"))
+                            "half the memory budget; with train.compute_type = bf16, "
+                            "quantized types as BF16 copies where so measured faster and they "
+                            "fit), f32, or keep (as stored; may be unsupported; with bf16 "
+                            "compute: the quantized matrices kept, the float ones BF16)",
+                            choices=("auto", "f32", "keep"))
 
 
 @dataclass
@@ -215,8 +218,11 @@ class TrainConfig:
                              "matrices: f32, or bf16 (CPU only: the matrices stored as BF16 and "
                              "multiplied on the CPU's bf16 units through oneDNN, forward and "
                              "backward, their other operand rounded to bf16, sums in f32; the "
-                             "LoRA matrices, norms, attention and the loss stay f32; needs "
-                             "model.type_policy = auto)", choices=("f32", "bf16"))
+                             "LoRA matrices, norms, attention and the loss stay f32; a "
+                             "quantized type becomes BF16 copies where a bf16 step was measured "
+                             "faster so and they fit in half the memory budget, else it keeps "
+                             "its type and kernels; needs model.type_policy = auto or keep)",
+                             choices=("f32", "bf16"))
     memory_gib: float | None = _opt(None, "memory (GiB, weights included) recompute = auto "
                                     "may plan a step for; unset: what the device has free "
                                     "(on CPU the least of available memory and the "

@@ -164,9 +164,20 @@ def transpose(ctx, x):
     return lib.ggml_cont(ctx, lib.ggml_transpose(ctx, x))
 
 
+def _chunk_major(ctx, t):
+    """[x, y, NC, BH] -> [x, y, BH, NC] (contiguous): chunk c is then one contiguous block,
+    so the recurrence's per-chunk products read contiguous operands, which ggml-cpu hands to
+    its tiled sgemm (a strided per-chunk view falls back to one dot product per element)."""
+    if t.ne[2] == 1:                             # one chunk: the same memory, no copy
+        return lib.ggml_reshape_4d(ctx, t, t.ne[0], t.ne[1], t.ne[3], 1)
+    t = lib.ggml_reshape_4d(ctx, t, t.ne[0], t.ne[1], t.ne[2], t.ne[3])  # see ``transpose``
+    return lib.ggml_cont(ctx, lib.ggml_permute(ctx, t, 0, 1, 3, 2))
+
+
 def _view_chunk(ctx, t, c: int):
-    """Chunk c of a [x, y, NC, BH] tensor as a 3-D view [x, y, BH]."""
-    return lib.ggml_view_3d(ctx, t, t.ne[0], t.ne[1], t.ne[3], t.nb[1], t.nb[3], c * t.nb[2])
+    """Chunk c of a chunk-major [x, y, BH, NC] tensor (``_chunk_major``) as a contiguous 3-D
+    view [x, y, BH]."""
+    return lib.ggml_view_3d(ctx, t, t.ne[0], t.ne[1], t.ne[2], t.nb[1], t.nb[2], c * t.nb[3])
 
 
 def _neumann_inverse(ctx, L, eye, C: int):
@@ -236,6 +247,7 @@ def gated_delta_rule(ctx, q, k, v, g, beta, ci: ChunkInputs, C: int):
     e_last = lib.ggml_cont(ctx, lib.ggml_view_4d(ctx, e, 1, 1, NC, B * H, e.nb[1], e.nb[2],
                                                  e.nb[3], (C - 1) * e.nb[1]))
 
+    uT, w, A, qe, kdT, e_last = (_chunk_major(ctx, t) for t in (uT, w, A, qe, kdT, e_last))
     canvas = lib.ggml_scale(ctx, vc, 0.0)       # zeros of the output's shape [S, C, NC, BH]
     state_t = None                               # Sᵀ: ne [S_k, S_v, BH], zero before chunk 0
     for c in range(NC):

@@ -22,7 +22,7 @@ from pytrain.models import Architecture, precision
 from pytrain.data import pad_token_id
 from pytrain.data.tokenizer import Tokenizer
 from pytrain.formats.gguf_tensors import is_elementwise, open_reader
-from pytrain.models.weights import load_weights
+from pytrain.models.weights import dequantize_targets, load_weights
 
 
 class TokenIdError(PytrainError, ValueError):
@@ -191,7 +191,8 @@ def load_model(path: str | os.PathLike, device: str = "auto", threads: int | Non
     place on its host, one GPU per rank.  ``dequantize``: file types ``auto`` loads as F32 or
     F16 (``pytrain.models.weights``), or a function of (runtime, the file's tensor index, the
     shapes to load) returning them, called once the device is known (a training run's
-    measured choice, ``pytrain.run.type_choice``).  ``compute_type``: "f32", or "bf16"
+    measured choice, ``pytrain.run.type_choice``); under bf16 compute, the quantized types
+    loaded as BF16.  ``compute_type``: "f32", or "bf16"
     (CPU: weight matrices as BF16, multiplied on the CPU's bf16 units;
     ``pytrain.models.precision``); ``Model.compute`` says what ran."""
     type_policy = precision.type_policy_for(compute_type, type_policy)
@@ -208,10 +209,13 @@ def load_model(path: str | os.PathLike, device: str = "auto", threads: int | Non
     try:
         compute = precision.check_runtime(compute_type, rt)
         shapes = config.tensor_shapes()
-        if compute_type != "f32":
-            dequantize = None        # the bf16 policy decides every float matrix's type
         if callable(dequantize):
             dequantize = dequantize(rt, infos, shapes)
+        if dequantize:
+            # an adapter's record made under the other compute type (pytrain.load): its F32/F16
+            # copies do not apply under bf16, nor its BF16 copies under f32
+            ok = dequantize_targets(type_policy)
+            dequantize = {k: v for k, v in dequantize.items() if v in ok}
         weights = load_weights(path, rt, shapes, type_policy, reader=reader,
                                dequantize=dequantize)
         if compute_type == "bf16":

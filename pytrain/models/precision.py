@@ -6,9 +6,11 @@ weights, which round the activations to the weight's dot type as llama.cpp does)
 
 ``bf16`` is what HF + PEFT users on a CPU with bf16 units pick for speed: the weight matrices
 are stored as BF16 (rounded to nearest even from F32 or F16, as ``model.to(torch.bfloat16)``
-rounds them) and ggml-blas multiplies them with oneDNN's bf16 x bf16 -> f32 matmul, in the
-forward (``MUL_MAT``) and in the backward (``OUT_PROD``), on AMX tiles (``amx_bf16``) or with
-``vdpbf16ps`` (``avx512_bf16``).  The other operand (the activations; in the backward the
+rounds them; a quantized type dequantized and rounded so where a bf16 step was measured
+faster that way and the copies fit, ``pytrain.run.type_choice.choose_bf16``) and ggml-blas
+multiplies them with oneDNN's bf16 x bf16 -> f32 matmul, in the forward (``MUL_MAT``) and
+in the backward (``OUT_PROD``), on AMX tiles (``amx_bf16``) or with ``vdpbf16ps``
+(``avx512_bf16``).  The other operand (the activations; in the backward the
 gradient) is rounded to bf16 at each such product, once, as torch's bf16 autocast rounds a
 ``Linear``'s input; the products accumulate in float32, and everything else (the LoRA
 matrices and their gradients, norms, attention, the DeltaNet recurrence, the loss, AdamW)
@@ -51,14 +53,15 @@ def cpu_bf16_units(cpuinfo: str | Path = "/proc/cpuinfo") -> list[str]:
 
 def type_policy_for(compute_type: str, type_policy: str) -> str:
     """The weights' type policy of a run: ``bf16`` compute loads them with the ``bf16``
-    policy, which a run's own ``type_policy`` other than ``auto`` would contradict."""
+    policy, which ``f32`` would contradict; ``auto`` and ``keep`` differ there only in the
+    quantized matrices (``keep``: never BF16 copies; the training run's choice says so)."""
     if compute_type not in COMPUTE_TYPES:
         raise ComputeTypeError(f"must be one of {', '.join(COMPUTE_TYPES)}; got {compute_type!r}")
     if compute_type == "f32":
         return type_policy
-    if type_policy != "auto":
+    if type_policy not in ("auto", "keep"):
         raise ComputeTypeError(f"bf16 stores the weight matrices as BF16 itself; "
-                               f"model.type_policy must stay auto (it is {type_policy!r})")
+                               f"model.type_policy must be auto or keep (it is {type_policy!r})")
     return "bf16"
 
 
@@ -97,27 +100,30 @@ def check(compute_type: str, device: str, blas: bool) -> str:
 
 def with_matrices(line: str, loads: Iterable[tuple[str, str]]) -> str:
     """``line`` (``check``'s, for bf16) with what the weight matrices became, when some of them
-    are not BF16: ``loads`` holds (file type, loaded type) per matrix.  bf16 compute rounds
-    F32/F16/BF16 matrices to BF16; a quantized matrix keeps its type (no type policy loads it
-    as BF16) and is multiplied by ggml-cpu's quantized kernels, as under f32: a run on a
-    quantized model gets little or none of bf16's speed, and the line must not claim it."""
+    are not BF16: ``loads`` holds (file type, loaded type) per matrix.  A quantized matrix is
+    BF16 only where the run's type choice made it so (``type_choice.choose_bf16``, whose
+    reason the run logs and ``pytrain plan`` prints); a kept one is multiplied by ggml-cpu's
+    kernels as under f32, and the line must not claim bf16 products for it.  When no matrix
+    is BF16, the line says bf16 applies to none."""
     loads = list(loads)
     kept = Counter(lt for _ft, lt in loads if lt != "BF16")
     if not kept:
         return line
     into = Counter(ft for ft, lt in loads if lt == "BF16")
-    n = sum(into.values())
-    bf16 = f"{n} BF16"
-    if len(into) == 1:
-        bf16 += f" (from {next(iter(into))})"
-    elif into:
-        bf16 += " (" + ", ".join(f"{c} from {t}" for t, c in sorted(into.items())) + ")"
+    n_kept = sum(kept.values())
     types = "/".join(sorted(kept))
-    return (f"{line}; weight matrices: {bf16}, "
-            + ", ".join(f"{c} kept {t}" for t, c in sorted(kept.items()))
-            + f"\nwarning: bf16 compute does not apply to the {sum(kept.values())} matrices "
-            f"kept as {types}: ggml-cpu's {types} kernels multiply them, as with "
-            f"train.compute_type = \"f32\" (no type policy loads a quantized matrix as BF16); "
-            f"for bf16 products on every matrix, train on an F32, F16 or BF16 GGUF of the "
-            f"model; with this file, train.compute_type = \"f32\" lets model.type_policy = "
-            f"\"auto\" load the types measured faster as F32 (pytrain plan shows which)")
+    them = "it" if n_kept == 1 else "them"
+    made = ", ".join(f"{c} {t} -> BF16" for t, c in sorted(into.items()))
+    held = ", ".join(f"{c} kept {t}" for t, c in sorted(kept.items()))
+    if not into:
+        head = line.split(":", 1)[0]          # "compute bf16"
+        return (f"{head}: no weight matrix is BF16 ({held}): ggml-cpu's {types} kernels "
+                f"multiply {them}, as with train.compute_type = \"f32\"; bf16 applies to none "
+                f"of the products with the frozen weights\nwarning: bf16 compute does not apply "
+                f"to this model's {n_kept} matrices kept as {types} (the run's weights: line, "
+                f"pytrain plan's types:, says why); "
+                f"train.compute_type = \"f32\" lets model.type_policy = \"auto\" load the types "
+                f"measured faster as F32, and an F32, F16 or BF16 GGUF of the model gets bf16 "
+                f"on every matrix")
+    return (f"{line}; weight matrices: {made}, {held} (ggml-cpu's {types} kernels multiply "
+            f"{them}, as under f32)")

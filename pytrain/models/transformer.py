@@ -80,9 +80,14 @@ class DecoderGraph:
     def embed(self, ctx, inp):
         return lib.ggml_get_rows(ctx, self.w["token_embd.weight"], inp.tokens)   # [E, T·B]
 
-    def head(self, ctx, x, inp, B: int, T: int, rows: int | None = None):
+    def head(self, ctx, x, inp, B: int, T: int, rows: int | None = None, row_mask=None):
         """x [E, T·B] after the last layer -> logits [V, T, B], or [V, R, 1] on the R rows of
-        the I32 input ``inp.rows`` (made here)."""
+        the I32 input ``inp.rows`` (made here).
+
+        ``row_mask`` [1, N] (the loss's, 0 on an ignored row) multiplies the head's input, not
+        its logits: an ignored row's input is then exactly 0, so whatever the loss hands back
+        for that row, nothing upstream of the head receives a bit of it, and the multiply
+        touches E·N values instead of V·N (the logits are the step's largest tensor)."""
         c = self.c
         x = self.norm(ctx, x, "output_norm.weight")
         if rows is not None:                                               # [E, R]
@@ -90,23 +95,25 @@ class DecoderGraph:
             lib.ggml_set_input(inp.rows)
             x = lib.ggml_get_rows(ctx, x, inp.rows)
             T, B = rows, 1
+        if row_mask is not None:
+            x = lib.ggml_mul(ctx, x, row_mask)                             # [E, N] ⊙ [1, N]
         head = "token_embd.weight" if c.tied_embeddings else "output.weight"
         logits = lib.ggml_mul_mat(ctx, self.w[head], x)                   # [V, T·B]
         return lib.ggml_reshape_3d(ctx, logits, c.n_vocab, T, B)
 
     def build(self, ctx, B: int, T: int, lora: LoraFn | None = None,
-              rows: int | None = None) -> Forward:
+              rows: int | None = None, row_mask=None) -> Forward:
         """The forward graph for B rows of T tokens (T already padded: see padded_length).
 
         The LM head is the largest matmul of a small model and its [V, N] logits the largest
         tensors, so it can run on fewer positions: with ``rows``, on R positions picked per
         batch through the I32 input ``inputs.rows`` ([V, R, 1]; the loss's target positions,
-        or the last position of each row for generation)."""
+        or the last position of each row for generation).  ``row_mask``: see ``head``."""
         inp = self.new_inputs(ctx, B, T)
         x = self.embed(ctx, inp)
         for il in range(self.c.n_layer):
             x = self.layer(ctx, il, x, inp, B, T, lora)
-        return Forward(self.head(ctx, x, inp, B, T, rows), inp, B, T)
+        return Forward(self.head(ctx, x, inp, B, T, rows, row_mask), inp, B, T)
 
 
 def sigmoid(ctx, x):

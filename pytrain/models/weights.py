@@ -24,11 +24,14 @@ the depthwise conv kernel) feed ``MUL``/``ADD``, which want F32 everywhere.  Hen
 ``bf16``   CPU training at bf16 precision (``train.compute_type = "bf16"``): F32, F16 and BF16
            matrices become BF16 (F32 and F16 rounded to nearest even, as torch's
            ``.to(torch.bfloat16)`` rounds them), which ggml-blas multiplies with oneDNN's bf16
-           matmul, forward and backward (patch 0018); quantized matrices keep their type (no
-           measured ``dequantize`` choice applies) and the element-wise tensors load as F32.
+           matmul, forward and backward (patch 0018); a quantized matrix keeps its type unless
+           ``dequantize`` maps its type to BF16 (the training run's measured choice,
+           ``pytrain.run.type_choice``: dequantized, then rounded to BF16); the element-wise
+           tensors load as F32.
 ``keep``   the file's types untouched: inference only, training graphs may not run.
 
-``dequantize`` (a file type -> F32 or F16) refines ``auto`` for the matrices of those types:
+``dequantize`` (a file type -> F32 or F16; BF16 under ``bf16``) refines ``auto`` (``bf16``)
+for the matrices of those types:
 a training run passes the types its measurements found faster as F32 on its device
 (``pytrain.run.type_choice``); the values are the file's, so the function is the same (F16
 rounds them, and says how many it could not keep).
@@ -168,6 +171,14 @@ def load_type(name: str, shape: tuple[int, ...], file_type: int, device: str,
     return F16 if file_type == BF16 else file_type
 
 
+def dequantize_targets(policy: str) -> set[int]:
+    """The types ``dequantize`` may map a file type to under ``policy``: BF16 under ``bf16``
+    (its matrices are multiplied by oneDNN's bf16 matmul; an F32 copy would leave BLAS's
+    sgemm the product, the f32 path), F32 or F16 otherwise (ggml-cpu's OUT_PROD takes no
+    BF16)."""
+    return {BF16} if policy == "bf16" else {F32, F16}
+
+
 def _squeeze_leading(shape: tuple[int, ...]) -> tuple[int, ...]:
     s = list(shape)
     while len(s) > 1 and s[0] == 1:
@@ -192,8 +203,11 @@ def load_weights(path: str | os.PathLike[str], runtime, shapes: Mapping[str, tup
     """
     if type_policy not in POLICIES:
         raise ValueError(f"type_policy must be one of {', '.join(POLICIES)}; got {type_policy!r}")
-    if dequantize and set(dequantize.values()) - {F32, F16}:
-        raise ValueError(f"dequantize: types may become F32 or F16 only; got {dict(dequantize)}")
+    targets = dequantize_targets(type_policy)
+    if dequantize and set(dequantize.values()) - targets:
+        raise ValueError(f"dequantize: under type_policy {type_policy!r} types may become "
+                         f"{' or '.join(sorted(ggml.type_name(t) for t in targets))} only; got "
+                         f"{dict(dequantize)}")
     p = Path(path)
     reader = reader or open_reader(p)      # a reader of this file already open: reused
     infos = tensor_infos(reader)

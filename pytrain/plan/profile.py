@@ -16,6 +16,7 @@ from pathlib import Path
 
 from pytrain import ggml
 from pytrain.ggml import ffi, lib
+from pytrain.plan.products import PRODUCT_OPS, StepProducts, node_shape
 from pytrain.run import loop as run
 
 HEAD, LORA, INPUTS = "LM head + CE", "LoRA", "inputs"
@@ -147,9 +148,16 @@ class StepProfile:
     count_op_backend: dict[str, int]
     step_graph: str
     backends: list[str]
+    product_flops: int = 0   # the matrix products' FLOPs per step (pytrain.plan.products)
+    products: dict | None = None   # StepProducts.to_dict() of one profiled step
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def split(self) -> tuple[float, float]:
+        """(seconds in the matrix-product nodes, seconds in every other node) per step."""
+        prod = sum(v for k, v in self.by_op.items() if k in PRODUCT_OPS)
+        return prod, self.total - prod
 
 
 def _sums(recs: list[tuple[str, str, str, float]], over: float, steps: int) -> dict:
@@ -184,6 +192,7 @@ def profile_step(trainer, micro_batches: list, lr: float, steps: int = 1) -> Ste
         labels.update(label_graph(g, trainer.model.config, recompute=kind == "bwd"))
     recs: list[tuple[str, str, str, float]] = []
     state = {"t": 0.0}
+    products = StepProducts()
 
     @ffi.callback("bool(struct ggml_tensor *, bool, void *)")
     def cb(t, ask, _ud):
@@ -191,8 +200,12 @@ def profile_step(trainer, micro_batches: list, lr: float, steps: int = 1) -> Ste
             state["t"] = time.perf_counter()
             return True
         # (the scheduler synchronises the backend before this call)
-        recs.append((labels.get(ggml.address(t), "optimizer"), ggml.op_name(t),
-                     rt.node_backend(t), time.perf_counter() - state["t"]))
+        dt = time.perf_counter() - state["t"]
+        op = ggml.op_name(t)
+        recs.append((labels.get(ggml.address(t), "optimizer"), op, rt.node_backend(t), dt))
+        if op in PRODUCT_OPS:
+            shape = node_shape(t)
+            products.counts[shape] = products.counts.get(shape, 0) + 1
         return True
 
     rt.set_eval_callback(cb)
@@ -205,9 +218,11 @@ def profile_step(trainer, micro_batches: list, lr: float, steps: int = 1) -> Ste
     wall = (time.perf_counter() - t0) / steps
     over = statistics.median([dt for _, op, _, dt in recs if op in NOOP] or [0.0])
     sums = _sums(recs, over, steps)
+    products.counts = {k: -(-v // steps) for k, v in products.counts.items()}
     return StepProfile(steps, wall, sum(sums["by_op"].values()), over, len(recs) // steps,
                        step_graph=step_kind(trainer),
-                       backends=[ggml.backend_name(b) for b in rt.backends], **sums)
+                       backends=[ggml.backend_name(b) for b in rt.backends],
+                       product_flops=products.flops, products=products.to_dict(), **sums)
 
 
 def profile_run(cfg, steps: int = 1, log=lambda s: None) -> tuple[StepProfile, dict]:

@@ -117,11 +117,10 @@ def plan_run(cfg) -> RunPlan:
     def choose_types(infos, shapes):      # the trainer's choice (type_choice.for_training)
         key = type_choice.device_key(device, ggml.blas_enabled())
         chosen.append(type_choice.choose(key, infos, shapes, cfg.model.type_policy, budget,
-                                         source.split(":")[0]))
+                                         source.split(":")[0], t.compute_type))
         return chosen[-1].dequantize
     model, files, not_loaded = file_shape_model(cfg.model.path, device, policy,
-                                                cfg.model.threads or 1,
-                                                choose_types if policy != "bf16" else None)
+                                                cfg.model.threads or 1, choose_types)
     if t.compute_type == "bf16":           # what the run's log says (load_model)
         shapes = model.config.tensor_shapes()
         compute = precision.with_matrices(compute, ((ft, lt) for n, (ft, lt, _b) in files.items()

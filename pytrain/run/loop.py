@@ -245,7 +245,7 @@ def open_session(cfg: Config, out: Path, log: Callable[[str], None],
         model = load_model(cfg.model.path, cfg.model.device, threads, cfg.model.type_policy,
                            device_index=w.local_rank,
                            dequantize=for_training(cfg.model.type_policy, cfg.train.memory_gib,
-                                                   log, w.local_size),
+                                                   log, w.local_size, cfg.train.compute_type),
                            compute_type=cfg.train.compute_type)
     except ComputeTypeError as e:
         raise cfg.error("train", "compute_type", str(e)) from None

@@ -16,6 +16,15 @@ types are kept.  As F32 the values are the file's, so the function trained is th
 types also round the activations of the forward, as llama.cpp does; F32 does not); as F16
 they are rounded to 11 bits, and the load report counts the values that changed.
 
+Under ``train.compute_type = "bf16"`` the float matrices become BF16 for oneDNN's bf16 matmul
+(``pytrain.models.precision``), and the same rule decides for each quantized type whether a
+BF16 copy (dequantized, then rounded to nearest even) replaces it: ``BF16_STEP_RATIO`` holds a
+bf16 step's time with the type kept over its time with BF16 copies (the same benchmark, its
+bf16 sides: bench_results/type_policy_bf16.md); a type ``FASTER`` so becomes BF16 when the
+BF16 weights fit in half of the budget, else the file's types are kept (F32 copies would
+leave the products to BLAS's sgemm: that is compute f32).  ``model.type_policy = "keep"``
+keeps the quantized types under bf16.
+
 Inference (``pytrain.load_model``, ``pytrain.load`` without an adapter) keeps ``auto``'s plain
 rule: the figures are a training step's, and one token at a time the quantized kernels read a
 fraction of F32's bytes.  An adapter a run wrote records the types that run loaded
@@ -34,7 +43,7 @@ from pytrain import ggml
 from pytrain.ggml import lib
 from pytrain.formats.gguf_meta import GGUFError, metadata_from_reader, open_gguf
 from pytrain.formats.gguf_tensors import TensorInfo, is_elementwise
-from pytrain.models.weights import F16, F32, load_type
+from pytrain.models.weights import BF16, F16, F32, load_type
 from pytrain.step.free_memory import available_bytes
 
 # dequantize when the kept type's step takes at least this much longer: a step's time is a sum
@@ -80,6 +89,34 @@ STEP_RATIO: dict[str, dict[str, tuple[float, float | None]]] = {
         "IQ4_XS": (5.61, None),
     },
 }
+# under train.compute_type = "bf16" (only with ggml's BLAS backend: oneDNN is in it), per file
+# type: a bf16 training step's time with the type kept over its time with the matrices as BF16
+# copies (python -m scripts.bench_type_policy --sides f32,bf16-keep,bf16 --name
+# type_policy_bf16: bench_results/type_policy_bf16.md, 3 rounds, and the types whose rounds
+# disagreed again in type_policy_bf16_rerun.md, 5 rounds).  Both were measured on 2 threads of
+# a 2-core machine under load from other work (single steps varied by up to 10x), so each
+# figure is the lower of the runs' medians of per-round ratios: a type goes to BF16 only where
+# every run measured it FASTER.  Q8_0 (1.49 then 1.00) and Q5_1 (0.95 then 1.95) are kept for
+# that reason; the K-quants but Q4_K were measured faster kept.  That caution has a price
+# where the measurement was noise: with this table Gemma 3 270M's demo step (Q8_0, Q6_K kept)
+# ran at 40.0 tokens/s against 54.0 with every type copied (type_policy_bf16_real.md, same
+# load).  A type not listed keeps its type.
+BF16_STEP_RATIO: dict[str, dict[str, float]] = {
+    "cpu+blas": {
+        "Q8_0": 1.0,
+        "Q4_0": 2.64,
+        "Q4_1": 1.98,
+        "Q5_0": 1.64,
+        "Q5_1": 0.95,
+        "Q2_K": 0.72,
+        "Q3_K": 0.81,
+        "Q4_K": 4.2,
+        "Q5_K": 0.54,
+        "Q6_K": 0.63,
+        "IQ4_NL": 1.43,
+        "IQ4_XS": 1.59,
+    },
+}
 _TARGETS = ((F32, "F32"), (F16, "F16"))     # preferred first: F32 is exact and at least as fast
 
 
@@ -96,6 +133,7 @@ class TypeChoice:
     budget: int | None
     source: str
     reason: str
+    compute_type: str = "f32"     # bf16: the choice is between kept and BF16 copies
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -119,10 +157,10 @@ def runtime_budget(rt, memory_gib: float | None, share: int = 1) -> tuple[int, s
 
 
 def _bytes(infos: Mapping[str, TensorInfo], shapes: Mapping, device: str,
-           dequantize: Mapping[int, int]) -> int:
+           dequantize: Mapping[int, int], policy: str = "auto") -> int:
     total = 0
     for n, shape in shapes.items():
-        lt = load_type(n, tuple(shape), infos[n].type, device, "auto", dequantize)
+        lt = load_type(n, tuple(shape), infos[n].type, device, policy, dequantize)
         total += int(lib.ggml_row_size(lt, shape[-1])) * (infos[n].n_elements // shape[-1])
     return total
 
@@ -138,11 +176,14 @@ def _ratios(measured: Mapping[str, tuple | None]) -> str:
 
 
 def choose(key: str, infos: Mapping[str, TensorInfo], shapes: Mapping, policy: str,
-           budget: int | None, source: str) -> TypeChoice:
+           budget: int | None, source: str, compute_type: str = "f32") -> TypeChoice:
     """``auto``'s choice for a training run of the tensors ``shapes`` (of the file whose index
     is ``infos``) on a device of kind ``key`` (``device_key``) with ``budget`` bytes: the types
     whose kept step is ``FASTER`` times an F32 one become F32 when the F32 weights fit in half
-    the budget; else those ``FASTER`` times an F16 one become F16 when that fits; else kept."""
+    the budget; else those ``FASTER`` times an F16 one become F16 when that fits; else kept.
+    Under ``compute_type`` bf16, ``choose_bf16``'s."""
+    if compute_type == "bf16":
+        return choose_bf16(key, infos, shapes, policy, budget, source)
     device = "cpu" if key.startswith("cpu") else key
     kept_types = {infos[n].type for n, s in shapes.items()
                   if load_type(n, tuple(s), infos[n].type, device, "auto") != F32}
@@ -186,14 +227,67 @@ def choose(key: str, infos: Mapping[str, TensorInfo], shapes: Mapping, policy: s
                       _bytes(infos, shapes, device, chosen), budget, source, why)
 
 
+def _n(count: int) -> str:
+    return f"{count} matri{'x' if count == 1 else 'ces'}"
+
+
+def choose_bf16(key: str, infos: Mapping[str, TensorInfo], shapes: Mapping, policy: str,
+                budget: int | None, source: str) -> TypeChoice:
+    """bf16 compute's choice (``policy``: the run's model.type_policy, auto or keep): the
+    quantized matrix types whose bf16 step was measured ``FASTER`` kept than as BF16 copies
+    (``BF16_STEP_RATIO``) become BF16 when the BF16 weights fit in half the budget (the F32
+    rule's margin); else kept.  The reason names each type's outcome and its matrix count."""
+    counts: dict[int, int] = {}
+    for n, s in shapes.items():
+        if load_type(n, tuple(s), infos[n].type, "cpu", "bf16") not in (F32, BF16):
+            counts[infos[n].type] = counts.get(infos[n].type, 0) + 1
+    table = BF16_STEP_RATIO.get(key, {})
+    name = ggml.type_name
+    measured = {name(t): table.get(name(t)) for t in sorted(counts)}
+    kept = _bytes(infos, shapes, "cpu", {}, "bf16")
+    fast = {t: BF16 for t in counts if (table.get(name(t)) or 0) >= FASTER}
+    need = _bytes(infos, shapes, "cpu", fast, "bf16") if fast else kept
+    fits = budget is not None and need <= budget // 2
+    head = f'compute bf16, type_policy = "{policy}": '
+
+    def why_kept(t: int) -> str:
+        if policy != "auto":
+            return f'model.type_policy = "{policy}"'
+        if t in fast:
+            return (f"BF16 weights {_size(need)} over half of the {_size(budget or 0)} budget "
+                    f"({source}), though a bf16 step measured {table[name(t)]:.2f}x faster so")
+        r = table.get(name(t))
+        if not table:
+            return f"no bf16 measurement on {key}"
+        if r is None:
+            return "not measured"
+        return (f"a bf16 step measured {r:.2f}x as fast with BF16 copies: not {FASTER:.2f}x "
+                f"faster")
+
+    chosen = fast if policy == "auto" and fits else {}
+    parts = [f"{name(t)} -> BF16 ({_n(counts[t])}: a bf16 step measured "
+             f"{table[name(t)]:.2f}x faster)" for t in sorted(chosen)]
+    parts += [f"kept {name(t)} ({_n(counts[t])}: {why_kept(t)})" for t in sorted(counts)
+              if t not in chosen]
+    if not counts:
+        why = head + "every matrix is F32, F16 or BF16 in the file: all BF16"
+    elif chosen:
+        why = (head + "; ".join(parts) + f"; BF16 weights {_size(need)} (kept: {_size(kept)}) "
+               f"within half of the {_size(budget or 0)} budget ({source})")
+    else:
+        why = head + "; ".join(parts)
+    return TypeChoice(policy, key, chosen, measured, kept, {"BF16": need} if fast else {},
+                      need if chosen else kept, budget, source, why, "bf16")
+
+
 def for_training(policy: str, memory_gib: float | None, log: Callable[[str], None],
-                 share: int = 1) -> Callable[..., dict[int, int]]:
+                 share: int = 1, compute_type: str = "f32") -> Callable[..., dict[int, int]]:
     """The ``dequantize`` function ``load_model`` calls for a training run once its device is
     known: ``choose``'s types, the reason logged."""
     def choose_for(rt, infos, shapes) -> dict[int, int]:
         budget, source = runtime_budget(rt, memory_gib, share)
         c = choose(device_key(rt.device, rt.blas is not None), infos, shapes, policy, budget,
-                   source)
+                   source, compute_type)
         log(f"weights: {c.reason}")
         return c.dequantize
     return choose_for
@@ -255,17 +349,21 @@ def _types(types: Mapping[str, str]) -> str:
 
 def as_recorded(rec: Mapping, say: Callable[[str], None]) -> Callable[..., dict[int, int]]:
     """The ``dequantize`` function ``load_model`` calls to load matrices as the run of ``rec``
-    did: its F32/F16 targets, while those weights fit in half of the memory available now
-    (``for_training``'s rule); else the file's types, and ``say`` tells why."""
+    did: its F32/F16 targets (a bf16 run's: the quantized types it copied to BF16), while
+    those weights fit in half of the memory available now (``for_training``'s rule); else the
+    file's types, and ``say`` tells why."""
     ids = {ggml.type_name(t): t for t in ggml.TYPES.values()}
-    want = {ids[k]: ids[v] for k, v in rec["matrices"].items() if k != v and v in ("F32", "F16")}
+    # BF16 from a quantized type: a bf16 run's copies (load_model drops them under f32)
+    want = {ids[k]: ids[v] for k, v in rec["matrices"].items()
+            if k != v and (v in ("F32", "F16") or v == "BF16" and k not in ("F32", "F16"))}
+    policy = "bf16" if rec["compute_type"] == "bf16" else "auto"
 
     def choose_for(rt, infos, shapes) -> dict[int, int]:
         present = {i.type for i in infos.values()}
         chosen = {k: v for k, v in want.items() if k in present}
         if not chosen:
             return {}
-        need = _bytes(infos, shapes, rt.device, chosen)
+        need = _bytes(infos, shapes, rt.device, chosen, policy)
         budget, source = runtime_budget(rt, None)
         if need > budget // 2:
             say(f"its types need {_size(need)} of weights, over half of the {_size(budget)} "

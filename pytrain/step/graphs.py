@@ -70,10 +70,11 @@ class GradGraph:
         size = model.graph_budget(self.T)
         self.ctx = ggml.Context(n_tensors=size * 2, graph_size=size * 2, grads=True)
         c = self.ctx.ptr
+        row_mask = loss_mod.new_row_mask(c, rows or self.T * B)
         with adapter.training_masks() as self.masks:      # dropout masks, when lora.dropout
-            self.fwd = model.graph.build(c, B, self.T, adapter.hook, rows=rows)
-        self.ce = _loss(model, c, self.fwd.logits, rows or self.T * B, self.rows_per_seq,
-                        measure_only)
+            self.fwd = model.graph.build(c, B, self.T, adapter.hook, rows=rows,
+                                         row_mask=row_mask)
+        self.ce = _loss(model, c, self.fwd.logits, row_mask, self.rows_per_seq, measure_only)
         gf = ggml.new_graph(self.ctx, size * 2, grads=True)
         lib.ggml_build_forward_expand(gf, self.ce.loss)
         # d(loss)/d(loss) = 1 lives in its own small static buffer
@@ -177,8 +178,10 @@ class EvalGraph:
     def _build(self, adapter: LoraAdapter | None, size: int) -> None:
         model, B, T, rows = self.model, self.B, self.T, self.rows
         c = self.ctx.ptr
-        self.fwd = model.graph.build(c, B, T, adapter.hook if adapter else None, rows=rows)
-        self.ce = _loss(model, c, self.fwd.logits, rows, self.rows_per_seq)
+        row_mask = loss_mod.new_row_mask(c, rows)
+        self.fwd = model.graph.build(c, B, T, adapter.hook if adapter else None, rows=rows,
+                                     row_mask=row_mask)
+        self.ce = _loss(model, c, self.fwd.logits, row_mask, self.rows_per_seq)
         self.graph = ggml.new_graph(self.ctx, size)
         if self.rows_per_seq is not None:
             for t in self.ce.seq_ce:
@@ -233,11 +236,12 @@ def _sequence_logps(g, tokens, seg, targets, weights=None) -> np.ndarray:
     return g.ce.log_probs()[:tokens.shape[0]]
 
 
-def _loss(model: Model, ctx, logits, rows: int, rows_per_seq: int | None,
+def _loss(model: Model, ctx, logits, row_mask, rows_per_seq: int | None,
           measure_only: bool = False):
-    """The masked CE over ``rows`` head rows, per sequence when ``rows_per_seq`` is set."""
-    V = model.config.n_vocab
+    """The masked CE over the head rows ``row_mask`` masks, per sequence when
+    ``rows_per_seq`` is set."""
+    V, rows = model.config.n_vocab, int(row_mask.ne[1])
     if rows_per_seq is None:
-        return loss_mod.build(model.runtime, ctx, logits, V, rows, measure_only)
+        return loss_mod.build(model.runtime, ctx, logits, V, rows, row_mask, measure_only)
     return loss_mod.SequenceCE(model.runtime, ctx, logits, V, rows // rows_per_seq,
-                               rows_per_seq, measure_only)
+                               rows_per_seq, row_mask, measure_only)

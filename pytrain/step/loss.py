@@ -7,8 +7,11 @@ targets.  Here, by construction:
   * targets are shifted (position t predicts token t+1) and carry IGNORE (-100) where the
     target is padding, prompt, or another packed sample — the pad *token id* never marks
     anything, so pad id == eos id keeps real EOS targets;
-  * an ignored row has an all-zero label row, and its logits row is multiplied by 0 before the
-    CE op, so its gradient is exactly 0 (not softmax/n as in the seed's fix);
+  * an ignored row has an all-zero label row, so it adds exactly 0 to the loss, and the row
+    mask multiplies its LM-head input by 0 (``new_row_mask``, ``Transformer.head``), so no
+    parameter receives a bit of gradient from it, whatever the CE op's backward hands that
+    row (ggml's upstream op hands softmax/n, the seed's flaw; ggml-cpu's, with patch 0019,
+    hands exactly 0, so the head's OUT_PROD skips the row: patch 0002);
   * the one-hot label rows are built on the device from the target ids (O(rows) uploaded, not
     O(rows · vocabulary)), and their pad-token column is read back once before the loss is
     computed;
@@ -86,6 +89,14 @@ class LossInputs:
     loss_scale: object  # F32 [1]     n_rows / n_valid_step
 
 
+def new_row_mask(ctx, n_rows: int):
+    """The F32 [1, N] input that is 1 on a target row and 0 on an ignored one: made before the
+    forward graph, because the LM head multiplies its input by it (``Transformer.head``)."""
+    mask = lib.ggml_new_tensor_2d(ctx, lib.GGML_TYPE_F32, 1, n_rows)
+    lib.ggml_set_input(mask)
+    return mask
+
+
 class MaskedCE:
     """The masked loss over logits [V, N] (N rows) and the device-side construction of its
     label rows.
@@ -97,18 +108,19 @@ class MaskedCE:
     tensor the CE op consumes can be read back (its pad-token column, once) before the loss
     exists: ``set_targets`` → ``build_labels`` → ``check_labels`` → compute."""
 
-    def __init__(self, runtime, ctx, logits, n_vocab: int, n_rows: int,
+    def __init__(self, runtime, ctx, logits, n_vocab: int, n_rows: int, row_mask,
                  measure_only: bool = False):
+        """``row_mask``: the ``new_row_mask`` input the head that made ``logits`` multiplied
+        its input by; the label graph writes the same values into the label rows."""
         f32 = lib.GGML_TYPE_F32
         self.runtime, self.n_vocab, self.n_rows = runtime, n_vocab, n_rows
         self.inputs = LossInputs(labels=lib.ggml_new_tensor_2d(ctx, f32, n_vocab, n_rows),
-                                 row_mask=lib.ggml_new_tensor_2d(ctx, f32, 1, n_rows),
+                                 row_mask=row_mask,
                                  loss_scale=lib.ggml_new_tensor_1d(ctx, f32, 1))
-        for t in vars(self.inputs).values():
+        for t in (self.inputs.labels, self.inputs.loss_scale):
             lib.ggml_set_input(t)
         logits = lib.ggml_reshape_2d(ctx, logits, n_vocab, n_rows)
-        masked = lib.ggml_mul(ctx, logits, self.inputs.row_mask)  # zero rows: zero gradient
-        self.loss = self._reduce(ctx, masked)
+        self.loss = self._reduce(ctx, logits)
         # the flat one-positions live in a buffer of their own: only the label graph reads them
         self._index_ctx = ggml.Context(n_tensors=1)
         self.label_index = lib.ggml_new_tensor_1d(self._index_ctx.ptr, lib.GGML_TYPE_I64, n_rows)
@@ -120,9 +132,9 @@ class MaskedCE:
         self._label_views = [lib.ggml_graph_node(self.label_graph, i)
                              for i in range(lib.ggml_graph_n_nodes(self.label_graph))]
 
-    def _reduce(self, ctx, masked):
+    def _reduce(self, ctx, logits):
         """The loss the backward starts from: the CE of every row, scaled at run time."""
-        ce = lib.ggml_cross_entropy_loss(ctx, masked, self.inputs.labels)   # Σ / n_rows
+        ce = lib.ggml_cross_entropy_loss(ctx, logits, self.inputs.labels)   # Σ / n_rows
         return lib.ggml_mul(ctx, ce, self.inputs.loss_scale)
 
     def set_targets(self, targets: np.ndarray, buggy: bool = False) -> None:
@@ -220,18 +232,19 @@ class SequenceCE(MaskedCE):
     0010), so the backward costs what the single CE's does."""
 
     def __init__(self, runtime, ctx, logits, n_vocab: int, n_seqs: int, rows_per_seq: int,
-                 measure_only: bool = False):
+                 row_mask, measure_only: bool = False):
         self.n_seqs, self.rows_per_seq = n_seqs, rows_per_seq
-        super().__init__(runtime, ctx, logits, n_vocab, n_seqs * rows_per_seq, measure_only)
+        super().__init__(runtime, ctx, logits, n_vocab, n_seqs * rows_per_seq, row_mask,
+                         measure_only)
 
-    def _reduce(self, ctx, masked):
+    def _reduce(self, ctx, logits):
         f32, V, R = lib.GGML_TYPE_F32, self.n_vocab, self.rows_per_seq
         self.weights = lib.ggml_new_tensor_1d(ctx, f32, self.n_seqs)
         lib.ggml_set_input(self.weights)
-        labels, nb1 = self.inputs.labels, masked.nb[1]
+        labels, nb1 = self.inputs.labels, logits.nb[1]
         self.seq_ce, loss = [], None
         for b in range(self.n_seqs):
-            x = lib.ggml_view_2d(ctx, masked, V, R, nb1, b * R * nb1)
+            x = lib.ggml_view_2d(ctx, logits, V, R, nb1, b * R * nb1)
             y = lib.ggml_view_2d(ctx, labels, V, R, labels.nb[1], b * R * labels.nb[1])
             ce = lib.ggml_cross_entropy_loss(ctx, x, y)                   # [1]
             lib.ggml_set_output(ce)
@@ -256,11 +269,12 @@ class SequenceCE(MaskedCE):
         return -ce * self.rows_per_seq
 
 
-def build(runtime, ctx, logits, n_vocab: int, n_rows: int, measure_only: bool = False
-          ) -> MaskedCE:
-    """The masked loss over logits [V, N]; see ``MaskedCE``.  ``measure_only``: for a graph
-    that is only measured (``Runtime.alloc``), its small persistent tensor is not allocated."""
-    return MaskedCE(runtime, ctx, logits, n_vocab, n_rows, measure_only)
+def build(runtime, ctx, logits, n_vocab: int, n_rows: int, row_mask,
+          measure_only: bool = False) -> MaskedCE:
+    """The masked loss over logits [V, N] made by a head masked with ``row_mask``; see
+    ``MaskedCE``.  ``measure_only``: for a graph that is only measured (``Runtime.alloc``),
+    its small persistent tensor is not allocated."""
+    return MaskedCE(runtime, ctx, logits, n_vocab, n_rows, row_mask, measure_only)
 
 
 def read_column(labels, col: int) -> np.ndarray:

@@ -133,9 +133,10 @@ class RecomputeGraph:
         cfg, g, L = self.model.config, self.model.graph, self.model.config.n_layer
         hg = self._graph(4096, grads=True)
         lib.ggml_set_param(self.xs[L])
-        logits = g.head(hg.c, self.xs[L], self.inp, self.B, self.T, self.rows)
+        row_mask = loss_mod.new_row_mask(hg.c, self.rows)
+        logits = g.head(hg.c, self.xs[L], self.inp, self.B, self.T, self.rows, row_mask)
         self.ce = loss_mod.build(self.model.runtime, hg.c, logits, cfg.n_vocab, self.rows,
-                                 self.measure_only)
+                                 row_mask, self.measure_only)
         gf = ggml.new_graph(hg.ctx, 4096, grads=True)
         lib.ggml_build_forward_expand(gf, self.ce.loss)
         hg.graph = ggml.build_backward(hg.ctx, gf, self.ce.loss,
