@@ -178,11 +178,19 @@ def _load_backends() -> CpuVariant:
 # before that (unless the caller chose one, or loaded OpenMP first), and taken out of the
 # environment again so that programs this process starts (a reference run, a compiler) keep
 # their own default.
-_passive = (json.loads((NATIVE_DIR / "build_info.json").read_text()).get("blas")
-            and os.environ.get("PYTRAIN_BLAS", "1") not in ("", "0")
-            and "OMP_WAIT_POLICY" not in os.environ)
-if _passive:
-    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+#
+# The converse holds too: OpenBLAS's worker threads spin after each product for 2^28 cycles by
+# default (tenths of a second) before they sleep, and a step runs ggml-cpu's and oneDNN's
+# OpenMP threads between OpenBLAS products, on the same cores.  OpenBLAS reads its timeout once,
+# when it loads with ggml-blas, so 2^12 cycles (about a microsecond) is set the same way.  On 2
+# cores of an AMD EPYC Zen 4 the mid benchmark step went from 0.96 to 0.84 s in f32 and from
+# 0.69 to 0.53 s in bf16, whose oneDNN products lost the second core to a spinning OpenBLAS
+# worker (docs/performance.md).
+_blas = (json.loads((NATIVE_DIR / "build_info.json").read_text()).get("blas")
+         and os.environ.get("PYTRAIN_BLAS", "1") not in ("", "0"))
+_set_env = {k: v for k, v in (("OMP_WAIT_POLICY", "PASSIVE"), ("OPENBLAS_THREAD_TIMEOUT", "12"))
+            if _blas and k not in os.environ}
+os.environ.update(_set_env)
 try:
     try:
         from pytrain._native._ggml import ffi, lib  # type: ignore[import-not-found]
@@ -193,8 +201,8 @@ try:
     _LOG_CALLBACK = _install_log_filter()
     CPU_VARIANT = _load_backends()
 finally:
-    if _passive:
-        del os.environ["OMP_WAIT_POLICY"]
+    for _k in _set_env:
+        del os.environ[_k]
 
 
 def build_info() -> dict:
