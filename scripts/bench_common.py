@@ -67,14 +67,99 @@ SPECS = {
 }
 
 
+# Real models: pretrained GGUFs users start from, at the file types they come in
+# (scripts/fetch_model.py fetches them under the same names, ``make real-model``).  pytrain
+# trains the GGUF itself; the HF side runs on an HF folder of the same weights, dequantized from
+# the GGUF once and cached beside the synthetic models (``make_real_hf``).
+REAL_VERSION = 1  # bump to remake the real models' HF folders
+REAL = {
+    "smollm2": dict(desc="SmolLM2-135M-Instruct (llama): hidden 576, 30 layers, 9/3 heads x 64, "
+                         "FFN 1536, vocab 49152, tied"),
+    "gemma3-270m": dict(desc="Gemma 3 270M, the base model (gemma3): hidden 640, 18 layers "
+                             "(every 6th full attention, the others a 512-token sliding window), "
+                             "4/1 heads x 256, FFN 2048, vocab 262144, tied"),
+}
+
+
 def spec_dir(cache: Path, name: str) -> Path:
+    if name in REAL:
+        return real_dir(cache, name)
     spec = {k: v for k, v in SPECS[name].items() if k in ("config", "seed", "outtype", "hf_dtype")}
     h = hashlib.sha256(json.dumps([GEN_VERSION, spec], sort_keys=True).encode()).hexdigest()[:10]
     return cache / f"{name}-{h}"
 
 
+def real_gguf(name: str) -> Path | None:
+    """The fetched GGUF of REAL[name] (complete, of the current pin), or None."""
+    from scripts import fetch_model
+    return fetch_model.fetched(name)
+
+
+def real_dir(cache: Path, name: str) -> Path:
+    """The cache folder of a real model's HF side, named by the pinned GGUF's sha256: a new pin
+    gets a new folder instead of a stale one."""
+    from scripts import fetch_model
+    sha = fetch_model.MODELS[name].gguf_sha256
+    h = hashlib.sha256(json.dumps([REAL_VERSION, sha]).encode()).hexdigest()[:10]
+    return cache / f"{name}-{h}"
+
+
+def gguf_types(path: Path) -> tuple[str, dict[str, int]]:
+    """(llama.cpp's ``general.file_type`` name, e.g. MOSTLY_Q4_K_M, {tensor type: count}) of a
+    GGUF: what a report says the file is."""
+    import gguf
+    r = gguf.GGUFReader(path)
+    f = r.fields.get("general.file_type")
+    ft = gguf.LlamaFileType(int(f.contents())).name if f is not None else "?"
+    counts: dict[str, int] = {}
+    for t in r.tensors:
+        counts[t.tensor_type.name] = counts.get(t.tensor_type.name, 0) + 1
+    return ft, dict(sorted(counts.items(), key=lambda kv: -kv[1]))
+
+
+def make_real_hf(name: str, out: Path) -> None:
+    """The HF folder of a real model in ``out`` (reference stack): transformers' own GGUF
+    loading (``from_pretrained(gguf_file=...)``, every weight unpacked: ``dequantize=True``)
+    dequantizes each tensor with the gguf package's ``dequantize`` and undoes the converter's
+    changes (llama's q/k row permutation, Gemma's norm weight + 1), saved float32 so that no
+    value is rounded again.  A parameter the GGUF did not fill (left at its random init) or
+    one not unpacked to float32 fails the run: the HF side must train the file's weights."""
+    import torch
+    from transformers import AutoModelForCausalLM, GgufConfig
+    torch.set_num_threads(2)
+    path = real_gguf(name)
+    if path is None:
+        raise SystemExit(f"[{name}] not fetched: python -m scripts.fetch_model {name}")
+    t0 = time.time()
+    model, info = AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32, output_loading_info=True,
+        quantization_config=GgufConfig(dequantize=True))
+    unfilled = [k for k in info["missing_keys"]
+                if not (k == "lm_head.weight" and model.config.tie_word_embeddings)]
+    odd = sorted({str(p.dtype) for p in model.parameters()} - {"torch.float32"})
+    if unfilled or odd:
+        raise SystemExit(f"[{name}] not the GGUF's weights as float32: unfilled {unfilled[:5]}, "
+                         f"other dtypes {odd}")
+    # the model is a plain float32 one now; transformers still marks it as GGUF-quantized,
+    # and refuses to save such a model
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    n_params = sum(p.numel() for p in model.parameters())
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out / "hf")
+    print(f"[{name}] {path.name} dequantized into {out / 'hf'} (float32, "
+          f"{n_params / 1e6:.1f} M parameters) in {time.time() - t0:.0f} s", flush=True)
+    (out / "done.json").write_text(json.dumps({
+        "n_params": n_params, "vocab": int(model.config.vocab_size),
+        "model_type": model.config.model_type}))
+
+
 def make_model(name: str, out: Path) -> None:
-    """HF checkpoint + GGUF of a random model of SPECS[name] in ``out`` (reference stack)."""
+    """HF checkpoint + GGUF of a random model of SPECS[name] in ``out`` (reference stack); for
+    a REAL model, its HF folder (``make_real_hf``)."""
+    if name in REAL:
+        return make_real_hf(name, out)
     from scripts import qwen35_reference as ref
     import torch
     torch.set_num_threads(2)
@@ -109,13 +194,18 @@ def make_model(name: str, out: Path) -> None:
 
 
 def ensure_model(name: str, cache: Path, ref_python: str, script: str) -> Path | None:
-    """The cache folder of SPECS[name], generated first (by ``python -m scripts.SCRIPT --make
-    NAME --into DIR`` under the reference interpreter) when absent; None when that fails or
-    the disk has too little room."""
+    """The cache folder of SPECS[name] (or of REAL[name]: its HF folder), generated first (by
+    ``python -m scripts.SCRIPT --make NAME --into DIR`` under the reference interpreter) when
+    absent; None when that fails, the disk has too little room or a real model's GGUF was not
+    fetched."""
     d = spec_dir(cache, name)
     if (d / "done.json").exists():
         return d
-    need = SPECS[name].get("min_free_gb", 2)
+    if name in REAL and real_gguf(name) is None:
+        print(f"[{name}] skipped: not fetched (python -m scripts.fetch_model "
+              f"{name}; make real-model)", flush=True)
+        return None
+    need = {**REAL, **SPECS}[name].get("min_free_gb", 2)
     cache.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(cache).free / 2**30
     if free < need:
@@ -338,18 +428,26 @@ def n_targets(train) -> int:
 
 
 def pytrain_trainer(gguf, device: str, threads: int | None, recompute: str, seed: int,
-                    batch: tuple[int, int], compute_type: str = "f32"):
+                    batch: tuple[int, int], compute_type: str = "f32",
+                    type_choice: list | None = None):
     """(model, trainer, target names, batch, train mask) of pytrain's side: the model loaded
     (``compute_type`` "bf16": its weight matrices as BF16, multiplied in bf16), LoRA on the
-    default targets, AdamW, and the benchmark's batch."""
+    default targets, AdamW, and the benchmark's batch.  ``type_choice`` (a list): the weights'
+    types are chosen as ``pytrain train`` chooses them (``pytrain.run.type_choice``, policy auto:
+    a quantized file's types dequantized where that was measured faster) and the choice's
+    reason is appended; None: ``load_model``'s plain rule (what the synthetic rows ran; their
+    F32 files are loaded as F32 either way)."""
     from types import SimpleNamespace
 
-    import pytrain
     from pytrain.models import lora
     from pytrain.models.lora_targets import select_targets
+    from pytrain.models.model import load_model
+    from pytrain.run.type_choice import for_training
     from pytrain.step.optimizer import AdamWSettings
     from pytrain.step.trainer import Trainer
-    m = pytrain.load_model(gguf, device=device, threads=threads, compute_type=compute_type)
+    dq = None if type_choice is None else for_training("auto", None, type_choice.append,
+                                                       compute_type=compute_type)
+    m = load_model(gguf, device=device, threads=threads, dequantize=dq, compute_type=compute_type)
     names = select_targets(m.config)
     ad = lora.create(m.runtime, m.config, names, RANK, ALPHA, seed=0)
     tr = Trainer(m, ad, AdamWSettings(lr=LR, max_grad_norm=MAX_NORM), recompute=recompute)
@@ -419,10 +517,12 @@ def hf_side(path, dtype: str, attn: str, device: str, seed: int, batch: tuple[in
     import torch
     import transformers
     from peft import LoraConfig, get_peft_model
-    from transformers.models.qwen3_5 import Qwen3_5ForCausalLM
+    from transformers import AutoModelForCausalLM
     dev = torch.device(device)
-    model = Qwen3_5ForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype),
-                                               attn_implementation=attn).to(dev)
+    # the checkpoint's class: Qwen3_5ForCausalLM for the synthetic shapes (qwen3_5_text),
+    # LlamaForCausalLM / Gemma3ForCausalLM for the real models
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype),
+                                                 attn_implementation=attn).to(dev)
     pm = get_peft_model(model, LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0,
                                           bias="none", task_type="CAUSAL_LM",
                                           target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))

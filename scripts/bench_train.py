@@ -20,6 +20,18 @@ Models (``--models``, comma-separated, default ``default,mid,mid-v248k``; the co
                clean timed steps; pytrain's Trainer picks layer-wise recompute there on a 24 GiB
                machine (``--recompute``, default auto), HF keeps every activation.
     toy        the smoke tests' model (tests/test_scripts_bench.py), batch 1 x 32
+    smollm2, gemma3-270m
+               real models users start from, at their own file types (REAL in
+               scripts/bench_common.py; fetched by ``make real-model``, skipped when not):
+               SmolLM2-135M-Instruct Q4_1 (llama) and Gemma 3 270M Q4_K_M (gemma3).  pytrain
+               trains the GGUF itself, its types chosen as ``pytrain train`` chooses them
+               (pytrain/run/type_choice.py, policy auto: Q4_1 becomes F32 where memory allows;
+               under bf16 compute the quantized types measured faster as BF16 copies become
+               BF16); kept quantized types round the forward's activations as llama.cpp does,
+               so the first losses differ a little.  HF + PEFT runs on an HF folder of the
+               same weights, dequantized from the GGUF by transformers' GGUF loading and saved
+               float32 (made once, cached under ``--cache``).  The report states each file's
+               type and what pytrain loaded each matrix as, under f32 and bf16 compute.
 
 bf16 rows (``--bf16 auto|on|off``, default auto = when /proc/cpuinfo lists ``avx512_bf16`` or
 ``amx_bf16``; ``on`` also elsewhere, where both sides emulate bf16 slowly): each row (model x
@@ -38,10 +50,12 @@ oneDNN).  The committed bf16 figures are ``bench_results/train-bf16.md`` (``--ou
 
 The training step, the same on both sides: batch 2 x 256 random token ids over the vocabulary,
 no padding, the first half of each row a masked prompt (HF: label -100; pytrain: ``train_mask``
-False); LoRA r=16, alpha=32, dropout 0 on q/k/v/o of the full-attention layers; AdamW (lr 1e-4,
+False); LoRA r=16, alpha=32, dropout 0 on q/k/v/o of the full-attention layers (every layer of
+the real models: pytrain's default targets, PEFT's target_modules q/k/v/o_proj); AdamW (lr 1e-4,
 betas 0.9/0.999, eps 1e-8, weight decay 0) with global-norm clipping at 1.0; float32
 activations.  pytrain: ``Trainer(...).step([batch], lr)``; HF: ``Qwen3_5ForCausalLM`` (sdpa
-attention, torch DeltaNet fallback) under ``peft.get_peft_model``, forward with labels,
+attention, torch DeltaNet fallback; the real models: ``LlamaForCausalLM``,
+``Gemma3ForCausalLM``) under ``peft.get_peft_model``, forward with labels,
 backward, ``clip_grad_norm_``, ``opt.step()``.  Both sides start from B = 0 adapters, so the
 first step's loss is the base model's masked loss on the batch: the table shows both.
 
@@ -84,6 +98,7 @@ stack of scripts/requirements-reference.txt in /opt/refenv):
     python -m scripts.bench_train --report-from bench_results/train.json   # re-render
     python -m scripts.bench_train --models mid,mid-v248k,2b --model-threads 2b=2 \
         --out bench_results/train-bf16.md                  # the bf16 rows (on a bf16 CPU)
+    python -m scripts.bench_train --models smollm2,gemma3-270m --out /tmp/train-real.md
 
 ``--report-from`` rewrites the markdown from ``--json`` files of earlier runs (merging several;
 ``--note`` lines are added, and stored into a single json named by ``--json``; results of runs
@@ -196,8 +211,9 @@ def pytrain_worker(a) -> dict:
     from pytrain.plan.products import counting
     B, T = a.batch
     t0 = time.perf_counter()
+    choice = [] if a.type_choice else None
     m, tr, names, batch, train = bc.pytrain_trainer(a.gguf, "cpu", int(a.threads), a.recompute,
-                                                    a.seed, (B, T), a.compute_type)
+                                                    a.seed, (B, T), a.compute_type, choice)
     load_s = time.perf_counter() - t0
     after_load = bc.proc_status()
     ph = _Phases(tr)
@@ -242,6 +258,8 @@ def pytrain_worker(a) -> dict:
                loss_rows=sorted({int(g.ce.n_rows) for g in tr.graphs.values()
                                  if getattr(g, "ce", None)}),
                recompute=a.recompute, type_policy="auto", compute_type=a.compute_type,
+               **({"type_choice": "; ".join(x.removeprefix("weights: ") for x in choice)}
+                  if choice else {}),
                compute=m.compute, **_kernel(a.compute_type), **bc.step_facts(m, tr, names),
                **stats)
     res["tokens_per_s"] = B * T / res["median_s"]
@@ -313,6 +331,8 @@ def prepare(name: str, a) -> dict | None:
         return dict(name="default", gguf=a.default_gguf, hf=hf, vocab=int(cfg.n_vocab),
                     desc=f"embedded default model: hidden {cfg.n_embd}, {cfg.n_layer} layers, "
                          f"vocab {cfg.n_vocab}", weights="F32 / f32", n_params=None)
+    if name in bc.REAL:
+        return prepare_real(name, a)
     if name not in SPECS:
         print(f"[{name}] unknown model", flush=True)
         return None
@@ -326,6 +346,23 @@ def prepare(name: str, a) -> dict | None:
                 vocab=spec["config"]["vocab_size"],
                 desc=spec["desc"], n_params=done["n_params"],
                 weights=f"{spec['outtype'].upper()} / f32")
+
+
+def prepare_real(name: str, a) -> dict | None:
+    """Model record of a real model (bench_common.REAL): its fetched GGUF, the HF folder of
+    its weights (made when absent), its file type and tensor types.  ``type_choice``: pytrain
+    loads it as a training run would."""
+    d = bc.ensure_model(name, a.cache, a.ref_python, "bench_train")
+    if d is None:
+        return None
+    done = json.loads((d / "done.json").read_text())
+    gguf = bc.real_gguf(name)
+    file_type, counts = bc.gguf_types(gguf)
+    tensors = ", ".join(f"{k} x {v}" for k, v in counts.items())
+    return dict(name=name, gguf=gguf, hf=None if getattr(a, "no_hf", False) else d / "hf",
+                vocab=done["vocab"], desc=f"{bc.REAL[name]['desc']}; {gguf.name}",
+                n_params=done["n_params"], file_type=file_type, type_choice=True,
+                weights=f"file type {file_type} ({tensors}) / f32 (HF: dequantized to float32)")
 
 
 def run_worker(python: str, side: str, model: dict, a, threads: int, profile: bool = False,
@@ -351,6 +388,8 @@ def run_worker(python: str, side: str, model: dict, a, threads: int, profile: bo
         if side == "hf":
             cmd += ["--probe-shapes", probe_shapes]
     cmd += ["--gguf", str(model["gguf"])] if side == "pytrain" else ["--hf", str(model["hf"])]
+    if side == "pytrain" and model.get("type_choice"):
+        cmd += ["--type-choice"]
     env = bc.worker_env(threads, **({} if blas else {"PYTRAIN_BLAS": "0"}))
     busy = bc.wait_quiet(a.quiet_wait) if a.quiet_wait else bc.machine_busy()
     kind = compute_type if side == "pytrain" else hf_dtype
@@ -433,7 +472,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--report-from", type=Path, nargs="+", default=None,
                     help="only rewrite the markdown from --json files of earlier runs")
     # internal
-    ap.add_argument("--make", choices=sorted(SPECS), help=argparse.SUPPRESS)
+    ap.add_argument("--make", choices=sorted({**SPECS, **bc.REAL}), help=argparse.SUPPRESS)
+    ap.add_argument("--type-choice", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--into", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--worker", choices=["pytrain", "hf"], help=argparse.SUPPRESS)
     ap.add_argument("--profile", action="store_true", help=argparse.SUPPRESS)

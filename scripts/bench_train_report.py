@@ -188,7 +188,22 @@ def _main_table(rows: list[dict]) -> list[str]:
                f"{p['step_graph']} (Trainer recompute={p.get('recompute', 'auto')})"
                if p.get("step_graph") else "")
         lines.append(f"- **{r['name']}**: {r['desc']}{n}; weights {r['weights']}{hfnote}{how}")
+        lines += _real_loads(r) if r.get("file_type") else []
     return lines
+
+
+def _real_loads(r: dict) -> list[str]:
+    """Why pytrain loaded a real model's matrices as it did (its training type choice) and,
+    when the bf16 side ran, what it loaded them as there: a quantized file is trained at
+    types a synthetic F32 one never meets, so the row means little without them."""
+    p, b = r.get("pytrain") or {}, r.get("pytrain_bf16") or {}
+    out = [f"  - pytrain's type choice, compute f32: {p['type_choice']}"] \
+        if p.get("type_choice") else []
+    if b:
+        wt = ", ".join(f"{t} x {c}" for t, c in (b.get("weight_types") or {}).items())
+        out.append(f"  - pytrain, compute bf16: loaded as {wt}"
+                   + (f" ({b['type_choice']})" if b.get("type_choice") else ""))
+    return out
 
 
 def _phase_table(rows: list[dict], extra_steps: list) -> list[str]:

@@ -243,6 +243,45 @@ def test_bench_train_gpu_pytrain_worker_on_vulkan(toy):
     assert isinstance(p["device_used_ggml"], int) and p["device_total"] > 0
 
 
+def real_model(name: str, size: str) -> Path:
+    """A real model's fetched GGUF (``make real-model`` fetches it before the tests; a skip
+    only where it is absent)."""
+    from llama_cpp_check import fetched_model
+    return fetched_model(name, size)
+
+
+def test_bench_train_real_model_smollm2(ref_python, tmp_path):
+    """python -m scripts.bench_train --models smollm2: the real Q4_1 file, one timed step of
+    each side at the benchmark's batch (2 x 256, first half masked).  pytrain loaded the GGUF
+    as a training run would (its type choice recorded); HF + PEFT ran on the folder
+    dequantized from it (made once under the cache the GGUF came from), so both sides'
+    first-step losses agree (only the kept Q8_0 embedding's activation rounding differs; other
+    weights would differ by far more); the same LoRA targets; the report states the file type
+    and what pytrain loaded each matrix as."""
+    gguf = real_model("smollm2", "93 MB")
+    out = tmp_path / "train.md"
+    run_script("scripts.bench_train", "--models", "smollm2", "--threads", "1", "--blas-off", "",
+               "--steps", "1", "--warmup", "0", "--no-profile", "--no-limits", "--bf16", "off",
+               "--quiet-wait", "0", "--cache", str(gguf.parent.parent / "bench"),
+               "--ref-python", ref_python, "--out", str(out))
+    (row,) = json.loads(out.with_suffix(".json").read_text())["rows"]
+    p, h = row["pytrain"], row["hf"]
+    assert row["file_type"] == "MOSTLY_Q4_1" and row["gguf"] == str(gguf)
+    assert p["type_choice"].startswith('type_policy = "auto": '), p.get("type_choice")
+    assert {k.split("->")[0] for k in p["weight_types"]} == {"Q4_1", "Q8_0", "F32"}
+    assert sum(p["weight_types"].values()) == 272, p["weight_types"]
+    assert p["tokens"] == h["tokens"] == 512 and p["n_targets"] == h["n_targets"] == 256
+    assert p["lora_names"] == h["lora_names"] == 4 * 30       # q/k/v/o of every layer
+    assert p["lora_params"] == h["lora_params"]
+    assert h["dtype"] == "float32" and 0 < p["first_loss"] < 100
+    assert p["first_loss"] == pytest.approx(h["first_loss"], rel=1e-3), (p["losses"], h["losses"])
+    shapes = out.read_text().split("Shapes:", 1)[1]
+    assert "- **smollm2**: SmolLM2-135M-Instruct (llama)" in shapes
+    assert "weights file type MOSTLY_Q4_1 (Q4_1 x 210, F32 x 61, Q8_0 x 1)" in shapes
+    assert "; pytrain loads its weight tensors as " in shapes
+    assert f"  - pytrain's type choice, compute f32: {p['type_choice']}" in shapes
+
+
 def run_script(*argv: str, timeout: float = 600) -> str:
     r = subprocess.run([sys.executable, "-m", *argv], cwd=str(bc.REPO), capture_output=True,
                           text=True, timeout=timeout, env=bc.worker_env(1))
