@@ -141,6 +141,108 @@ def test_gated_delta_rule_gradients():
                                    err_msg=f"gradient of {name}")
 
 
+# ---------------------------------------------------------------- the fused rule (patch 0020)
+
+def build_fused(seg, H, S):
+    """ggml's GATED_DELTA_NET through ``dn.fused_gated_delta_rule`` (numpy [B, T, H, S])."""
+    B, T = seg.shape
+
+    def build(ctx, t):
+        g = lib.ggml_reshape_4d(ctx, t["g"], 1, H, T, B)
+        b = lib.ggml_reshape_4d(ctx, t["beta"], 1, H, T, B)
+        return lib.ggml_cont(ctx, dn.fused_gated_delta_rule(ctx, t["q"], t["k"], t["v"], g, b,
+                                                            t["_reset"], t["_state"]))
+    return build, {"_reset": dn.reset_values(seg), "_state": np.zeros((B, H, S, S), np.float32)}
+
+
+def test_fused_rule_packed_samples_equal_each_sample_alone():
+    """The reset (e^g = 0 at a sample's first token) clears the state exactly: each packed
+    sample's outputs are bit for bit those of the sample run alone from the zero state, with a
+    boundary inside a 32-token block of the backward's checkpoints and one at a block start."""
+    rng = np.random.default_rng(11)
+    B, T, H, S = 2, 70, 2, 16
+    q, k, v, g, beta = random_gdn(rng, B, T, H, S)
+    seg = np.array([[0] * 20 + [1] * 12 + [2] * 38, [0] * 32 + [1] * 38])
+    build, extra = build_fused(seg, H, S)
+    ins = dict(q=f32(q), k=f32(k), v=f32(v), g=f32(g), beta=f32(beta))
+    packed = run(build, {**ins, **extra})
+    for b, (t0, t1) in [(0, (0, 20)), (0, (20, 32)), (0, (32, 70)), (1, (0, 32)), (1, (32, 70))]:
+        one = {n: np.ascontiguousarray(a[b:b + 1, t0:t1]) for n, a in ins.items()}
+        build1, extra1 = build_fused(np.zeros((1, t1 - t0), np.int64), H, S)
+        np.testing.assert_array_equal(packed[b, t0:t1], run(build1, {**one, **extra1}).reshape(t1 - t0, H, S),
+                                      err_msg=f"row {b} tokens {t0}:{t1}")
+
+
+def _loss64(inputs, seg, seed):
+    return lambda vals: (delta_ref.gated_delta_rule(*[vals[n] for n in inputs], seg=seg) * seed).sum()
+
+
+def _calibration(inputs, seg, seed, grads_of, fd_of, what, measured):
+    """Each input's gradient (as ``fd_of`` reduces it) from the fused rule against the float64
+    finite differences, within f32_bound of the composed chunked rule's own distance from them
+    on the same input: both are float32 evaluations of the same gradient."""
+    B, T = seg.shape
+    H, S = inputs["v"].shape[2], inputs["v"].shape[3]
+    C = dn.chunk_size(T)
+    build_c, extra_c = build_ours(C, B, seg)
+    build_f, extra_f = build_fused(seg, H, S)
+    ins = {n: f32(a) for n, a in inputs.items()}
+    _, g_chunked = run(build_c, {**ins, **extra_c}, grad_of=tuple(inputs), seed_grad=seed)
+    _, g_fused = run(build_f, {**ins, **extra_f}, grad_of=tuple(inputs), seed_grad=seed)
+    for name, a in inputs.items():
+        fd = fd_of(name, a)
+        ours = grads_of(name, g_fused[name].reshape(a.shape))
+        theirs = grads_of(name, g_chunked[name].reshape(a.shape))
+        bound = f32_bound(float(np.abs(theirs - fd).max()), fd)
+        d = float(np.abs(ours - fd).max())
+        measured(f"{what}: d{name} vs float64 finite differences, max |Δ|", d, bound)
+        assert d <= bound, (name, d, bound)
+
+
+def test_fused_rule_gradients_match_finite_differences(measured):
+    """Every input's gradient through GATED_DELTA_NET_BACK, element by element, on two
+    checkpoint blocks with packed boundaries (inside a block and at a block start)."""
+    rng = np.random.default_rng(7)
+    B, T, H, S = 1, 64, 2, 4
+    q, k, v, g, beta = random_gdn(rng, B, T, H, S)
+    seg = np.array([[0] * 20 + [1] * 12 + [2] * 32])
+    seed = rng.normal(size=(B, T, H, S))
+    inputs = dict(q=q, k=k, v=v, g=g, beta=beta)
+    loss = _loss64(inputs, seg, seed)
+    h = 1e-6
+
+    def fd_of(name, a):
+        fd = np.zeros_like(a)
+        for idx in np.ndindex(a.shape):
+            p, m = {**inputs, name: a.copy()}, {**inputs, name: a.copy()}
+            p[name][idx] += h
+            m[name][idx] -= h
+            fd[idx] = (loss(p) - loss(m)) / (2 * h)
+        return fd
+    _calibration(inputs, seg, seed, lambda name, gr: gr, fd_of, "S=4", measured)
+
+
+def test_fused_rule_gradients_full_width_directional(measured):
+    """At a real head width (S = 64: the vector kernels' full lanes, no scalar tails) and
+    three checkpoint blocks: each gradient's projection on random directions against the
+    float64 central difference along them."""
+    rng = np.random.default_rng(9)
+    B, T, H, S = 1, 96, 2, 64
+    q, k, v, g, beta = random_gdn(rng, B, T, H, S)
+    seg = np.array([[0] * 50 + [1] * 46])
+    seed = rng.normal(size=(B, T, H, S))
+    inputs = dict(q=q, k=k, v=v, g=g, beta=beta)
+    loss = _loss64(inputs, seg, seed)
+    dirs = {n: rng.normal(size=(3,) + a.shape) for n, a in inputs.items()}
+    h = 1e-5
+
+    def fd_of(name, a):
+        return np.array([(loss({**inputs, name: a + h * d}) - loss({**inputs, name: a - h * d}))
+                         / (2 * h) for d in dirs[name]])
+    _calibration(inputs, seg, seed, lambda name, gr: (dirs[name] * gr).reshape(3, -1).sum(1),
+                 fd_of, "S=64", measured)
+
+
 @pytest.mark.parametrize("T", [1, 5, 70])
 def test_causal_conv_matches_ssm_conv(T, measured):
     rng = np.random.default_rng(T)
@@ -214,3 +316,35 @@ def test_sigmoid_and_l2_norm_forward_and_gradients():
             m[idx] -= h
             fd[idx] = ((f64(p) - f64(m)) * seed).sum() / (2 * h)
         np.testing.assert_allclose(grads["x"].reshape(x.shape), fd, atol=1e-5, rtol=1e-3)
+
+
+def test_a_cpu_training_graph_runs_the_fused_recurrence(monkeypatch):
+    """On the CPU the DeltaNet layers' training graph holds GATED_DELTA_NET and, for the
+    layers under an adapter, its backward, in place of the chunked rule's many nodes;
+    PYTRAIN_FUSED_RECURRENCE=0 gives the chunked rule a GPU runs."""
+    from pathlib import Path
+
+    import pytrain
+    from pytrain import ggml
+    from pytrain.models import lora
+    from pytrain.models.lora_targets import select_targets
+    from pytrain.step.graphs import GradGraph
+    ops = {}
+    for fused in ("1", "0"):
+        monkeypatch.setenv("PYTRAIN_FUSED_RECURRENCE", fused)
+        m = pytrain.load_model(Path(__file__).parent / "fixtures" / "qwen35" / "gqa-f32.gguf",
+                               device="cpu", threads=2)
+        try:
+            ad = lora.create(m.runtime, m.config, select_targets(m.config), rank=4, alpha=8, seed=0)
+            g = GradGraph(m, ad, 2, 64, rows=64)
+            ops[fused] = [ggml.op_name(lib.ggml_graph_node(g.graph, i))
+                          for i in range(lib.ggml_graph_n_nodes(g.graph))]
+            g.close()
+            n_recurrent = sum(m.config.recurrent)
+        finally:
+            m.close()
+    assert ops["1"].count("GATED_DELTA_NET") == n_recurrent
+    assert ops["1"].count("GATED_DELTA_NET_BACK") >= 1
+    assert "GATED_DELTA_NET" not in ops["0"] and "GATED_DELTA_NET_BACK" not in ops["0"]
+    # the chunked rule: a few dozen nodes per chunk and layer, forward and backward
+    assert len(ops["0"]) > len(ops["1"]) + 40 * n_recurrent, (len(ops["0"]), len(ops["1"]))

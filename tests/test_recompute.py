@@ -122,8 +122,9 @@ def test_training_with_recompute_gives_the_same_adapter():
 
 def test_recompute_needs_a_fraction_of_the_memory_at_the_2b_shape():
     """Measured by the scheduler without allocating: batch 4 x 1024 of the Qwen3.5-2B shape,
-    half the tokens targets.  The one-graph step needs ~34 GiB; layer by layer the largest
-    graph needs a few (bench_results/memory.md has the table)."""
+    half the tokens targets.  The one-graph step needs ~22 GiB (34 before the DeltaNet layers'
+    fused recurrence, patch 0020, on the CPU); layer by layer the largest graph needs under
+    1 GiB."""
     from pytrain.models.qwen35_config import QWEN35_2B
     from pytrain.step.graph_memory import compute_bytes, shape_model
     m = shape_model("qwen35", QWEN35_2B, "f16")
@@ -137,7 +138,7 @@ def test_recompute_needs_a_fraction_of_the_memory_at_the_2b_shape():
         r.close()
     finally:
         m.close()
-    assert one > 30 * 2**30
+    assert one > 16 * 2**30
     assert peak < one / 8, (peak / 2**30, one / 2**30)
 
 

@@ -39,6 +39,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.fixture
+def chunked_recurrence(monkeypatch):
+    """The CPU side runs the DeltaNet recurrence as a GPU does (the chunked ops), not through
+    its own fused op (patch 0020): the same graph on both, so the same bits."""
+    monkeypatch.setenv("PYTRAIN_FUSED_RECURRENCE", "0")
+
+
 @pytest.fixture(scope="module")
 def device():
     """An rpc-server on a free local port, for this module; its device string."""
@@ -67,7 +74,7 @@ def cpu_without_blas(monkeypatch):
     monkeypatch.setenv("PYTRAIN_BLAS", "0")
 
 
-def test_logits_on_the_device_are_the_cpus(device, cpu_without_blas):
+def test_logits_on_the_device_are_the_cpus(device, cpu_without_blas, chunked_recurrence):
     toks = np.arange(1, 60)
     out = {}
     for dev in ("cpu", device):
@@ -83,7 +90,7 @@ def test_logits_on_the_device_are_the_cpus(device, cpu_without_blas):
 
 @pytest.mark.parametrize("recompute", ["off", "layers"])
 def test_alternating_shapes_and_evaluations_give_the_cpus_training(device, cpu_without_blas,
-                                                                    recompute):
+                                                                  chunked_recurrence, recompute):
     """Steps of two batch shapes in turn, an evaluation after each pair: the device re-splits
     and re-allocates cached graphs at every change, where the copies the scheduler made for
     the last shape would be stale.  Losses, evaluation losses and the adapter equal the CPU's

@@ -1,11 +1,18 @@
-"""Gated DeltaNet pieces built only from ggml ops that have a backward pass.
+"""Gated DeltaNet pieces with a backward pass.
 
 llama.cpp computes these with fused ops (GATED_DELTA_NET, SSM_CONV) or with ops that have no
 backward (CUMSUM, TRI, SOLVE_TRI, PAD, CONCAT, L2_NORM, SIGMOID).  LoRA sits in the attention
-layers, under DeltaNet layers, so gradients must flow through the recurrence: every function
-here is made of MUL_MAT, MUL, ADD/SUB, EXP, SOFTPLUS, ACC, views and repeats, whose backward
-ggml already has and whose kernels ggml-cuda has too (DIAG_MASK_INF's backward, DIAG_MASK_ZERO,
-has none there).  Forward results are tested against the fused ops.
+layers, under DeltaNet layers, so gradients must flow through the recurrence.  Two ways:
+
+- ``fused_gated_delta_rule``: ggml's own GATED_DELTA_NET, whose backward
+  (GATED_DELTA_NET_BACK) pytrain's patch 0020 adds to ggml-cpu only.  One node each way per
+  layer: on the CPU it is the fast path.
+- ``gated_delta_rule``: the chunked rule made of MUL_MAT, MUL, ADD/SUB, EXP, SOFTPLUS, ACC,
+  views and repeats, whose backward ggml already has and whose kernels ggml-cuda and
+  ggml-vulkan have too (DIAG_MASK_INF's backward, DIAG_MASK_ZERO, has none on CUDA): the path
+  for a GPU, where an op left to the CPU would copy every layer's activations across.
+
+Forward results are tested against the fused ops, gradients against finite differences.
 
 Layouts (ggml ne order, fastest first):
   per-token features  [d, H, T, B]
@@ -265,6 +272,34 @@ def gated_delta_rule(ctx, q, k, v, g, beta, ci: ChunkInputs, C: int):
                 ctx, lib.ggml_mul(ctx, state_t, _view_chunk(ctx, e_last, c)), upd)
         canvas = _place_chunk(ctx, canvas, o, c)
     return from_chunks(ctx, canvas, H, B)
+
+
+# The log decay added at the first token of a packed sample: e^g = 0 there, so the state the
+# previous sample left is cleared (the fused op has no reset of its own), and nothing flows
+# back across the boundary (the gradient of g at that token is dL/dS̃ . S̃ = 0, as for a
+# sample starting from the zero state).  Finite: -1e30 + g stays finite, expf gives exactly 0.
+RESET = -1e30
+
+
+def reset_values(seg: np.ndarray) -> np.ndarray:
+    """The additive log-decay reset [B, T] -> ne [1, 1, T, B]: RESET where a token starts a
+    sample after another one in the same row, else 0."""
+    r = np.zeros(seg.shape, np.float32)
+    r[:, 1:][seg[:, 1:] != seg[:, :-1]] = RESET
+    return r[:, :, None, None]
+
+
+def fused_gated_delta_rule(ctx, q, k, v, g, beta, reset, state):
+    """What ``gated_delta_rule`` computes, with ggml's GATED_DELTA_NET (one node; its backward
+    one GATED_DELTA_NET_BACK node, patch 0020, ggml-cpu only).
+
+    q, k, v: [S, H, T, B] (q, k with v's heads)    g, beta: [1, H, T, B]
+    reset:   [1, 1, T, B] ``reset_values``          state:   [S, S, H, B] zeros
+    returns o: [S, H, T, B], a view of the op's result (the final state follows it there).
+    """
+    S, H, T, B = (int(v.ne[i]) for i in range(4))
+    out = lib.ggml_gated_delta_net(ctx, q, k, v, lib.ggml_add(ctx, g, reset), beta, state, 1)
+    return lib.ggml_view_4d(ctx, out, S, H, T, B, S * 4, S * H * 4, S * H * T * 4, 0)
 
 
 def _place_chunk(ctx, canvas, o, c: int):

@@ -54,7 +54,12 @@ class Model:
     @cached_property
     def graph(self):
         """The architecture's graph builder over these weights (one per model)."""
-        return self.arch.graph(self.config, self.weights.tensors)
+        g = self.arch.graph(self.config, self.weights.tensors)
+        # the CPU's fused recurrence (patch 0020); PYTRAIN_FUSED_RECURRENCE=0 keeps the chunked
+        # ops a GPU runs, e.g. to compare a device's bits with the CPU's on the same graph
+        g.fused_recurrence = (self.runtime.device == "cpu" and
+                              os.environ.get("PYTRAIN_FUSED_RECURRENCE", "1") not in ("", "0"))
+        return g
 
     @property
     def pad_id(self) -> int:

@@ -36,7 +36,9 @@ class GraphInputs:
     kq_mask: object                     # F32 [T, T, 1, B] 0 or -inf
     conv_zeros: object | None = None    # F32 [conv_channels, T + K - 1, B]
     conv_keep: object | None = None     # F32 [1, T, B, K]
-    chunks: dn.ChunkInputs | None = None
+    chunks: dn.ChunkInputs | None = None       # the chunked recurrence's constants
+    gdn_reset: object | None = None     # F32 [1, 1, T, B] the fused recurrence's sample resets
+    gdn_state: object | None = None     # F32 [S, S, Hv, B] its zero initial state
     rows: object | None = None          # I32 [R] flat positions (t + T·b) the head runs on
 
 
@@ -90,7 +92,10 @@ class Qwen35Graph(DecoderGraph):
             q, k = dn.tile_heads(ctx, q, Hv), dn.tile_heads(ctx, k, Hv)
         g = lib.ggml_reshape_4d(ctx, g, 1, Hv, T, B)
         beta = lib.ggml_reshape_4d(ctx, beta, 1, Hv, T, B)
-        o = dn.gated_delta_rule(ctx, q, k, v, g, beta, inp.chunks, C)    # [dv, Hv, T, B]
+        if inp.gdn_state is not None:
+            o = dn.fused_gated_delta_rule(ctx, q, k, v, g, beta, inp.gdn_reset, inp.gdn_state)
+        else:
+            o = dn.gated_delta_rule(ctx, q, k, v, g, beta, inp.chunks, C)    # [dv, Hv, T, B]
         o = lib.ggml_mul(ctx, self.norm(ctx, o, p + "ssm_norm.weight"),
                          lib.ggml_silu(ctx, lib.ggml_reshape_4d(ctx, z, dv, Hv, T, B)))
         return self.mm(ctx, p + "ssm_out.weight", lib.ggml_reshape_2d(ctx, o, dv * Hv, T * B), lora)
@@ -110,9 +115,16 @@ class Qwen35Graph(DecoderGraph):
         if any(c.recurrent):
             inp.conv_zeros = lib.ggml_new_tensor_3d(ctx, f32, c.conv_channels, T + c.conv_kernel - 1, B)
             inp.conv_keep = lib.ggml_new_tensor_4d(ctx, f32, 1, T, B, c.conv_kernel)
-            inp.chunks = dn.new_chunk_inputs(ctx, C, T // C, B)
             lib.ggml_set_input(inp.conv_zeros)
             lib.ggml_set_input(inp.conv_keep)
+            if self.fused_recurrence and c.ssm_state == c.ssm_head_v_dim:
+                inp.gdn_reset = lib.ggml_new_tensor_4d(ctx, f32, 1, 1, T, B)
+                inp.gdn_state = lib.ggml_new_tensor_4d(ctx, f32, c.ssm_state, c.ssm_state,
+                                                       c.ssm_v_heads, B)
+                lib.ggml_set_input(inp.gdn_reset)
+                lib.ggml_set_input(inp.gdn_state)
+            else:
+                inp.chunks = dn.new_chunk_inputs(ctx, C, T // C, B)
         for t in (inp.tokens, inp.pos, inp.kq_mask):
             lib.ggml_set_input(t)
         return inp
@@ -150,13 +162,17 @@ def input_values(config: Qwen35Config, tokens: np.ndarray, seg: np.ndarray) -> d
         vals["conv_zeros"] = np.zeros((B, T + K - 1, config.conv_channels), np.float32)
         vals.update({"chunk_" + k: v for k, v in
                      dn.chunk_input_values(seg, dn.chunk_size(T)).items()})
+        vals["gdn_reset"] = dn.reset_values(seg)
+        S = config.ssm_state
+        vals["gdn_state"] = np.zeros((B, config.ssm_v_heads, S, S), np.float32)
     return vals
 
 
 def set_inputs(inp: GraphInputs, vals: dict[str, np.ndarray]) -> None:
     """Upload ``input_values`` into the graph inputs that the allocated graph uses."""
     targets = {"tokens": inp.tokens, "pos": inp.pos, "kq_mask": inp.kq_mask,
-               "conv_keep": inp.conv_keep, "conv_zeros": inp.conv_zeros}
+               "conv_keep": inp.conv_keep, "conv_zeros": inp.conv_zeros,
+               "gdn_reset": inp.gdn_reset, "gdn_state": inp.gdn_state}
     if inp.chunks is not None:
         targets.update({"chunk_" + k: v for k, v in vars(inp.chunks).items()})
     upload_inputs(targets, vals)

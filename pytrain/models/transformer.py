@@ -41,6 +41,10 @@ class DecoderGraph:
     ``new_inputs(ctx, B, T)`` and ``layer(ctx, il, x, inp, B, T, lora)``; the config needs
     ``rms_eps``, ``n_layer``, ``n_vocab`` and ``tied_embeddings``."""
 
+    # Recurrent layers through ggml's fused ops and their ggml-cpu backward (patch 0020) rather
+    # than the composed ops every backend has: set by the model when its runtime is the CPU.
+    fused_recurrence = False
+
     def __init__(self, config, weights: dict[str, object]):
         self.c = config
         self.w = weights
