@@ -115,6 +115,23 @@ def test_packed_samples_do_not_share_state():
     np.testing.assert_allclose(ours[0, 5:8], alone[0], atol=2e-5, rtol=0)
 
 
+def _loss64(inputs, seg, seed):
+    """Σ seed · (the float64 reference's output), as a function of the inputs."""
+    return lambda vals: (delta_ref.gated_delta_rule(*[vals[n] for n in inputs], seg=seg) * seed).sum()
+
+
+def central_fd(loss, inputs: dict, name: str, h: float) -> np.ndarray:
+    """d loss / d inputs[name], element by element, by float64 central differences."""
+    a = inputs[name]
+    fd = np.zeros_like(a)
+    for idx in np.ndindex(a.shape):
+        p, m = {**inputs, name: a.copy()}, {**inputs, name: a.copy()}
+        p[name][idx] += h
+        m[name][idx] -= h
+        fd[idx] = (loss(p) - loss(m)) / (2 * h)
+    return fd
+
+
 def test_gated_delta_rule_gradients():
     """Three chunks of 4 with a packed boundary: every input's gradient vs central FD."""
     rng = np.random.default_rng(5)
@@ -127,16 +144,9 @@ def test_gated_delta_rule_gradients():
     _, grads = run(build, {**{n: f32(a) for n, a in inputs.items()}, **extra},
                    grad_of=tuple(inputs), seed_grad=seed)
 
-    def loss(vals):
-        return (delta_ref.gated_delta_rule(*[vals[n] for n in inputs], seg=seg) * seed).sum()
-    h = 1e-6
+    loss = _loss64(inputs, seg, seed)
     for name, a in inputs.items():
-        fd = np.zeros_like(a)
-        for idx in np.ndindex(a.shape):
-            p, m = {**inputs, name: a.copy()}, {**inputs, name: a.copy()}
-            p[name][idx] += h
-            m[name][idx] -= h
-            fd[idx] = (loss(p) - loss(m)) / (2 * h)
+        fd = central_fd(loss, inputs, name, 1e-6)
         np.testing.assert_allclose(grads[name].reshape(a.shape), fd, atol=2e-4, rtol=1e-3,
                                    err_msg=f"gradient of {name}")
 
@@ -173,8 +183,6 @@ def test_fused_rule_packed_samples_equal_each_sample_alone():
                                       err_msg=f"row {b} tokens {t0}:{t1}")
 
 
-def _loss64(inputs, seg, seed):
-    return lambda vals: (delta_ref.gated_delta_rule(*[vals[n] for n in inputs], seg=seg) * seed).sum()
 
 
 def _calibration(inputs, seg, seed, grads_of, fd_of, what, measured):
@@ -209,17 +217,8 @@ def test_fused_rule_gradients_match_finite_differences(measured):
     seed = rng.normal(size=(B, T, H, S))
     inputs = dict(q=q, k=k, v=v, g=g, beta=beta)
     loss = _loss64(inputs, seg, seed)
-    h = 1e-6
-
-    def fd_of(name, a):
-        fd = np.zeros_like(a)
-        for idx in np.ndindex(a.shape):
-            p, m = {**inputs, name: a.copy()}, {**inputs, name: a.copy()}
-            p[name][idx] += h
-            m[name][idx] -= h
-            fd[idx] = (loss(p) - loss(m)) / (2 * h)
-        return fd
-    _calibration(inputs, seg, seed, lambda name, gr: gr, fd_of, "S=4", measured)
+    _calibration(inputs, seg, seed, lambda name, gr: gr,
+                 lambda name, a: central_fd(loss, inputs, name, 1e-6), "S=4", measured)
 
 
 def test_fused_rule_gradients_full_width_directional(measured):
