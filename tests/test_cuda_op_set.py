@@ -29,7 +29,8 @@ def cuda_typed_model(path: Path) -> Model:
     _arch, meta, _infos, config = open_model(path)
     rt = ggml.Runtime("cpu", threads=1)
     w = load_weights(path, rt, config.tensor_shapes(), "auto", policy_device="cuda")
-    return Model(str(path), config, meta, rt, w, Tokenizer.from_metadata(meta), models.get(_arch))
+    return Model(str(path), config, meta, rt, w, Tokenizer.from_metadata(meta), models.get(_arch),
+                 device="cuda")
 
 
 @pytest.fixture(scope="module", params=["gqa-f32.gguf", "gqa-bf16.gguf", "gqa-q8_0.gguf",

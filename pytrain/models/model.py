@@ -50,6 +50,8 @@ class Model:
     tokenizer: Tokenizer
     arch: Architecture
     compute: str = "compute f32"     # what multiplies the weights (pytrain.models.precision)
+    device: str | None = None        # the device the graphs are for (None: the runtime's); a
+                                     # shape model measured on the CPU for a GPU names the GPU
 
     @cached_property
     def graph(self):
@@ -57,7 +59,7 @@ class Model:
         g = self.arch.graph(self.config, self.weights.tensors)
         # the CPU's fused recurrence (patch 0020); PYTRAIN_FUSED_RECURRENCE=0 keeps the chunked
         # ops a GPU runs, e.g. to compare a device's bits with the CPU's on the same graph
-        g.fused_recurrence = (self.runtime.device == "cpu" and
+        g.fused_recurrence = ((self.device or self.runtime.device) == "cpu" and
                               os.environ.get("PYTRAIN_FUSED_RECURRENCE", "1") not in ("", "0"))
         return g
 

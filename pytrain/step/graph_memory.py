@@ -34,7 +34,7 @@ def shape_model(arch: str, config: ModelConfig, file_type: str = "f32", device: 
     for name, shape in config.tensor_shapes().items():
         matrix = sum(d > 1 for d in shape) >= 2 and not is_elementwise(name, shape)
         types[name] = (shape, load_type(name, shape, ft if matrix else f32, device, "auto"))
-    return _metadata_model(arch, config, types, f"<{file_type} shape>", threads)
+    return _metadata_model(arch, config, types, f"<{file_type} shape>", threads, device)
 
 
 def file_shape_model(path: str, device: str = "cpu", type_policy: str = "auto",
@@ -60,13 +60,14 @@ def file_shape_model(path: str, device: str = "cpu", type_policy: str = "auto",
         lt = load_type(n, tuple(shape), info.type, device, type_policy, dequantize)
         types[n] = (shape, lt)
         files[n] = (info.type_name, ggml.type_name(lt), info.n_bytes)
-    model = _metadata_model(arch, config, types, str(path), threads)
+    model = _metadata_model(arch, config, types, str(path), threads, device)
     return model, files, {n: i.n_bytes for n, i in infos.items() if n not in shapes}
 
 
 def _metadata_model(arch: str, config: ModelConfig, types: dict, label: str,
-                    threads: int) -> Model:
-    """A Model over tensors ``name -> (numpy shape, ggml type)`` that hold no data."""
+                    threads: int, device: str) -> Model:
+    """A Model over tensors ``name -> (numpy shape, ggml type)`` that hold no data, whose
+    graphs are those ``device`` would run."""
     ctx = ggml.Context(n_tensors=len(types))
     rt = ggml.Runtime("cpu", threads=threads)
     tensors = {}
@@ -79,7 +80,8 @@ def _metadata_model(arch: str, config: ModelConfig, types: dict, label: str,
     n_bytes = sum(int(lib.ggml_nbytes(t)) for t in tensors.values())
     weights = SimpleNamespace(tensors=tensors, ctx=ctx, close=ctx.close, loaded_bytes=n_bytes,
                               total_bytes=n_bytes)
-    return Model(label, config, {}, rt, weights, SimpleNamespace(pad_id=0), models.get(arch))
+    return Model(label, config, {}, rt, weights, SimpleNamespace(pad_id=0), models.get(arch),
+                 device=device)
 
 
 def compute_bytes(runtime: ggml.Runtime, graph) -> int:
