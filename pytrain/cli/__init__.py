@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+import threading
 
 from pytrain.errors import PytrainError
 
@@ -263,20 +265,40 @@ def _add_export_parser(sub) -> None:
     p.set_defaults(func=_export)
 
 
+def _interrupt(signum, frame) -> None:
+    """Ctrl-C outside a training run (whose own handler replaces this one while it runs).
+    Python raises KeyboardInterrupt at the next bytecode, which C code that clears errors
+    can swallow (generate then went on with its next token, and a held loop never ended);
+    ggml's abort flag, set first, stops the next graph compute too, so nothing computes on
+    after the signal whatever happens to the exception."""
+    runtime = sys.modules.get("pytrain.ggml.runtime")
+    if runtime is not None:
+        runtime.request_abort()
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    previous = signal.signal(signal.SIGINT, _interrupt) \
+        if threading.current_thread() is threading.main_thread() else None
     try:
         return args.func(args)
     except KeyboardInterrupt:
         # Ctrl-C outside a training run's own handling (generate, eval, export, loading):
         # they write nothing until they are done, so there is nothing to say but that
         print(f"error: pytrain {args.command} interrupted", file=sys.stderr)
+        runtime = sys.modules.get("pytrain.ggml.runtime")
+        if runtime is not None:
+            runtime.request_abort(False)      # an in-process caller computes again after this
         return 130
     except (PytrainError, OSError) as e:
         # bad config, data, model or adapter files, a missing device or file: one clear line;
         # anything else is a bug in pytrain and keeps its traceback
         print(f"error: {e}", file=sys.stderr)
         return 1
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
 
 
 if __name__ == "__main__":
