@@ -36,7 +36,7 @@ from pytrain.models.qwen35_config import QWEN35_2B
 from pytrain.step import loss as loss_mod
 from pytrain.step.graphs import GradGraph
 from pytrain.step.optimizer import OptimizerState
-from pytrain.step.graph_memory import shape_model
+from pytrain.step.graph_memory import compute_bytes, shape_model
 from pytrain.step.step_memory import step_buffers
 from scripts.bench_common import REPO, git_commit
 
@@ -74,11 +74,27 @@ def acc_traffic(graph) -> dict:
     return {"nodes": n, "in_place": in_place, "written": written, "if_copied": whole}
 
 
+def cpu_one_graph(B: int, T: int) -> int:
+    """The one-graph step's compute buffer as the CPU builds it: its DeltaNet layers run
+    GATED_DELTA_NET and its backward (patch 0020), which no GPU backend has, instead of the
+    chunked rule whose per-chunk tensors the GPU's graph keeps."""
+    m = shape_model("qwen35", QWEN35_2B, "f16", device="cpu")
+    try:
+        ad = lora.create(m.runtime, m.config, select_targets(m.config), 16, 32.0)
+        g = GradGraph(m, ad, B, T, rows=loss_mod.rows_bucket(B * T // 2, B * T))
+        try:
+            return compute_bytes(m.runtime, g.graph)
+        finally:
+            g.close()
+    finally:
+        m.close()
+
+
 def step_memory(B: int, T: int) -> dict:
     """Compute buffers of the one-graph step and of the layer-wise step (largest graph), plus
     the layer-wise step's persistent tensors and the adapter with its AdamW state (the figures
     of ``pytrain plan``: step_memory.step_buffers)."""
-    m = shape_model("qwen35", QWEN35_2B, "f16")          # graph sizes do not depend on the weight type
+    m = shape_model("qwen35", QWEN35_2B, "f16", device="cuda")   # sizes do not depend on the type
     try:
         ad = lora.create(m.runtime, m.config, select_targets(m.config), 16, 32.0)
         adapter = sum(int(ggml.lib.ggml_nbytes(p)) for p in ad.params()) * 4   # +grad, m, v
@@ -88,7 +104,8 @@ def step_memory(B: int, T: int) -> dict:
         g = GradGraph(m, ad, B, T, opt_state=opt_state, rows=loss_mod.rows_bucket(B * T // 2, B * T))
         acc_t = acc_traffic(g.graph)
         g.close()
-        return {"B": B, "T": T, "one_graph": one, "layerwise_peak": lw["largest"],
+        return {"B": B, "T": T, "one_graph": one, "one_graph_cpu": cpu_one_graph(B, T),
+                "layerwise_peak": lw["largest"],
                 "layerwise_graphs": lw["graphs"], "layerwise_persistent": lw["persistent"],
                 "head_chunk_rows": lw["head_chunk_rows"], "adapter_and_adamw": adapter,
                 "acc": acc_t, "seconds": round(time.perf_counter() - t0, 1)}
@@ -129,27 +146,30 @@ def main() -> int:
         "",
         f"## Step memory, batch {a.batch} (GiB)",
         "",
-        "`one graph` = the compute buffer of `train.recompute = \"off\"` (every activation kept "
-        "for the backward). `layer-wise` = `train.recompute = \"layers\"`: the largest compute "
+        "The graphs a CUDA (or Vulkan) run builds: their DeltaNet layers use the chunked "
+        "recurrence. `one graph` = the compute buffer of `train.recompute = \"off\"` (every "
+        "activation kept for the backward); `one graph, CPU` = the same step as the CPU builds "
+        "it, the recurrence through GATED_DELTA_NET and its backward (patch 0020). `layer-wise` = `train.recompute = \"layers\"`: the largest compute "
         "buffer of its graphs, plus its persistent tensors (each layer's input, the gradient "
         "handed down, the batch's inputs). Total = BF16 weights + layer-wise + adapter and "
         f"AdamW state; HF + PEFT's whole process: {PEFT_ANCHOR_GIB} GiB at T = 1024.",
         "",
-        "| T | tokens | one graph | layer-wise: largest graph | of which (pre / layer fwd / "
-        "head+loss chunk / layer bwd) | persistent | total with BF16 weights (layer-wise) | "
-        "total with Q4_K weights |",
-        "|---|---|---|---|---|---|---|---|",
+        "| T | tokens | one graph | one graph, CPU | layer-wise: largest graph | of which (pre / "
+        "layer fwd / head+loss chunk / layer bwd) | persistent | total with BF16 weights "
+        "(layer-wise) | total with Q4_K weights |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         pg = r["layerwise_graphs"]
         base = r["layerwise_peak"] + r["layerwise_persistent"] + r["adapter_and_adamw"]
         lines.append(
-            f"| {r['T']} | {r['B'] * r['T']} | {g(r['one_graph'])} | {g(r['layerwise_peak'])} | "
+            f"| {r['T']} | {r['B'] * r['T']} | {g(r['one_graph'])} | {g(r['one_graph_cpu'])} | "
+            f"{g(r['layerwise_peak'])} | "
             f"{g(pg['pre'])} / {g(pg['layer forward'])} / {g(pg['head + loss chunk'])} "
             f"({r['head_chunk_rows']} rows) / {g(pg['layer backward'])} | "
             f"{g(r['layerwise_persistent'])} | {g(base + weights['bf16'])} | "
             f"{g(base + weights['q4_K'])} |")
-    lines += ["", f"## ACC traffic of the one-graph step, batch {a.batch}", "",
+    lines += ["", f"## ACC traffic of the one-graph step (a GPU's graph), batch {a.batch}", "",
               "The backward adds each view's gradient into its source's gradient with an ACC; "
               "the chunked DeltaNet reads six tensors per layer through one view per chunk. "
               "`written`: elements the ACC nodes write (patch 0010: in place, only the view's "

@@ -309,6 +309,8 @@ def test_bench_memory_at_one_short_length(tmp_path):
     j = json.loads((tmp_path / "memory.json").read_text())
     (row,) = j["steps"]
     assert row["T"] == 64 and row["one_graph"] > 0 and row["acc"]["nodes"] > 0, row
+    # the CPU's graph: the fused recurrence keeps less than the GPU's chunked one
+    assert 0 < row["one_graph_cpu"] < row["one_graph"], row
     assert "| 64 | 64 |" in (tmp_path / "memory.md").read_text()
 
 
